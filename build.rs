@@ -1,0 +1,432 @@
+//! Build script: CUDA kernels -> one static library; bindgen -> NCCL and kernel C ABI.
+//!
+//! 1. Finds nvcc (NVCC, CUDA_HOME, CUDA_PATH, nvcc on PATH, /usr/local/cuda).
+//! 2. Compiles every `cuda/*.cu` for the architectures in `TPFUSE_CUDA_ARCHS` (default:
+//!    sm_80, sm_86, sm_89, sm_90a, sm_100a, sm_120a and compute_80 PTX), trimmed to what this
+//!    nvcc supports, with `-Xptxas -v`; the compiler is configured by `cc`, which also archives
+//!    the objects and links the static CUDA runtime. The ptxas resource report (registers,
+//!    spills, stack, shared memory per kernel and architecture) is kept in OUT_DIR for
+//!    `tpfuse doctor --build`.
+//! 3. Runs bindgen on `nccl.h` (loaded at run time through libloading) and `cuda/tpfuse.h`.
+//!
+//! When nvcc, nccl.h or libclang is missing it fails with one message that says what is
+//! missing and how to install it.
+
+use std::env;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const DEFAULT_ARCHS: &str = "sm_80,sm_86,sm_89,sm_90a,sm_100a,sm_120a,compute_80";
+const INSTALL_HINT: &str = "Run `scripts/setup.sh` (it installs what is missing: libclang-dev \
+     with apt and, without a CUDA toolkit, the pinned CUDA 13.0 and NCCL wheels into .venv), \
+     then build through `scripts/test.sh`, or export NVCC / CUDA_HOME / NCCL_HOME yourself.";
+
+fn main() {
+    for var in [
+        "NVCC",
+        "CUDA_HOME",
+        "CUDA_PATH",
+        "PATH",
+        "NCCL_INCLUDE_DIR",
+        "NCCL_HOME",
+        "TPFUSE_CUDA_ARCHS",
+        "LIBCLANG_PATH",
+    ] {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+    println!("cargo:rerun-if-changed=cuda");
+    println!("cargo:rerun-if-changed=build.rs");
+
+    let nvcc = find_nvcc();
+    let nccl_include = nvcc.as_ref().ok().and_then(|n| find_nccl_include(n));
+    let libclang = check_libclang();
+
+    let mut missing = Vec::new();
+    if let Err(e) = &nvcc {
+        missing.push(e.clone());
+    }
+    if nvcc.is_ok() && nccl_include.is_none() {
+        missing.push(
+            "nccl.h (searched NCCL_INCLUDE_DIR, NCCL_HOME/include, the CUDA toolkit's include, \
+             the nvidia-nccl wheel beside it, /usr/include, /usr/local/include)"
+                .to_string(),
+        );
+    }
+    if let Err(e) = &libclang {
+        missing.push(e.clone());
+    }
+    if !missing.is_empty() {
+        eprintln!(
+            "\ntpfuse build: missing {}.\n{INSTALL_HINT}\n",
+            missing.join("; and ")
+        );
+        std::process::exit(1);
+    }
+    let nvcc = nvcc.unwrap_or_else(|_| unreachable!());
+    let nccl_include = nccl_include.unwrap_or_else(|| unreachable!());
+    let cuda_root = nvcc
+        .parent()
+        .and_then(Path::parent)
+        .map(Path::to_path_buf)
+        .unwrap_or_default();
+    let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+
+    let archs = select_archs(&nvcc);
+    compile_kernels(&nvcc, &cuda_root, &archs, &out);
+    generate_bindings(&cuda_root, &nccl_include, &out);
+
+    println!("cargo:rustc-env=TPFUSE_BUILD_ARCHS={}", archs.join(","));
+    println!("cargo:rustc-env=TPFUSE_BUILD_NVCC={}", nvcc.display());
+    println!(
+        "cargo:rustc-env=TPFUSE_BUILD_NVCC_VERSION={}",
+        nvcc_release(&nvcc)
+    );
+    println!(
+        "cargo:rustc-env=TPFUSE_BUILD_NCCL_HEADER={}",
+        nccl_include.join("nccl.h").display()
+    );
+}
+
+fn run_capture(cmd: &mut Command) -> Option<String> {
+    let out = cmd.output().ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn find_nvcc() -> Result<PathBuf, String> {
+    let executable = |p: PathBuf| p.is_file().then_some(p);
+    let candidates = [
+        env::var_os("NVCC").map(PathBuf::from),
+        env::var_os("CUDA_HOME").map(|d| PathBuf::from(d).join("bin/nvcc")),
+        env::var_os("CUDA_PATH").map(|d| PathBuf::from(d).join("bin/nvcc")),
+        env::var_os("PATH").and_then(|path| {
+            env::split_paths(&path)
+                .map(|d| d.join("nvcc"))
+                .find(|p| p.is_file())
+        }),
+        Some(PathBuf::from("/usr/local/cuda/bin/nvcc")),
+    ];
+    candidates
+        .into_iter()
+        .flatten()
+        .find_map(executable)
+        .ok_or_else(|| {
+            "nvcc (searched NVCC, CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda)".to_string()
+        })
+}
+
+/// The directory holding nccl.h: explicit settings first, then the toolkit, the Python
+/// wheel layout next to it (`site-packages/nvidia/{cu13,nccl}`), then the system.
+fn find_nccl_include(nvcc: &Path) -> Option<PathBuf> {
+    let root = nvcc.parent()?.parent()?.to_path_buf();
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    dirs.extend(env::var_os("NCCL_INCLUDE_DIR").map(PathBuf::from));
+    dirs.extend(env::var_os("NCCL_HOME").map(|d| PathBuf::from(d).join("include")));
+    dirs.push(root.join("include"));
+    if let Some(nvidia) = root.parent() {
+        dirs.push(nvidia.join("nccl/include"));
+    }
+    dirs.push("/usr/include".into());
+    dirs.push("/usr/local/include".into());
+    dirs.into_iter().find(|d| d.join("nccl.h").is_file())
+}
+
+fn check_libclang() -> Result<(), String> {
+    // bindgen panics when it cannot load libclang; turn that into one clear message.
+    let prev = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let found = std::panic::catch_unwind(bindgen::clang_version);
+    std::panic::set_hook(prev);
+    match found {
+        Ok(v) if v.parsed.is_some() => Ok(()),
+        _ => Err("libclang for bindgen (apt-get install libclang-dev, or set LIBCLANG_PATH)"
+            .to_string()),
+    }
+}
+
+fn nvcc_release(nvcc: &Path) -> String {
+    run_capture(Command::new(nvcc).arg("--version"))
+        .and_then(|v| {
+            v.lines()
+                .find_map(|l| l.split("release ").nth(1))
+                .map(|r| r.split(',').next().unwrap_or(r).trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".to_string())
+}
+
+/// The requested architectures that this nvcc can build ("sm_90a" needs sm_90 in
+/// `--list-gpu-code`, "compute_80" needs compute_80 in `--list-gpu-arch`).
+fn select_archs(nvcc: &Path) -> Vec<String> {
+    let requested = env::var("TPFUSE_CUDA_ARCHS").unwrap_or_else(|_| DEFAULT_ARCHS.to_string());
+    let codes = run_capture(Command::new(nvcc).arg("--list-gpu-code")).unwrap_or_default();
+    let virt = run_capture(Command::new(nvcc).arg("--list-gpu-arch")).unwrap_or_default();
+    let mut chosen = Vec::new();
+    for raw in requested.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let arch = if raw.starts_with("sm_") || raw.starts_with("compute_") {
+            raw.to_string()
+        } else {
+            format!("sm_{raw}")
+        };
+        let base = arch.trim_end_matches(['a', 'f']);
+        let list = if arch.starts_with("compute_") {
+            &virt
+        } else {
+            &codes
+        };
+        if list.split_whitespace().any(|c| c == base) {
+            chosen.push(arch);
+        } else {
+            println!("cargo:warning=tpfuse: {arch} skipped, this nvcc cannot build it");
+        }
+    }
+    if chosen.is_empty() {
+        eprintln!(
+            "\ntpfuse build: none of the architectures in TPFUSE_CUDA_ARCHS ({requested}) is \
+             supported by {}.\n",
+            nvcc.display()
+        );
+        std::process::exit(1);
+    }
+    chosen
+}
+
+fn gencode(arch: &str) -> String {
+    match arch.strip_prefix("compute_") {
+        Some(n) => format!("-gencode=arch=compute_{n},code=compute_{n}"),
+        None => {
+            let n = arch.trim_start_matches("sm_");
+            format!("-gencode=arch=compute_{n},code=sm_{n}")
+        }
+    }
+}
+
+fn compile_kernels(nvcc: &Path, cuda_root: &Path, archs: &[String], out: &Path) {
+    let mut sources: Vec<PathBuf> = std::fs::read_dir("cuda")
+        .expect("the crate has a cuda/ directory")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "cu"))
+        .collect();
+    sources.sort();
+
+    let mut build = cc::Build::new();
+    build
+        .cuda(true)
+        .cudart("static")
+        .compiler(nvcc)
+        .no_default_flags(true)
+        .include("cuda")
+        .flag("-std=c++17")
+        .flag("-O3")
+        .flag("-Xcompiler=-fPIC")
+        .flag("-Xptxas=-v")
+        .flag("--expt-relaxed-constexpr")
+        .warnings(false);
+    for arch in archs {
+        build.flag(gencode(arch));
+    }
+    let compiler = build.get_compiler();
+
+    // Each .cu is compiled on its own thread with the command cc configured, so that the
+    // ptxas report of each file is captured whole (nvcc's own --threads would interleave it).
+    let results: Vec<(PathBuf, PathBuf, std::process::Output)> = std::thread::scope(|s| {
+        let handles: Vec<_> = sources
+            .iter()
+            .map(|src| {
+                let obj = out.join(format!(
+                    "{}.o",
+                    src.file_stem().unwrap_or_default().to_string_lossy()
+                ));
+                let mut cmd = compiler.to_command();
+                cmd.arg("-c").arg(src).arg("-o").arg(&obj);
+                s.spawn(move || {
+                    let output = cmd.output().unwrap_or_else(|e| {
+                        panic!("tpfuse build: could not run {}: {e}", nvcc.display())
+                    });
+                    (src.clone(), obj, output)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("compiler thread"))
+            .collect()
+    });
+
+    let mut rows = Vec::new();
+    for (src, obj, output) in &results {
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        if !output.status.success() {
+            eprintln!("{stderr}");
+            eprintln!("\ntpfuse build: nvcc failed on {}\n", src.display());
+            std::process::exit(1);
+        }
+        rows.extend(parse_ptxas(&stderr, src));
+        build.object(obj);
+    }
+    for row in &rows {
+        if row.spill_stores > 0 || row.spill_loads > 0 {
+            println!(
+                "cargo:warning=tpfuse: {} spills on {} ({} B stores, {} B loads)",
+                row.kernel, row.arch, row.spill_stores, row.spill_loads
+            );
+        }
+    }
+    write_report(&rows, out);
+
+    // Only objects: cc archives them and prints the static cudart link line.
+    build.compile("tpfuse_kernels");
+    // The wheel layout keeps libcudart_static.a in <root>/lib; a toolkit in lib64 or
+    // targets/<arch>-linux/lib.
+    for dir in ["lib", "lib64", "targets/x86_64-linux/lib", "targets/sbsa-linux/lib"] {
+        let d = cuda_root.join(dir);
+        if d.join("libcudart_static.a").is_file() {
+            println!("cargo:rustc-link-search=native={}", d.display());
+        }
+    }
+    for lib in ["stdc++", "dl", "rt", "pthread"] {
+        println!("cargo:rustc-link-lib={lib}");
+    }
+}
+
+struct PtxasRow {
+    arch: String,
+    kernel: String,
+    registers: u32,
+    spill_stores: u32,
+    spill_loads: u32,
+    stack: u32,
+    shared: u32,
+    source: String,
+}
+
+/// Parses `ptxas -v` output: "Compiling entry function 'K' for 'sm_X'", then the
+/// "Function properties" line (stack, spills), then "Used N registers ... smem".
+fn parse_ptxas(text: &str, src: &Path) -> Vec<PtxasRow> {
+    let number_before = |line: &str, unit: &str| -> u32 {
+        line.split(',')
+            .find(|part| part.contains(unit))
+            .and_then(|part| part.split_whitespace().find_map(|w| w.parse().ok()))
+            .unwrap_or(0)
+    };
+    let mut rows = Vec::new();
+    let mut current: Option<PtxasRow> = None;
+    for line in text.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            if let Some(row) = current.take() {
+                rows.push(row);
+            }
+            let mut parts = rest.split('\'');
+            let kernel = parts.next().unwrap_or_default().to_string();
+            let arch = parts.nth(1).unwrap_or_default().to_string();
+            current = Some(PtxasRow {
+                arch,
+                kernel,
+                registers: 0,
+                spill_stores: 0,
+                spill_loads: 0,
+                stack: 0,
+                shared: 0,
+                source: src.display().to_string(),
+            });
+        } else if let Some(row) = current.as_mut() {
+            if line.contains("spill stores") {
+                row.stack = number_before(line, "stack frame");
+                row.spill_stores = number_before(line, "spill stores");
+                row.spill_loads = number_before(line, "spill loads");
+            } else if line.contains("Used") && line.contains("registers") {
+                row.registers = number_before(line, "registers");
+                row.shared = number_before(line, "smem");
+            }
+        }
+    }
+    rows.extend(current);
+    rows
+}
+
+fn demangle(names: &[String]) -> Vec<String> {
+    let joined = names.join("\n");
+    let child = Command::new("c++filt")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn();
+    let demangled = child.ok().and_then(|mut c| {
+        use std::io::Write;
+        c.stdin.take()?.write_all(joined.as_bytes()).ok()?;
+        let out = c.wait_with_output().ok()?;
+        Some(String::from_utf8_lossy(&out.stdout).into_owned())
+    });
+    match demangled {
+        Some(d) if d.lines().count() == names.len() => d.lines().map(short_kernel_name).collect(),
+        _ => names.to_vec(),
+    }
+}
+
+/// "void ns::(anonymous namespace)::k<float>(args)" -> "ns::k<float>".
+fn short_kernel_name(demangled: &str) -> String {
+    let name = demangled.replace("(anonymous namespace)::", "");
+    let name = name.strip_prefix("void ").unwrap_or(&name);
+    name.split('(').next().unwrap_or(name).to_string()
+}
+
+/// OUT_DIR/ptxas_report.tsv: arch, kernel, registers, spill stores, spill loads, stack, smem.
+fn write_report(rows: &[PtxasRow], out: &Path) {
+    let pretty = demangle(&rows.iter().map(|r| r.kernel.clone()).collect::<Vec<_>>());
+    let mut tsv =
+        String::from("arch\tkernel\tregisters\tspill_stores\tspill_loads\tstack\tsmem\tsource\n");
+    for (row, name) in rows.iter().zip(pretty) {
+        let _ = writeln!(
+            tsv,
+            "{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
+            row.arch,
+            name,
+            row.registers,
+            row.spill_stores,
+            row.spill_loads,
+            row.stack,
+            row.shared,
+            row.source
+        );
+    }
+    std::fs::write(out.join("ptxas_report.tsv"), tsv).expect("write ptxas report");
+}
+
+fn generate_bindings(cuda_root: &Path, nccl_include: &Path, out: &Path) {
+    let nccl = bindgen::Builder::default()
+        .header(nccl_include.join("nccl.h").display().to_string())
+        .clang_arg(format!("-I{}", nccl_include.display()))
+        .clang_arg(format!("-I{}", cuda_root.join("include").display()))
+        .allowlist_function("nccl.*")
+        .allowlist_type("nccl.*")
+        .allowlist_var("NCCL_.*")
+        .dynamic_library_name("NcclLib")
+        .dynamic_link_require_all(false)
+        .derive_default(true)
+        .layout_tests(false)
+        .generate()
+        .unwrap_or_else(|e| {
+            eprintln!(
+                "\ntpfuse build: bindgen could not read {}: {e}\n",
+                nccl_include.join("nccl.h").display()
+            );
+            std::process::exit(1);
+        });
+    nccl.write_to_file(out.join("nccl_bindings.rs"))
+        .expect("write NCCL bindings");
+
+    let kernels = bindgen::Builder::default()
+        .header("cuda/tpfuse.h")
+        .allowlist_function("tpfuse_.*")
+        .allowlist_type("tpfuse_.*")
+        .allowlist_var("TPFUSE_.*")
+        .layout_tests(false)
+        .generate()
+        .unwrap_or_else(|e| {
+            eprintln!("\ntpfuse build: bindgen could not read cuda/tpfuse.h: {e}\n");
+            std::process::exit(1);
+        });
+    kernels
+        .write_to_file(out.join("kernel_bindings.rs"))
+        .expect("write kernel bindings");
+}

@@ -1,0 +1,72 @@
+// common.cuh: element-type traits and 16-byte vector access shared by every kernel.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "tpfuse.h"
+
+namespace tpfuse {
+
+// Conversions to and from the f32 accumulator. Narrowing rounds to nearest even, like the
+// `half` crate's from_f32 that the CPU reference uses.
+template <typename T> struct Elem;
+
+template <> struct Elem<float> {
+  static __device__ __forceinline__ float to_f32(float x) { return x; }
+  static __device__ __forceinline__ float from_f32(float x) { return x; }
+};
+template <> struct Elem<__half> {
+  static __device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+  static __device__ __forceinline__ __half from_f32(float x) { return __float2half_rn(x); }
+};
+template <> struct Elem<__nv_bfloat16> {
+  static __device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static __device__ __forceinline__ __nv_bfloat16 from_f32(float x) {
+    return __float2bfloat16_rn(x);
+  }
+};
+
+// 16 bytes of elements, moved with one 128-bit load or store.
+template <typename T> struct alignas(16) Vec16 {
+  static constexpr int kLen = 16 / sizeof(T);
+  T v[kLen];
+};
+
+template <typename T> __device__ __forceinline__ Vec16<T> load16(const T *p) {
+  Vec16<T> out;
+  *reinterpret_cast<uint4 *>(&out) = *reinterpret_cast<const uint4 *>(p);
+  return out;
+}
+
+template <typename T> __device__ __forceinline__ void store16(T *p, const Vec16<T> &x) {
+  *reinterpret_cast<uint4 *>(p) = *reinterpret_cast<const uint4 *>(&x);
+}
+
+__host__ __device__ __forceinline__ bool is_aligned16(const void *p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
+
+// Grid-stride loop helpers.
+__device__ __forceinline__ size_t global_thread_index() {
+  return static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+__device__ __forceinline__ size_t global_thread_count() {
+  return static_cast<size_t>(gridDim.x) * blockDim.x;
+}
+
+// Host: launch config for a grid-stride kernel over `work` items, at most a few waves.
+inline unsigned grid_for(size_t work, unsigned threads) {
+  int device = 0, sms = 1;
+  if (cudaGetDevice(&device) == cudaSuccess) {
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  }
+  size_t blocks = (work + threads - 1) / threads;
+  size_t cap = static_cast<size_t>(sms > 0 ? sms : 1) * 8;
+  if (blocks > cap) blocks = cap;
+  return blocks == 0 ? 1u : static_cast<unsigned>(blocks);
+}
+
+} // namespace tpfuse

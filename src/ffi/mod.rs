@@ -1,0 +1,26 @@
+//! Generated bindings and the thin unsafe glue around them. Nothing here is public API.
+
+#[allow(
+    non_camel_case_types,
+    non_snake_case,
+    non_upper_case_globals,
+    dead_code,
+    unsafe_op_in_unsafe_fn,
+    clippy::all,
+    missing_docs
+)]
+pub(crate) mod nccl_sys {
+    include!(concat!(env!("OUT_DIR"), "/nccl_bindings.rs"));
+}
+
+#[allow(
+    non_camel_case_types,
+    non_snake_case,
+    non_upper_case_globals,
+    dead_code,
+    clippy::all,
+    missing_docs
+)]
+pub(crate) mod kernels {
+    include!(concat!(env!("OUT_DIR"), "/kernel_bindings.rs"));
+}
