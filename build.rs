@@ -73,7 +73,7 @@ fn main() {
     let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
 
     let archs = select_archs(&nvcc);
-    compile_kernels(&nvcc, &cuda_root, &archs, &out);
+    compile_kernels(&nvcc, &cuda_root, &nccl_include, &archs, &out);
     generate_bindings(&cuda_root, &nccl_include, &out);
 
     println!("cargo:rustc-env=TPFUSE_BUILD_ARCHS={}", archs.join(","));
@@ -202,7 +202,13 @@ fn gencode(arch: &str) -> String {
     }
 }
 
-fn compile_kernels(nvcc: &Path, cuda_root: &Path, archs: &[String], out: &Path) {
+fn compile_kernels(
+    nvcc: &Path,
+    cuda_root: &Path,
+    nccl_include: &Path,
+    archs: &[String],
+    out: &Path,
+) {
     let mut sources: Vec<PathBuf> = std::fs::read_dir("cuda")
         .expect("the crate has a cuda/ directory")
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -217,6 +223,7 @@ fn compile_kernels(nvcc: &Path, cuda_root: &Path, archs: &[String], out: &Path) 
         .compiler(nvcc)
         .no_default_flags(true)
         .include("cuda")
+        .include(nccl_include)
         .flag("-std=c++17")
         .flag("-O3")
         .flag("-Xcompiler=-fPIC")

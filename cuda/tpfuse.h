@@ -42,6 +42,12 @@ typedef int32_t tpfuse_dtype;
 int tpfuse_reduce_ranks(tpfuse_dtype dtype, const void *const *inputs, int32_t num_inputs,
                         void *out, size_t len, void *stream);
 
+/*
+ * Writes NCCL_CONFIG_INITIALIZER of the nccl.h tpfuse was built with into `config` when
+ * `size` equals sizeof(ncclConfig_t); returns sizeof(ncclConfig_t) either way.
+ */
+size_t tpfuse_nccl_config_init(void *config, size_t size);
+
 /* cudaGetErrorString of a code returned by a launcher. Never NULL. */
 const char *tpfuse_error_string(int32_t code);
 

@@ -1,5 +1,7 @@
 //! Generated bindings and the thin unsafe glue around them. Nothing here is public API.
 
+pub(crate) mod nccl;
+
 #[allow(
     non_camel_case_types,
     non_snake_case,

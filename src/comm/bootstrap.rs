@@ -1,0 +1,1 @@
+//! TEMPORARY placeholder.

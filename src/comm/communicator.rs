@@ -1,0 +1,863 @@
+//! `Comm`: a safe NCCL communicator over cudarc buffers.
+//!
+//! Every communicator is created non-blocking (`config.blocking = 0`), so no NCCL call can
+//! hold the host forever: a call that answers `ncclInProgress` is polled with
+//! `ncclCommGetAsyncError` until it settles or the communicator's timeout expires, and then
+//! the communicator is aborted and the call returns [`Error::Timeout`]. A peer that dies
+//! mid-run therefore surfaces as an error on the survivors, within the timeout.
+
+use super::UniqueId;
+use crate::device::{cuda, open, require_driver};
+use crate::dtype::NcclType;
+use crate::error::{Error, Result};
+use crate::ffi::kernels;
+use crate::ffi::nccl::{nccl, Nccl};
+use crate::ffi::nccl_sys as sys;
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// A reduction for [`Comm::all_reduce`], [`Comm::reduce`] and [`Comm::reduce_scatter`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReduceOp {
+    /// Sum.
+    Sum,
+    /// Product.
+    Prod,
+    /// Maximum.
+    Max,
+    /// Minimum.
+    Min,
+    /// Average (sum divided by the world size).
+    Avg,
+}
+
+impl ReduceOp {
+    fn raw(self) -> sys::ncclRedOp_t {
+        match self {
+            ReduceOp::Sum => sys::ncclRedOp_t_ncclSum,
+            ReduceOp::Prod => sys::ncclRedOp_t_ncclProd,
+            ReduceOp::Max => sys::ncclRedOp_t_ncclMax,
+            ReduceOp::Min => sys::ncclRedOp_t_ncclMin,
+            ReduceOp::Avg => sys::ncclRedOp_t_ncclAvg,
+        }
+    }
+}
+
+/// How long a communicator waits before it gives up on its peers.
+#[derive(Clone, Copy, Debug)]
+pub struct CommOptions {
+    /// Bound on initialisation, on every call that NCCL answers "in progress", and on
+    /// [`Comm::synchronize`] and [`Comm::barrier`]. Default: 120 s.
+    pub timeout: Duration,
+}
+
+impl Default for CommOptions {
+    fn default() -> Self {
+        CommOptions {
+            timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+/// One rank of an NCCL communicator, bound to one CUDA stream.
+///
+/// All collectives are enqueued on that stream. Buffers are cudarc slices (or views) of
+/// the communicator's device; lengths are counted in elements and checked against the
+/// world size before anything is enqueued.
+pub struct Comm {
+    nccl: &'static Nccl,
+    raw: sys::ncclComm_t,
+    rank: usize,
+    world: usize,
+    stream: Arc<CudaStream>,
+    timeout: Duration,
+    /// Set by an asynchronous error, a timeout or [`Comm::abort`]: the communicator refuses
+    /// further work and Drop aborts instead of finalizing.
+    broken: AtomicBool,
+    /// One f32 for [`Comm::barrier`] and [`Comm::sanity_check`].
+    scratch: RefCell<CudaSlice<f32>>,
+}
+
+// SAFETY: an ncclComm_t may be used from any thread as long as calls on it do not overlap;
+// `Comm` is not Sync, so `&mut`-free use from one thread at a time is what Rust allows.
+unsafe impl Send for Comm {}
+
+impl std::fmt::Debug for Comm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Comm")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .field("device", &self.stream.context().ordinal())
+            .field("broken", &self.broken.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl UniqueId {
+    /// A fresh id from `ncclGetUniqueId` (rank 0 makes it, the bootstrap carries it to the
+    /// others). Needs NCCL but no GPU.
+    pub fn new() -> Result<UniqueId> {
+        let n = nccl()?;
+        let f = n.func("ncclGetUniqueId", &n.lib.ncclGetUniqueId)?;
+        let mut raw = sys::ncclUniqueId::default();
+        // SAFETY: writes one ncclUniqueId.
+        n.check("ncclGetUniqueId", unsafe { f(&mut raw) }, std::ptr::null_mut())?;
+        let bytes: Vec<u8> = raw.internal.iter().map(|&c| c as u8).collect();
+        UniqueId::from_bytes(&bytes)
+    }
+
+    fn to_raw(self) -> sys::ncclUniqueId {
+        let mut raw = sys::ncclUniqueId::default();
+        for (dst, src) in raw.internal.iter_mut().zip(self.as_bytes()) {
+            *dst = *src as std::ffi::c_char;
+        }
+        raw
+    }
+}
+
+/// The version of the NCCL that tpfuse loads, and where it came from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NcclInfo {
+    /// (major, minor, patch).
+    pub version: (u32, u32, u32),
+    /// The file the dynamic loader opened.
+    pub path: String,
+    /// The nccl.h tpfuse was compiled against, as "major.minor.patch".
+    pub header_version: String,
+}
+
+/// Loads NCCL (if not yet loaded) and reports its version. Needs no GPU.
+pub fn nccl_info() -> Result<NcclInfo> {
+    let n = nccl()?;
+    Ok(NcclInfo {
+        version: n.version,
+        path: n.path.clone(),
+        header_version: format!("{}.{}.{}", sys::NCCL_MAJOR, sys::NCCL_MINOR, sys::NCCL_PATCH),
+    })
+}
+
+impl Comm {
+    /// Joins rank `rank` of a `world`-rank communicator identified by `id`, on the device and
+    /// stream the engine already owns. Every rank must call this with the same `id` and
+    /// `world`; it returns when all have joined, or fails after `options.timeout`.
+    pub fn init_rank(
+        id: &UniqueId,
+        rank: usize,
+        world: usize,
+        stream: Arc<CudaStream>,
+        options: CommOptions,
+    ) -> Result<Comm> {
+        require_driver()?;
+        check_rank(rank, world)?;
+        let n = nccl()?;
+        let init = n.func("ncclCommInitRankConfig", &n.lib.ncclCommInitRankConfig)?;
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(cuda("binding the context"))?;
+        let mut config = default_config()?;
+        config.blocking = 0;
+        let mut raw: sys::ncclComm_t = std::ptr::null_mut();
+        // SAFETY: `raw` receives the communicator; `config` lives across the call.
+        let rc = unsafe {
+            init(
+                &mut raw,
+                world as i32,
+                id.to_raw(),
+                rank as i32,
+                &mut config,
+            )
+        };
+        if rc != sys::ncclResult_t_ncclInProgress {
+            n.check("ncclCommInitRankConfig", rc, raw)?;
+        }
+        Self::finish_init(n, raw, rank, world, stream, options.timeout)
+    }
+
+    /// Creates a device context and stream for `ordinal` and joins as in [`Comm::init_rank`].
+    pub fn init_rank_on_device(
+        id: &UniqueId,
+        rank: usize,
+        world: usize,
+        ordinal: usize,
+        options: CommOptions,
+    ) -> Result<Comm> {
+        require_driver()?;
+        check_rank(rank, world)?;
+        let stream = open(ordinal)?
+            .new_stream()
+            .map_err(cuda("creating a stream"))?;
+        Self::init_rank(id, rank, world, stream, options)
+    }
+
+    /// One communicator per listed device, all in this process (rank i on `ordinals[i]`),
+    /// each on a new stream of its device.
+    pub fn init_all(ordinals: &[usize], options: CommOptions) -> Result<Vec<Comm>> {
+        require_driver()?;
+        if ordinals.is_empty() {
+            return Err(Error::invalid("ordinals", "no devices given"));
+        }
+        for (i, a) in ordinals.iter().enumerate() {
+            if ordinals[..i].contains(a) {
+                return Err(Error::invalid(
+                    "ordinals",
+                    format!("device {a} is listed twice; NCCL needs one rank per GPU"),
+                ));
+            }
+        }
+        let n = nccl()?;
+        let streams = ordinals
+            .iter()
+            .map(|&o| open(o)?.new_stream().map_err(cuda("creating a stream")))
+            .collect::<Result<Vec<_>>>()?;
+        let id = UniqueId::new()?;
+        let world = ordinals.len();
+        let init = n.func("ncclCommInitRankConfig", &n.lib.ncclCommInitRankConfig)?;
+        let mut raws = vec![std::ptr::null_mut(); world];
+        let started = Self::start_all(n, init, &id, &streams, &mut raws);
+        if let Err(e) = started {
+            raws.iter().for_each(|&raw| abort_raw(n, raw));
+            return Err(e);
+        }
+        raws.into_iter()
+            .zip(streams)
+            .enumerate()
+            .map(|(rank, (raw, stream))| {
+                Self::finish_init(n, raw, rank, world, stream, options.timeout)
+            })
+            .collect()
+    }
+
+    /// Issues every rank's non-blocking init inside one group, from this thread.
+    fn start_all(
+        n: &Nccl,
+        init: &InitRankConfig,
+        id: &UniqueId,
+        streams: &[Arc<CudaStream>],
+        raws: &mut [sys::ncclComm_t],
+    ) -> Result<()> {
+        let world = streams.len();
+        group_start(n)?;
+        for (rank, stream) in streams.iter().enumerate() {
+            stream
+                .context()
+                .bind_to_thread()
+                .map_err(cuda("binding the context"))?;
+            let mut config = default_config()?;
+            config.blocking = 0;
+            // SAFETY: as in init_rank; inside a group the call only records the request.
+            let rc = unsafe {
+                init(
+                    &mut raws[rank],
+                    world as i32,
+                    id.to_raw(),
+                    rank as i32,
+                    &mut config,
+                )
+            };
+            if rc != sys::ncclResult_t_ncclInProgress {
+                n.check("ncclCommInitRankConfig", rc, raws[rank])?;
+            }
+        }
+        group_end(n)
+    }
+
+    fn finish_init(
+        n: &'static Nccl,
+        raw: sys::ncclComm_t,
+        rank: usize,
+        world: usize,
+        stream: Arc<CudaStream>,
+        timeout: Duration,
+    ) -> Result<Comm> {
+        let scratch = match stream.alloc_zeros::<f32>(1) {
+            Ok(s) => s,
+            Err(e) => {
+                abort_raw(n, raw);
+                return Err(Error::Cuda {
+                    context: "allocating the communicator's scratch",
+                    source: e,
+                });
+            }
+        };
+        let comm = Comm {
+            nccl: n,
+            raw,
+            rank,
+            world,
+            stream,
+            timeout,
+            broken: AtomicBool::new(false),
+            scratch: RefCell::new(scratch),
+        };
+        comm.settle("ncclCommInitRankConfig", "the other ranks to join")?;
+        Ok(comm)
+    }
+
+    /// This communicator's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The number of ranks.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// The stream every operation is enqueued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The raw NCCL handle, for the crate's own registration calls.
+    #[allow(dead_code)]
+    pub(crate) fn raw(&self) -> sys::ncclComm_t {
+        self.raw
+    }
+
+    /// Polls `ncclCommGetAsyncError`: `Ok` while the communicator is healthy; the error
+    /// (and a broken communicator) once NCCL reports one.
+    pub fn check_async(&self) -> Result<()> {
+        self.usable()?;
+        match self.async_state()? {
+            sys::ncclResult_t_ncclSuccess | sys::ncclResult_t_ncclInProgress => Ok(()),
+            rc => self.fail("ncclCommGetAsyncError", rc),
+        }
+    }
+
+    /// Tears the communicator down without waiting for peers (`ncclCommAbort`): the way out
+    /// when a peer is gone. Every later call returns [`Error::CommUnusable`].
+    pub fn abort(&self) {
+        if !self.broken.swap(true, Ordering::AcqRel) {
+            abort_raw(self.nccl, self.raw);
+        }
+    }
+
+    /// Waits until everything enqueued on the stream has finished, polling the stream and
+    /// NCCL's asynchronous error; past the timeout the communicator is aborted and this
+    /// returns [`Error::Timeout`].
+    pub fn synchronize(&self) -> Result<()> {
+        self.usable()?;
+        let deadline = Instant::now() + self.timeout;
+        let mut pause = Duration::from_micros(20);
+        loop {
+            // SAFETY: queries a live stream of a live context.
+            let rc = unsafe { cudarc::driver::sys::cuStreamQuery(self.stream.cu_stream()) };
+            match rc {
+                cudarc::driver::sys::CUresult::CUDA_SUCCESS => return Ok(()),
+                cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY => {}
+                other => {
+                    return Err(Error::Cuda {
+                        context: "waiting for the communicator's stream",
+                        source: cudarc::driver::DriverError(other),
+                    })
+                }
+            }
+            self.check_async()?;
+            if Instant::now() >= deadline {
+                self.abort();
+                return Err(Error::Timeout {
+                    what: format!(
+                        "rank {} of {}: the stream's NCCL work to finish (a peer may be gone)",
+                        self.rank, self.world
+                    ),
+                    after: self.timeout,
+                });
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(5));
+        }
+    }
+
+    /// Blocks until every rank has reached the barrier (an all-reduce of one value followed
+    /// by [`Comm::synchronize`]), bounded by the timeout.
+    pub fn barrier(&self) -> Result<()> {
+        self.all_reduce_in_place(&mut *self.scratch.borrow_mut(), ReduceOp::Sum)?;
+        self.synchronize()
+    }
+
+    /// Every rank all-reduces 1.0 and expects the world size back: proves that the ranks
+    /// can reach each other and that NCCL computes.
+    pub fn sanity_check(&self) -> Result<()> {
+        let mut scratch = self.scratch.borrow_mut();
+        self.stream
+            .memcpy_htod(&[1.0f32], &mut *scratch)
+            .map_err(cuda("sanity check upload"))?;
+        self.all_reduce_in_place(&mut *scratch, ReduceOp::Sum)?;
+        self.synchronize()?;
+        let mut got = [0f32];
+        self.stream
+            .memcpy_dtoh(&*scratch, &mut got)
+            .map_err(cuda("sanity check download"))?;
+        if got[0] != self.world as f32 {
+            return Err(Error::CommUnusable(format!(
+                "sanity all-reduce of 1.0 gave {} on rank {}, expected {}",
+                got[0], self.rank, self.world
+            )));
+        }
+        Ok(())
+    }
+
+    /// `recv[i] = op over ranks of send[i]`. `send` and `recv` have the same length.
+    pub fn all_reduce<T: NcclType>(
+        &self,
+        send: &impl DevicePtr<T>,
+        recv: &mut impl DevicePtrMut<T>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        same_len("all_reduce", send.len(), recv.len())?;
+        let f = self.func("ncclAllReduce", &self.nccl.lib.ncclAllReduce)?;
+        let s = self.stream.clone();
+        let (sp, _g1) = send.device_ptr(&s);
+        let (rp, _g2) = recv.device_ptr_mut(&s);
+        // SAFETY: both buffers hold `len` elements of T on this communicator's device and
+        // stay borrowed until the call has been enqueued.
+        let rc = unsafe {
+            f(
+                sp as *const _,
+                rp as *mut _,
+                send.len(),
+                T::NCCL,
+                op.raw(),
+                self.raw,
+                self.cu_stream(),
+            )
+        };
+        self.after("ncclAllReduce", rc)
+    }
+
+    /// In-place [`Comm::all_reduce`].
+    pub fn all_reduce_in_place<T: NcclType>(
+        &self,
+        buf: &mut impl DevicePtrMut<T>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let f = self.func("ncclAllReduce", &self.nccl.lib.ncclAllReduce)?;
+        let s = self.stream.clone();
+        let len = buf.len();
+        let (p, _g) = buf.device_ptr_mut(&s);
+        // SAFETY: NCCL allows sendbuff == recvbuff; `len` elements of T on this device.
+        let rc = unsafe {
+            f(
+                p as *const _,
+                p as *mut _,
+                len,
+                T::NCCL,
+                op.raw(),
+                self.raw,
+                self.cu_stream(),
+            )
+        };
+        self.after("ncclAllReduce", rc)
+    }
+
+    /// `recv[r * n .. (r + 1) * n] = send` of rank r, where n = `send.len()`;
+    /// `recv.len()` must be `world * send.len()`.
+    pub fn all_gather<T: NcclType>(
+        &self,
+        send: &impl DevicePtr<T>,
+        recv: &mut impl DevicePtrMut<T>,
+    ) -> Result<()> {
+        times_world("all_gather", "recv", recv.len(), "send", send.len(), self.world)?;
+        let f = self.func("ncclAllGather", &self.nccl.lib.ncclAllGather)?;
+        let s = self.stream.clone();
+        let (sp, _g1) = send.device_ptr(&s);
+        let (rp, _g2) = recv.device_ptr_mut(&s);
+        // SAFETY: lengths checked above; buffers borrowed until enqueued.
+        let rc = unsafe {
+            f(
+                sp as *const _,
+                rp as *mut _,
+                send.len(),
+                T::NCCL,
+                self.raw,
+                self.cu_stream(),
+            )
+        };
+        self.after("ncclAllGather", rc)
+    }
+
+    /// `recv = (op over ranks of send)[rank * n .. (rank + 1) * n]`, where n = `recv.len()`;
+    /// `send.len()` must be `world * recv.len()`.
+    pub fn reduce_scatter<T: NcclType>(
+        &self,
+        send: &impl DevicePtr<T>,
+        recv: &mut impl DevicePtrMut<T>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        times_world(
+            "reduce_scatter",
+            "send",
+            send.len(),
+            "recv",
+            recv.len(),
+            self.world,
+        )?;
+        let f = self.func("ncclReduceScatter", &self.nccl.lib.ncclReduceScatter)?;
+        let s = self.stream.clone();
+        let (sp, _g1) = send.device_ptr(&s);
+        let count = recv.len();
+        let (rp, _g2) = recv.device_ptr_mut(&s);
+        // SAFETY: lengths checked above; buffers borrowed until enqueued.
+        let rc = unsafe {
+            f(
+                sp as *const _,
+                rp as *mut _,
+                count,
+                T::NCCL,
+                op.raw(),
+                self.raw,
+                self.cu_stream(),
+            )
+        };
+        self.after("ncclReduceScatter", rc)
+    }
+
+    /// Copies `buf` of rank `root` into `buf` of every rank (in place).
+    pub fn broadcast<T: NcclType>(&self, buf: &mut impl DevicePtrMut<T>, root: usize) -> Result<()> {
+        check_root("broadcast", root, self.world)?;
+        let f = self.func("ncclBroadcast", &self.nccl.lib.ncclBroadcast)?;
+        let s = self.stream.clone();
+        let len = buf.len();
+        let (p, _g) = buf.device_ptr_mut(&s);
+        // SAFETY: in-place broadcast is allowed; `len` elements of T on this device.
+        let rc = unsafe {
+            f(
+                p as *const _,
+                p as *mut _,
+                len,
+                T::NCCL,
+                root as i32,
+                self.raw,
+                self.cu_stream(),
+            )
+        };
+        self.after("ncclBroadcast", rc)
+    }
+
+    /// `recv = op over ranks of send`, written on rank `root` only (`recv` is untouched
+    /// elsewhere). `send` and `recv` have the same length.
+    pub fn reduce<T: NcclType>(
+        &self,
+        send: &impl DevicePtr<T>,
+        recv: &mut impl DevicePtrMut<T>,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<()> {
+        same_len("reduce", send.len(), recv.len())?;
+        check_root("reduce", root, self.world)?;
+        let f = self.func("ncclReduce", &self.nccl.lib.ncclReduce)?;
+        let s = self.stream.clone();
+        let (sp, _g1) = send.device_ptr(&s);
+        let (rp, _g2) = recv.device_ptr_mut(&s);
+        // SAFETY: lengths checked above; buffers borrowed until enqueued.
+        let rc = unsafe {
+            f(
+                sp as *const _,
+                rp as *mut _,
+                send.len(),
+                T::NCCL,
+                op.raw(),
+                root as i32,
+                self.raw,
+                self.cu_stream(),
+            )
+        };
+        self.after("ncclReduce", rc)
+    }
+
+    /// Sends `buf` to rank `peer`, which must post a matching [`Comm::recv`]. Pair sends and
+    /// receives between the same ranks inside [`group`] to avoid deadlock.
+    pub fn send<T: NcclType>(&self, buf: &impl DevicePtr<T>, peer: usize) -> Result<()> {
+        check_root("send", peer, self.world)?;
+        let f = self.func("ncclSend", &self.nccl.lib.ncclSend)?;
+        let s = self.stream.clone();
+        let (p, _g) = buf.device_ptr(&s);
+        // SAFETY: `len` elements of T on this device, borrowed until enqueued.
+        let rc = unsafe {
+            f(
+                p as *const _,
+                buf.len(),
+                T::NCCL,
+                peer as i32,
+                self.raw,
+                self.cu_stream(),
+            )
+        };
+        self.after("ncclSend", rc)
+    }
+
+    /// Receives into `buf` from rank `peer` (see [`Comm::send`]).
+    pub fn recv<T: NcclType>(&self, buf: &mut impl DevicePtrMut<T>, peer: usize) -> Result<()> {
+        check_root("recv", peer, self.world)?;
+        let f = self.func("ncclRecv", &self.nccl.lib.ncclRecv)?;
+        let s = self.stream.clone();
+        let len = buf.len();
+        let (p, _g) = buf.device_ptr_mut(&s);
+        // SAFETY: `len` elements of T on this device, borrowed until enqueued.
+        let rc = unsafe {
+            f(
+                p as *mut _,
+                len,
+                T::NCCL,
+                peer as i32,
+                self.raw,
+                self.cu_stream(),
+            )
+        };
+        self.after("ncclRecv", rc)
+    }
+
+    fn cu_stream(&self) -> sys::cudaStream_t {
+        self.stream.cu_stream() as sys::cudaStream_t
+    }
+
+    fn func<'a, F>(
+        &self,
+        name: &'static str,
+        f: &'a std::result::Result<F, libloading::Error>,
+    ) -> Result<&'a F> {
+        self.usable()?;
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(cuda("binding the context"))?;
+        self.nccl.func(name, f)
+    }
+
+    fn usable(&self) -> Result<()> {
+        if self.broken.load(Ordering::Acquire) {
+            Err(Error::CommUnusable(format!(
+                "rank {} of {} was aborted or saw an error; build a new communicator",
+                self.rank, self.world
+            )))
+        } else {
+            Ok(())
+        }
+    }
+
+    fn async_state(&self) -> Result<sys::ncclResult_t> {
+        let f = self
+            .nccl
+            .func("ncclCommGetAsyncError", &self.nccl.lib.ncclCommGetAsyncError)?;
+        let mut state = sys::ncclResult_t_ncclSuccess;
+        // SAFETY: reads the state of a live communicator.
+        let rc = unsafe { f(self.raw, &mut state) };
+        self.nccl.check("ncclCommGetAsyncError", rc, self.raw)?;
+        Ok(state)
+    }
+
+    /// Marks the communicator broken, aborts it, and returns the NCCL error.
+    fn fail<R>(&self, call: &'static str, rc: sys::ncclResult_t) -> Result<R> {
+        // Read NCCL's last error before the abort frees the communicator.
+        let err = self
+            .nccl
+            .check(call, rc, self.raw)
+            .err()
+            .unwrap_or_else(|| Error::CommUnusable(format!("{call} failed")));
+        self.abort();
+        Err(err)
+    }
+
+    /// Handles a call's result: success, an error, or "in progress", which is polled.
+    fn after(&self, call: &'static str, rc: sys::ncclResult_t) -> Result<()> {
+        match rc {
+            sys::ncclResult_t_ncclSuccess => Ok(()),
+            sys::ncclResult_t_ncclInProgress => self.settle(call, "NCCL to accept the call"),
+            rc => self.fail(call, rc),
+        }
+    }
+
+    /// Polls the asynchronous state until it leaves "in progress" (bounded by the timeout).
+    fn settle(&self, call: &'static str, what: &str) -> Result<()> {
+        let deadline = Instant::now() + self.timeout;
+        let mut pause = Duration::from_micros(20);
+        loop {
+            match self.async_state()? {
+                sys::ncclResult_t_ncclSuccess => return Ok(()),
+                sys::ncclResult_t_ncclInProgress => {}
+                rc => return self.fail(call, rc),
+            }
+            if Instant::now() >= deadline {
+                self.abort();
+                return Err(Error::Timeout {
+                    what: format!("rank {} of {}: {what} ({call})", self.rank, self.world),
+                    after: self.timeout,
+                });
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Comm {
+    /// Finalizes (flushing outstanding work, bounded by the timeout) and destroys; a broken
+    /// communicator, or one whose finalize does not settle, is aborted instead.
+    fn drop(&mut self) {
+        if self.broken.load(Ordering::Acquire) {
+            return;
+        }
+        let _ = self.stream.context().bind_to_thread();
+        let finalized = match self.nccl.lib.ncclCommFinalize.as_ref() {
+            // SAFETY: finalizes a live communicator once.
+            Ok(f) => match unsafe { f(self.raw) } {
+                sys::ncclResult_t_ncclSuccess => true,
+                sys::ncclResult_t_ncclInProgress => {
+                    self.settle("ncclCommFinalize", "outstanding work to flush")
+                        .is_ok()
+                }
+                _ => false,
+            },
+            Err(_) => false,
+        };
+        if !finalized {
+            self.abort();
+            return;
+        }
+        if let Ok(destroy) = self.nccl.lib.ncclCommDestroy.as_ref() {
+            // SAFETY: destroys a finalized communicator once.
+            unsafe { destroy(self.raw) };
+        }
+    }
+}
+
+type InitRankConfig = unsafe extern "C" fn(
+    *mut sys::ncclComm_t,
+    std::ffi::c_int,
+    sys::ncclUniqueId,
+    std::ffi::c_int,
+    *mut sys::ncclConfig_t,
+) -> sys::ncclResult_t;
+
+fn abort_raw(n: &Nccl, raw: sys::ncclComm_t) {
+    if raw.is_null() {
+        return;
+    }
+    if let Ok(f) = n.lib.ncclCommAbort.as_ref() {
+        // SAFETY: aborts a communicator that is not used again.
+        unsafe { f(raw) };
+    }
+}
+
+/// Runs `f` between `ncclGroupStart` and `ncclGroupEnd`, so that the operations it enqueues
+/// on `comms` are issued together (needed for send/recv pairs and for several
+/// communicators driven from one thread), then waits for the group to settle on each of
+/// `comms`.
+pub fn group<R>(comms: &[&Comm], f: impl FnOnce() -> Result<R>) -> Result<R> {
+    let n = nccl()?;
+    group_start(n)?;
+    let result = f();
+    let end = group_end(n);
+    let r = result?;
+    end?;
+    for c in comms {
+        c.settle("ncclGroupEnd", "the group to be issued")?;
+    }
+    Ok(r)
+}
+
+fn group_start(n: &Nccl) -> Result<()> {
+    let f = n.func("ncclGroupStart", &n.lib.ncclGroupStart)?;
+    // SAFETY: no arguments; pairs with group_end.
+    n.check("ncclGroupStart", unsafe { f() }, std::ptr::null_mut())
+}
+
+fn group_end(n: &Nccl) -> Result<()> {
+    let f = n.func("ncclGroupEnd", &n.lib.ncclGroupEnd)?;
+    // SAFETY: closes the group opened by group_start.
+    match unsafe { f() } {
+        sys::ncclResult_t_ncclInProgress => Ok(()),
+        rc => n.check("ncclGroupEnd", rc, std::ptr::null_mut()),
+    }
+}
+
+fn default_config() -> Result<sys::ncclConfig_t> {
+    let mut config = sys::ncclConfig_t::default();
+    let size = std::mem::size_of::<sys::ncclConfig_t>();
+    // SAFETY: writes exactly `size` bytes when the C side's ncclConfig_t has that size.
+    let c_size = unsafe {
+        kernels::tpfuse_nccl_config_init(&mut config as *mut _ as *mut std::ffi::c_void, size)
+    };
+    if c_size != size {
+        return Err(Error::CommUnusable(format!(
+            "ncclConfig_t is {c_size} bytes in C but {size} in the bindings"
+        )));
+    }
+    Ok(config)
+}
+
+fn check_rank(rank: usize, world: usize) -> Result<()> {
+    if world == 0 || rank >= world {
+        return Err(Error::RankOutOfRange { rank, world });
+    }
+    if world > i32::MAX as usize {
+        return Err(Error::invalid("world", "larger than NCCL supports"));
+    }
+    Ok(())
+}
+
+fn check_root(op: &str, root: usize, world: usize) -> Result<()> {
+    if root >= world {
+        return Err(Error::invalid(
+            format!("{op}: peer/root"),
+            format!("rank {root} does not exist in a world of {world}"),
+        ));
+    }
+    Ok(())
+}
+
+fn same_len(op: &str, send: usize, recv: usize) -> Result<()> {
+    if send != recv {
+        return Err(Error::invalid(
+            format!("{op}: recv"),
+            format!("holds {recv} elements but send holds {send}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks `big == world * small` for the gather/scatter pairs.
+fn times_world(
+    op: &str,
+    big_name: &str,
+    big: usize,
+    small_name: &str,
+    small: usize,
+    world: usize,
+) -> Result<()> {
+    if small.checked_mul(world) != Some(big) {
+        return Err(Error::invalid(
+            format!("{op}: {big_name}"),
+            format!(
+                "holds {big} elements but must hold world ({world}) x {small_name} ({small}) = {}",
+                small.saturating_mul(world)
+            ),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn length_checks_name_the_argument() {
+        let e = times_world("all_gather", "recv", 10, "send", 3, 4).unwrap_err();
+        assert!(e.to_string().contains("all_gather: recv"), "{e}");
+        assert!(e.to_string().contains("world (4) x send (3) = 12"), "{e}");
+        assert!(times_world("all_gather", "recv", 12, "send", 3, 4).is_ok());
+        assert!(same_len("all_reduce", 3, 4).is_err());
+        assert!(check_root("broadcast", 4, 4).is_err());
+        assert!(check_root("broadcast", 3, 4).is_ok());
+        assert!(matches!(
+            check_rank(2, 2),
+            Err(Error::RankOutOfRange { rank: 2, world: 2 })
+        ));
+        assert!(check_rank(0, 0).is_err());
+    }
+}

@@ -1,0 +1,9 @@
+//! Communicators: the safe NCCL [`Comm`] and the [`bootstrap`] that carries its unique id
+//! to every rank.
+
+pub mod bootstrap;
+mod communicator;
+mod unique_id;
+
+pub use communicator::{group, nccl_info, Comm, CommOptions, NcclInfo, ReduceOp};
+pub use unique_id::{UniqueId, UNIQUE_ID_BYTES};
