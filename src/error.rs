@@ -136,6 +136,10 @@ pub enum Error {
         reason: String,
     },
 
+    /// A computed result differs from its reference (used by `tpfuse selftest`).
+    #[error("result mismatch: {0}")]
+    Mismatch(String),
+
     /// An NCCL communicator reported an asynchronous error or was aborted; it cannot be used.
     #[error("the communicator is unusable: {0}")]
     CommUnusable(String),

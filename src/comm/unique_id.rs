@@ -13,4 +13,11 @@ impl UniqueId {
     }
     /// Bytes.
     pub fn as_bytes(&self) -> &[u8; UNIQUE_ID_BYTES] { &self.0 }
+    /// hex
+    pub fn to_hex(&self) -> String { self.0.iter().map(|b| format!("{b:02x}")).collect() }
+    /// from hex
+    pub fn from_hex(s: &str) -> Result<Self> {
+        let b: Vec<u8> = (0..s.len()/2).map(|i| u8::from_str_radix(&s[2*i..2*i+2], 16).unwrap_or(0)).collect();
+        Self::from_bytes(&b)
+    }
 }
