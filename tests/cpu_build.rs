@@ -1,0 +1,57 @@
+//! The ptxas report: every kernel on every compiled architecture, and no spills.
+
+use tpfuse::build_info;
+
+#[test]
+fn every_kernel_is_built_for_every_architecture() {
+    let archs: Vec<_> = build_info::architectures()
+        .into_iter()
+        .filter(|a| a.starts_with("sm_"))
+        .collect();
+    assert!(!archs.is_empty(), "no SASS architecture was compiled");
+    let report = build_info::kernel_resources();
+    let kernels = build_info::kernels();
+    for expected in [
+        "tpfuse::reduce_ranks_kernel<float>",
+        "tpfuse::reduce_ranks_kernel<__half>",
+        "tpfuse::reduce_ranks_kernel<__nv_bfloat16>",
+    ] {
+        assert!(
+            kernels.iter().any(|k| k == expected),
+            "{expected} missing from {kernels:?}"
+        );
+    }
+    for arch in &archs {
+        for kernel in &kernels {
+            assert!(
+                report.iter().any(|r| r.arch == *arch && r.kernel == *kernel),
+                "{kernel} has no ptxas entry for {arch}"
+            );
+        }
+    }
+    assert_eq!(report.len(), archs.len() * kernels.len());
+}
+
+#[test]
+fn no_kernel_spills_registers() {
+    let spills: Vec<_> = build_info::kernel_resources()
+        .into_iter()
+        .filter(|k| k.spills())
+        .collect();
+    assert!(spills.is_empty(), "kernels that spill: {spills:#?}");
+}
+
+#[test]
+fn the_kernels_use_registers_and_no_stack() {
+    // A zero register count would mean the report was not parsed.
+    for k in build_info::kernel_resources() {
+        assert!(k.registers > 0, "{k:?}");
+        assert_eq!(k.stack, 0, "{} uses a stack frame on {}", k.kernel, k.arch);
+    }
+}
+
+#[test]
+fn the_runtime_version_is_known() {
+    let (major, _) = build_info::cudart_version();
+    assert!(major >= 12, "cudart {major}");
+}
