@@ -13,7 +13,8 @@ use crate::error::{Error, Result};
 use crate::ffi::kernels;
 use crate::ffi::nccl::{nccl, Nccl};
 use crate::ffi::nccl_sys as sys;
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use crate::validate::owner;
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -408,6 +409,7 @@ impl Comm {
         recv: &mut impl DevicePtrMut<T>,
         op: ReduceOp,
     ) -> Result<()> {
+        self.on_device("all_reduce", send, recv)?;
         same_len("all_reduce", send.len(), recv.len())?;
         let f = self.func("ncclAllReduce", &self.nccl.lib.ncclAllReduce)?;
         let s = self.stream.clone();
@@ -435,6 +437,7 @@ impl Comm {
         buf: &mut impl DevicePtrMut<T>,
         op: ReduceOp,
     ) -> Result<()> {
+        self.on_device("all_reduce", &*buf, &*buf)?;
         let f = self.func("ncclAllReduce", &self.nccl.lib.ncclAllReduce)?;
         let s = self.stream.clone();
         let len = buf.len();
@@ -461,6 +464,7 @@ impl Comm {
         send: &impl DevicePtr<T>,
         recv: &mut impl DevicePtrMut<T>,
     ) -> Result<()> {
+        self.on_device("all_gather", send, recv)?;
         times_world("all_gather", "recv", recv.len(), "send", send.len(), self.world)?;
         let f = self.func("ncclAllGather", &self.nccl.lib.ncclAllGather)?;
         let s = self.stream.clone();
@@ -488,6 +492,7 @@ impl Comm {
         recv: &mut impl DevicePtrMut<T>,
         op: ReduceOp,
     ) -> Result<()> {
+        self.on_device("reduce_scatter", send, recv)?;
         times_world(
             "reduce_scatter",
             "send",
@@ -518,6 +523,7 @@ impl Comm {
 
     /// Copies `buf` of rank `root` into `buf` of every rank (in place).
     pub fn broadcast<T: NcclType>(&self, buf: &mut impl DevicePtrMut<T>, root: usize) -> Result<()> {
+        self.on_device("broadcast", &*buf, &*buf)?;
         check_root("broadcast", root, self.world)?;
         let f = self.func("ncclBroadcast", &self.nccl.lib.ncclBroadcast)?;
         let s = self.stream.clone();
@@ -547,6 +553,7 @@ impl Comm {
         op: ReduceOp,
         root: usize,
     ) -> Result<()> {
+        self.on_device("reduce", send, recv)?;
         same_len("reduce", send.len(), recv.len())?;
         check_root("reduce", root, self.world)?;
         let f = self.func("ncclReduce", &self.nccl.lib.ncclReduce)?;
@@ -572,6 +579,7 @@ impl Comm {
     /// Sends `buf` to rank `peer`, which must post a matching [`Comm::recv`]. Pair sends and
     /// receives between the same ranks inside [`group`] to avoid deadlock.
     pub fn send<T: NcclType>(&self, buf: &impl DevicePtr<T>, peer: usize) -> Result<()> {
+        self.on_device("send", buf, buf)?;
         check_root("send", peer, self.world)?;
         let f = self.func("ncclSend", &self.nccl.lib.ncclSend)?;
         let s = self.stream.clone();
@@ -592,6 +600,7 @@ impl Comm {
 
     /// Receives into `buf` from rank `peer` (see [`Comm::send`]).
     pub fn recv<T: NcclType>(&self, buf: &mut impl DevicePtrMut<T>, peer: usize) -> Result<()> {
+        self.on_device("recv", &*buf, &*buf)?;
         check_root("recv", peer, self.world)?;
         let f = self.func("ncclRecv", &self.nccl.lib.ncclRecv)?;
         let s = self.stream.clone();
@@ -609,6 +618,25 @@ impl Comm {
             )
         };
         self.after("ncclRecv", rc)
+    }
+
+    /// Errors unless both buffers live on the communicator's device.
+    fn on_device<T>(
+        &self,
+        op: &str,
+        a: &impl DeviceSlice<T>,
+        b: &impl DeviceSlice<T>,
+    ) -> Result<()> {
+        let device = self.stream.context().ordinal();
+        for buf in [owner(a), owner(b)] {
+            if buf != device {
+                return Err(Error::invalid(
+                    op,
+                    format!("a buffer lives on device {buf}, the communicator on {device}"),
+                ));
+            }
+        }
+        Ok(())
     }
 
     fn cu_stream(&self) -> sys::cudaStream_t {
