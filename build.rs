@@ -141,8 +141,9 @@ fn check_libclang() -> Result<(), String> {
     std::panic::set_hook(prev);
     match found {
         Ok(v) if v.parsed.is_some() => Ok(()),
-        _ => Err("libclang for bindgen (apt-get install libclang-dev, or set LIBCLANG_PATH)"
-            .to_string()),
+        _ => Err(
+            "libclang for bindgen (apt-get install libclang-dev, or set LIBCLANG_PATH)".to_string(),
+        ),
     }
 }
 
@@ -163,7 +164,11 @@ fn select_archs(nvcc: &Path) -> Vec<String> {
     let codes = run_capture(Command::new(nvcc).arg("--list-gpu-code")).unwrap_or_default();
     let virt = run_capture(Command::new(nvcc).arg("--list-gpu-arch")).unwrap_or_default();
     let mut chosen = Vec::new();
-    for raw in requested.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+    for raw in requested
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+    {
         let arch = if raw.starts_with("sm_") || raw.starts_with("compute_") {
             raw.to_string()
         } else {
@@ -286,7 +291,12 @@ fn compile_kernels(
     build.compile("tpfuse_kernels");
     // The wheel layout keeps libcudart_static.a in <root>/lib; a toolkit in lib64 or
     // targets/<arch>-linux/lib.
-    for dir in ["lib", "lib64", "targets/x86_64-linux/lib", "targets/sbsa-linux/lib"] {
+    for dir in [
+        "lib",
+        "lib64",
+        "targets/x86_64-linux/lib",
+        "targets/sbsa-linux/lib",
+    ] {
         let d = cuda_root.join(dir);
         if d.join("libcudart_static.a").is_file() {
             println!("cargo:rustc-link-search=native={}", d.display());

@@ -21,7 +21,7 @@ const PTXAS_REPORT: &str = include_str!(concat!(env!("OUT_DIR"), "/ptxas_report.
 pub struct KernelResources {
     /// e.g. "sm_90a".
     pub arch: String,
-    /// Demangled kernel name, e.g. "tpfuse::reduce_ranks_kernel<float>".
+    /// Demangled kernel name, e.g. `tpfuse::reduce_ranks_kernel<float>`.
     pub kernel: String,
     /// Registers per thread.
     pub registers: u32,

@@ -4,7 +4,7 @@
 //! and streams an engine already owns (cudarc [`CudaSlice`](cudarc::driver::CudaSlice)s and
 //! [`CudaStream`](cudarc::driver::CudaStream)s), with NCCL for everything else.
 //!
-//! - [`ops::reduce_ranks`]: the element-wise, rank-ordered f32-accumulated sum that every
+//! - [`ops::reduce_ranks()`]: the element-wise, rank-ordered f32-accumulated sum that every
 //!   all-reduce in tpfuse builds on (same inputs, same bits).
 //! - [`comm::Comm`]: a safe NCCL communicator (non-blocking, every wait bounded), and
 //!   [`comm::bootstrap`], which carries its unique id to every rank (bytes, hex, a shared

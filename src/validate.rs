@@ -67,7 +67,8 @@ pub(crate) fn launched(kernel: &'static str, code: i32) -> Result<()> {
         return Ok(());
     }
     // SAFETY: returns a static string for any code.
-    let message = unsafe { std::ffi::CStr::from_ptr(crate::ffi::kernels::tpfuse_error_string(code)) };
+    let message =
+        unsafe { std::ffi::CStr::from_ptr(crate::ffi::kernels::tpfuse_error_string(code)) };
     Err(Error::KernelLaunch {
         kernel,
         code,

@@ -24,7 +24,9 @@ fn every_kernel_is_built_for_every_architecture() {
     for arch in &archs {
         for kernel in &kernels {
             assert!(
-                report.iter().any(|r| r.arch == *arch && r.kernel == *kernel),
+                report
+                    .iter()
+                    .any(|r| r.arch == *arch && r.kernel == *kernel),
                 "{kernel} has no ptxas entry for {arch}"
             );
         }

@@ -20,7 +20,13 @@ fn doctor_reports_build_nccl_and_driver_and_exits_zero() {
     let o = tpfuse(&["doctor"], &[]);
     let text = stdout(&o);
     assert!(o.status.success(), "{text}");
-    for section in ["Build", "CUDA architectures", "NCCL", "CUDA driver", "Verdict"] {
+    for section in [
+        "Build",
+        "CUDA architectures",
+        "NCCL",
+        "CUDA driver",
+        "Verdict",
+    ] {
         assert!(text.contains(section), "missing {section}:\n{text}");
     }
     assert!(text.contains("reduce_ranks_kernel<float>"), "{text}");
@@ -28,7 +34,10 @@ fn doctor_reports_build_nccl_and_driver_and_exits_zero() {
 }
 
 #[test]
-#[cfg_attr(feature = "gpu-tests", ignore = "asserts the behaviour without a driver")]
+#[cfg_attr(
+    feature = "gpu-tests",
+    ignore = "asserts the behaviour without a driver"
+)]
 fn doctor_explains_a_machine_without_a_gpu() {
     let text = stdout(&tpfuse(&["doctor"], &[]));
     assert!(text.contains("no NVIDIA driver"), "{text}");
@@ -43,13 +52,21 @@ fn doctor_build_lists_every_kernel_with_its_resources() {
         let row = text
             .lines()
             .find(|l| l.contains(&k.arch) && l.trim_end().ends_with(&k.kernel));
-        assert!(row.is_some(), "no row for {} on {}:\n{text}", k.kernel, k.arch);
+        assert!(
+            row.is_some(),
+            "no row for {} on {}:\n{text}",
+            k.kernel,
+            k.arch
+        );
     }
 }
 
 #[test]
 fn doctor_names_a_missing_nccl() {
-    let o = tpfuse(&["doctor"], &[("TPFUSE_NCCL_LIB", "/nonexistent/libnccl.so.2")]);
+    let o = tpfuse(
+        &["doctor"],
+        &[("TPFUSE_NCCL_LIB", "/nonexistent/libnccl.so.2")],
+    );
     let text = stdout(&o);
     assert!(o.status.success());
     assert!(text.contains("NCCL not found"), "{text}");

@@ -16,7 +16,11 @@ fn nccl_loads_and_reports_a_supported_version() {
         "loaded from a path that does not exist: {}",
         info.path
     );
-    assert!(info.header_version.starts_with("2."), "{}", info.header_version);
+    assert!(
+        info.header_version.starts_with("2."),
+        "{}",
+        info.header_version
+    );
 }
 
 #[test]

@@ -14,7 +14,10 @@ fn assert_no_driver<T: std::fmt::Debug>(what: &str, r: tpfuse::Result<T>) {
 }
 
 #[test]
-#[cfg_attr(feature = "gpu-tests", ignore = "asserts the behaviour without a driver")]
+#[cfg_attr(
+    feature = "gpu-tests",
+    ignore = "asserts the behaviour without a driver"
+)]
 fn every_entry_point_reports_no_driver() {
     assert!(!tpfuse::device::driver_present());
     assert_no_driver("require_driver", tpfuse::device::require_driver());
@@ -33,8 +36,14 @@ fn every_entry_point_reports_no_driver() {
 }
 
 #[test]
-#[cfg_attr(feature = "gpu-tests", ignore = "asserts the behaviour without a driver")]
+#[cfg_attr(
+    feature = "gpu-tests",
+    ignore = "asserts the behaviour without a driver"
+)]
 fn the_error_says_what_is_missing() {
     let text = tpfuse::device::open(0).unwrap_err().to_string();
-    assert!(text.contains("no CUDA driver") && text.contains("libcuda"), "{text}");
+    assert!(
+        text.contains("no CUDA driver") && text.contains("libcuda"),
+        "{text}"
+    );
 }

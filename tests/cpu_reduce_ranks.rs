@@ -109,14 +109,20 @@ fn the_exact_reference_rounds_once_to_the_element_type() {
     let got = reduce_ranks_exact(&[&a[..], &b[..], &b[..]]);
     assert_eq!(got[0], bf16::from_f32(1.0 + ulp));
     let stepwise = bf16::from_f32(bf16::from_f32(1.0 + 0.625 * ulp).to_f32() + 0.625 * ulp);
-    assert_eq!(stepwise, bf16::from_f32(1.0 + 2.0 * ulp), "the two orders differ");
+    assert_eq!(
+        stepwise,
+        bf16::from_f32(1.0 + 2.0 * ulp),
+        "the two orders differ"
+    );
 }
 
 #[test]
 fn sharded_sums_match_the_unsharded_f64_reference() {
     // A vector split into W partial sums (as TP ranks hold them) reduces to the full sum.
     let n = 4096;
-    let full: Vec<f64> = (0..n).map(|i| ((i * 37) % 101) as f64 / 7.0 - 5.0).collect();
+    let full: Vec<f64> = (0..n)
+        .map(|i| ((i * 37) % 101) as f64 / 7.0 - 5.0)
+        .collect();
     for w in [2usize, 4, 8] {
         let parts: Vec<Vec<bf16>> = (0..w)
             .map(|r| {

@@ -162,9 +162,7 @@ fn describe_gpus(missing: &mut Vec<String>) {
             .attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .unwrap_or(0);
         let code = format!("sm_{major}{minor}");
-        let native = built
-            .iter()
-            .any(|a| a.trim_end_matches(['a', 'f']) == code);
+        let native = built.iter().any(|a| a.trim_end_matches(['a', 'f']) == code);
         let ptx = built.iter().any(|a| {
             a.strip_prefix("compute_")
                 .and_then(|n| n.parse::<i32>().ok())
@@ -175,7 +173,9 @@ fn describe_gpus(missing: &mut Vec<String>) {
         } else if ptx {
             "PTX, JIT-compiled at first use"
         } else {
-            missing.push(format!("kernels for {code} (GPU {i}): rebuild with TPFUSE_CUDA_ARCHS including {code}"));
+            missing.push(format!(
+                "kernels for {code} (GPU {i}): rebuild with TPFUSE_CUDA_ARCHS including {code}"
+            ));
             "NO kernels for this GPU"
         };
         println!("    {i}: {name}, {code}, {sms} SMs: {how}");
@@ -216,7 +216,10 @@ mod selftest {
         check("NCCL loads", nccl_info().map(|_| ()));
         check("unique ids are distinct and round-trip", unique_ids());
         if tpfuse::device::driver_present() {
-            check("reduce_ranks matches the CPU reference", gpu::reduce_ranks());
+            check(
+                "reduce_ranks matches the CPU reference",
+                gpu::reduce_ranks(),
+            );
             check("one-rank NCCL communicator", gpu::one_rank_comm());
         } else {
             println!("skipped GPU checks: no CUDA driver on this machine");
@@ -236,7 +239,9 @@ mod selftest {
             return Err(tpfuse::Error::Mismatch("two unique ids are equal".into()));
         }
         if UniqueId::from_hex(&a.to_hex())? != a || UniqueId::from_bytes(a.as_bytes())? != a {
-            return Err(tpfuse::Error::Mismatch("unique id round trip changed it".into()));
+            return Err(tpfuse::Error::Mismatch(
+                "unique id round trip changed it".into(),
+            ));
         }
         Ok(())
     }
@@ -274,7 +279,11 @@ mod selftest {
                 let got = stream.clone_dtoh(&out).map_err(cuda("download"))?;
                 let slices: Vec<&[bf16]> = host.iter().map(Vec::as_slice).collect();
                 let want = reduce_ranks_exact(&slices);
-                if got.iter().map(|x| x.to_bits()).ne(want.iter().map(|x| x.to_bits())) {
+                if got
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .ne(want.iter().map(|x| x.to_bits()))
+                {
                     return Err(Error::Mismatch(format!(
                         "reduce_ranks of 4 x {n} bf16 differs from the reference"
                     )));
@@ -311,12 +320,13 @@ mod bench {
     fn measure() -> tpfuse::Result<()> {
         use half::bf16;
         use std::time::Instant;
-        let cuda = |context: &'static str| {
-            move |source| tpfuse::Error::Cuda { context, source }
-        };
+        let cuda = |context: &'static str| move |source| tpfuse::Error::Cuda { context, source };
         let stream = tpfuse::device::open(0)?.default_stream();
         println!("reduce_ranks, bf16, GPU 0 (wall clock around stream sync; criterion benches are the reference)");
-        println!("{:>6} {:>12} {:>10} {:>10}", "inputs", "elements", "us", "GB/s");
+        println!(
+            "{:>6} {:>12} {:>10} {:>10}",
+            "inputs", "elements", "us", "GB/s"
+        );
         for &w in &[2usize, 4, 8] {
             for &n in &[1usize << 16, 1 << 20, 1 << 24] {
                 let inputs = (0..w)
@@ -337,7 +347,11 @@ mod bench {
                 stream.synchronize().map_err(cuda("sync"))?;
                 let secs = t.elapsed().as_secs_f64() / iters as f64;
                 let bytes = ((w + 1) * n * 2) as f64;
-                println!("{w:>6} {n:>12} {:>10.1} {:>10.1}", secs * 1e6, bytes / secs / 1e9);
+                println!(
+                    "{w:>6} {n:>12} {:>10.1} {:>10.1}",
+                    secs * 1e6,
+                    bytes / secs / 1e9
+                );
             }
         }
         Ok(())

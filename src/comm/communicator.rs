@@ -105,7 +105,11 @@ impl UniqueId {
         let f = n.func("ncclGetUniqueId", &n.lib.ncclGetUniqueId)?;
         let mut raw = sys::ncclUniqueId::default();
         // SAFETY: writes one ncclUniqueId.
-        n.check("ncclGetUniqueId", unsafe { f(&mut raw) }, std::ptr::null_mut())?;
+        n.check(
+            "ncclGetUniqueId",
+            unsafe { f(&mut raw) },
+            std::ptr::null_mut(),
+        )?;
         let bytes: Vec<u8> = raw.internal.iter().map(|&c| c as u8).collect();
         UniqueId::from_bytes(&bytes)
     }
@@ -136,7 +140,12 @@ pub fn nccl_info() -> Result<NcclInfo> {
     Ok(NcclInfo {
         version: n.version,
         path: n.path.clone(),
-        header_version: format!("{}.{}.{}", sys::NCCL_MAJOR, sys::NCCL_MINOR, sys::NCCL_PATCH),
+        header_version: format!(
+            "{}.{}.{}",
+            sys::NCCL_MAJOR,
+            sys::NCCL_MINOR,
+            sys::NCCL_PATCH
+        ),
     })
 }
 
@@ -465,7 +474,14 @@ impl Comm {
         recv: &mut impl DevicePtrMut<T>,
     ) -> Result<()> {
         self.on_device("all_gather", send, recv)?;
-        times_world("all_gather", "recv", recv.len(), "send", send.len(), self.world)?;
+        times_world(
+            "all_gather",
+            "recv",
+            recv.len(),
+            "send",
+            send.len(),
+            self.world,
+        )?;
         let f = self.func("ncclAllGather", &self.nccl.lib.ncclAllGather)?;
         let s = self.stream.clone();
         let (sp, _g1) = send.device_ptr(&s);
@@ -522,7 +538,11 @@ impl Comm {
     }
 
     /// Copies `buf` of rank `root` into `buf` of every rank (in place).
-    pub fn broadcast<T: NcclType>(&self, buf: &mut impl DevicePtrMut<T>, root: usize) -> Result<()> {
+    pub fn broadcast<T: NcclType>(
+        &self,
+        buf: &mut impl DevicePtrMut<T>,
+        root: usize,
+    ) -> Result<()> {
         self.on_device("broadcast", &*buf, &*buf)?;
         check_root("broadcast", root, self.world)?;
         let f = self.func("ncclBroadcast", &self.nccl.lib.ncclBroadcast)?;
@@ -668,9 +688,10 @@ impl Comm {
     }
 
     fn async_state(&self) -> Result<sys::ncclResult_t> {
-        let f = self
-            .nccl
-            .func("ncclCommGetAsyncError", &self.nccl.lib.ncclCommGetAsyncError)?;
+        let f = self.nccl.func(
+            "ncclCommGetAsyncError",
+            &self.nccl.lib.ncclCommGetAsyncError,
+        )?;
         let mut state = sys::ncclResult_t_ncclSuccess;
         // SAFETY: reads the state of a live communicator.
         let rc = unsafe { f(self.raw, &mut state) };
@@ -734,10 +755,9 @@ impl Drop for Comm {
             // SAFETY: finalizes a live communicator once.
             Ok(f) => match unsafe { f(self.raw) } {
                 sys::ncclResult_t_ncclSuccess => true,
-                sys::ncclResult_t_ncclInProgress => {
-                    self.settle("ncclCommFinalize", "outstanding work to flush")
-                        .is_ok()
-                }
+                sys::ncclResult_t_ncclInProgress => self
+                    .settle("ncclCommFinalize", "outstanding work to flush")
+                    .is_ok(),
                 _ => false,
             },
             Err(_) => false,

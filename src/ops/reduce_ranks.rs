@@ -39,7 +39,11 @@ pub fn reduce_ranks<T: Element, I: DevicePtr<T>>(
     let out_device = owner(&*out);
     let out_len = out.len();
     let (out_ptr, _out_guard) = out.device_ptr_mut(stream);
-    check_reduce_ranks::<T>(&infos, &BufferInfo::new(out_ptr, out_len, out_device), device)?;
+    check_reduce_ranks::<T>(
+        &infos,
+        &BufferInfo::new(out_ptr, out_len, out_device),
+        device,
+    )?;
     if out_len == 0 {
         return Ok(());
     }
