@@ -1,0 +1,161 @@
+//! Bootstrap: how rank 0's NCCL unique id reaches every rank.
+//!
+//! Before ranks can build a communicator, rank 0 creates a [`UniqueId`] and every other
+//! rank must receive the same 128 bytes. This module does that exchange without NCCL,
+//! in one of two ways:
+//!
+//! - **TCP** ([`serve_tcp`] on rank 0, [`join_tcp`] on the others): rank 0 listens, the
+//!   others connect, say who they are, and get the id back. Use it whenever the ranks can
+//!   reach rank 0's host, e.g. through the `MASTER_ADDR` a launcher already sets.
+//! - **a file** ([`publish_file`] on rank 0, [`read_file`] on the others) on a filesystem
+//!   every rank sees. Each file carries a *run id* so that a file left over from an earlier
+//!   run is never mistaken for this run's.
+//!
+//! [`LaunchEnv`] reads rank, world size and rendezvous settings from the variables of
+//! torchrun, Open MPI or Slurm, and [`unique_id_from_env`] puts it all together. Every wait
+//! is bounded by a timeout; none of these functions can hang.
+//!
+//! # Example
+//!
+//! Under `torchrun --nproc-per-node 8 my_engine` (or `srun`, or `mpirun` with `MASTER_ADDR`
+//! and `MASTER_PORT` exported), every process runs:
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use tpfuse::comm::{bootstrap::{unique_id_from_env, LaunchEnv}, UniqueId};
+//!
+//! # fn create_with_nccl() -> tpfuse::Result<UniqueId> { UniqueId::from_bytes(&[0; 128]) }
+//! let env = LaunchEnv::from_env()?;
+//! // `create_with_nccl` stands for `UniqueId::new`, which asks NCCL for a new id;
+//! // only rank 0 calls it.
+//! let id = unique_id_from_env(&env, create_with_nccl, Duration::from_secs(60))?;
+//! // ... build the communicator of `env.world` ranks with `id` on rank `env.rank`.
+//! # Ok::<(), tpfuse::Error>(())
+//! ```
+//!
+//! The file rendezvous, here between two threads:
+//!
+//! ```
+//! use std::time::Duration;
+//! use tpfuse::comm::{bootstrap, UniqueId};
+//!
+//! let path = std::env::temp_dir().join(format!("tpfuse-doc-{}.id", std::process::id()));
+//! let id = UniqueId::from_bytes(&[42; 128])?;
+//! let reader = {
+//!     let path = path.clone();
+//!     std::thread::spawn(move || bootstrap::read_file(&path, "job-17", 2, Duration::from_secs(5)))
+//! };
+//! bootstrap::publish_file(&path, "job-17", 2, &id)?;
+//! assert_eq!(reader.join().unwrap()?, id);
+//! # std::fs::remove_file(&path).ok();
+//! # Ok::<(), tpfuse::Error>(())
+//! ```
+
+mod file;
+mod launch_env;
+mod tcp;
+
+pub use file::{publish_file, read_file};
+pub use launch_env::{LaunchEnv, Launcher};
+pub use tcp::{join_tcp, serve_tcp, serve_tcp_on};
+
+use crate::comm::unique_id::UniqueId;
+use crate::error::{Error, Result};
+use std::time::{Duration, Instant};
+
+/// Errors unless the world has at least one rank.
+pub(crate) fn check_world(world: usize) -> Result<()> {
+    if world == 0 {
+        return Err(Error::invalid("world", "the world size must be at least 1"));
+    }
+    Ok(())
+}
+
+/// The instant `timeout` from now; a timeout too long to represent is cut to a year.
+pub(crate) fn deadline_after(timeout: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(timeout)
+        .unwrap_or_else(|| now + Duration::from_secs(365 * 24 * 3600))
+}
+
+/// What is left until `deadline`, or `None` once it has passed.
+pub(crate) fn time_left(deadline: Instant) -> Option<Duration> {
+    deadline
+        .checked_duration_since(Instant::now())
+        .filter(|left| !left.is_zero())
+}
+
+/// Gets this run's unique id on every rank, the way the launcher environment `env` says.
+///
+/// Rank 0 calls `create` (the other ranks never do) and shares the result:
+///
+/// - **TCP**, when `MASTER_ADDR` is set: rank 0 serves on port
+///   [`LaunchEnv::rendezvous_port`] of all its interfaces (`0.0.0.0`, or `[::]` when
+///   `MASTER_ADDR` is an IPv6 address), not only on `MASTER_ADDR`'s address: a host's own
+///   name often resolves to a loopback address on the host itself (`127.0.1.1` in
+///   Debian's `/etc/hosts`), which the other nodes could not reach. The other ranks
+///   connect to `MASTER_ADDR`.
+/// - **a file**, when `MASTER_ADDR` is not set and `TPFUSE_RENDEZVOUS_FILE` is: rank 0
+///   publishes at that path, with [`LaunchEnv::run_id`] as the run id.
+///
+/// With `world == 1`, `create` is called and nothing is exchanged. Every wait is bounded
+/// by `timeout`.
+///
+/// # Errors
+///
+/// [`Error::LaunchEnv`] when neither rendezvous is configured, when `MASTER_ADDR` is set
+/// but no port is, or when the file rendezvous is chosen but the launcher gave no run id;
+/// otherwise the errors of `create` and of the rendezvous functions.
+pub fn unique_id_from_env(
+    env: &LaunchEnv,
+    create: impl FnOnce() -> Result<UniqueId>,
+    timeout: Duration,
+) -> Result<UniqueId> {
+    if env.rank >= env.world {
+        return Err(Error::RankOutOfRange {
+            rank: env.rank,
+            world: env.world,
+        });
+    }
+    if env.world == 1 {
+        return create();
+    }
+    if let Some(master) = &env.master_addr {
+        let port = env.rendezvous_port().ok_or_else(|| {
+            Error::LaunchEnv(String::from(
+                "MASTER_ADDR is set but no rendezvous port: set MASTER_PORT (the rendezvous uses MASTER_PORT + 1) or TPFUSE_MASTER_PORT",
+            ))
+        })?;
+        let host = master.trim_start_matches('[').trim_end_matches(']');
+        if env.rank == 0 {
+            let id = create()?;
+            let any = if host.parse::<std::net::Ipv6Addr>().is_ok() {
+                "::"
+            } else {
+                "0.0.0.0"
+            };
+            serve_tcp((any, port), env.world, &id, timeout)?;
+            Ok(id)
+        } else {
+            join_tcp((host, port), env.rank, env.world, timeout)
+        }
+    } else if let Some(path) = &env.rendezvous_file {
+        let run_id = env.run_id.as_deref().ok_or_else(|| {
+            Error::LaunchEnv(format!(
+                "TPFUSE_RENDEZVOUS_FILE is set but {} gave no run id to tell this run's file from an old one; set MASTER_ADDR and MASTER_PORT to use TCP instead",
+                env.launcher
+            ))
+        })?;
+        if env.rank == 0 {
+            let id = create()?;
+            publish_file(path, run_id, env.world, &id)?;
+            Ok(id)
+        } else {
+            read_file(path, run_id, env.world, timeout)
+        }
+    } else {
+        Err(Error::LaunchEnv(String::from(
+            "no rendezvous configured: set MASTER_ADDR and MASTER_PORT (or TPFUSE_MASTER_PORT) for TCP, or TPFUSE_RENDEZVOUS_FILE to a path that every rank sees",
+        )))
+    }
+}
