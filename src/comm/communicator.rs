@@ -6,46 +6,18 @@
 //! the communicator is aborted and the call returns [`Error::Timeout`]. A peer that dies
 //! mid-run therefore surfaces as an error on the survivors, within the timeout.
 
-use super::UniqueId;
+use super::{ReduceOp, UniqueId};
 use crate::device::{cuda, open, require_driver};
-use crate::dtype::NcclType;
 use crate::error::{Error, Result};
 use crate::ffi::kernels;
 use crate::ffi::nccl::{nccl, Nccl};
 use crate::ffi::nccl_sys as sys;
 use crate::validate::owner;
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
+use cudarc::driver::{CudaSlice, CudaStream, DeviceSlice};
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// A reduction for [`Comm::all_reduce`], [`Comm::reduce`] and [`Comm::reduce_scatter`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ReduceOp {
-    /// Sum.
-    Sum,
-    /// Product.
-    Prod,
-    /// Maximum.
-    Max,
-    /// Minimum.
-    Min,
-    /// Average (sum divided by the world size).
-    Avg,
-}
-
-impl ReduceOp {
-    fn raw(self) -> sys::ncclRedOp_t {
-        match self {
-            ReduceOp::Sum => sys::ncclRedOp_t_ncclSum,
-            ReduceOp::Prod => sys::ncclRedOp_t_ncclProd,
-            ReduceOp::Max => sys::ncclRedOp_t_ncclMax,
-            ReduceOp::Min => sys::ncclRedOp_t_ncclMin,
-            ReduceOp::Avg => sys::ncclRedOp_t_ncclAvg,
-        }
-    }
-}
 
 /// How long a communicator waits before it gives up on its peers.
 #[derive(Clone, Copy, Debug)]
@@ -163,27 +135,7 @@ impl Comm {
         require_driver()?;
         check_rank(rank, world)?;
         let n = nccl()?;
-        let init = n.func("ncclCommInitRankConfig", &n.lib.ncclCommInitRankConfig)?;
-        stream
-            .context()
-            .bind_to_thread()
-            .map_err(cuda("binding the context"))?;
-        let mut config = default_config()?;
-        config.blocking = 0;
-        let mut raw: sys::ncclComm_t = std::ptr::null_mut();
-        // SAFETY: `raw` receives the communicator; `config` lives across the call.
-        let rc = unsafe {
-            init(
-                &mut raw,
-                world as i32,
-                id.to_raw(),
-                rank as i32,
-                &mut config,
-            )
-        };
-        if rc != sys::ncclResult_t_ncclInProgress {
-            n.check("ncclCommInitRankConfig", rc, raw)?;
-        }
+        let raw = start_rank(n, id, rank, world, &stream)?;
         Self::finish_init(n, raw, rank, world, stream, options.timeout)
     }
 
@@ -225,9 +177,8 @@ impl Comm {
             .collect::<Result<Vec<_>>>()?;
         let id = UniqueId::new()?;
         let world = ordinals.len();
-        let init = n.func("ncclCommInitRankConfig", &n.lib.ncclCommInitRankConfig)?;
         let mut raws = vec![std::ptr::null_mut(); world];
-        let started = Self::start_all(n, init, &id, &streams, &mut raws);
+        let started = Self::start_all(n, &id, &streams, &mut raws);
         if let Err(e) = started {
             raws.iter().for_each(|&raw| abort_raw(n, raw));
             return Err(e);
@@ -244,35 +195,24 @@ impl Comm {
     /// Issues every rank's non-blocking init inside one group, from this thread.
     fn start_all(
         n: &Nccl,
-        init: &InitRankConfig,
         id: &UniqueId,
         streams: &[Arc<CudaStream>],
         raws: &mut [sys::ncclComm_t],
     ) -> Result<()> {
-        let world = streams.len();
         group_start(n)?;
+        let mut started = Ok(());
         for (rank, stream) in streams.iter().enumerate() {
-            stream
-                .context()
-                .bind_to_thread()
-                .map_err(cuda("binding the context"))?;
-            let mut config = default_config()?;
-            config.blocking = 0;
-            // SAFETY: as in init_rank; inside a group the call only records the request.
-            let rc = unsafe {
-                init(
-                    &mut raws[rank],
-                    world as i32,
-                    id.to_raw(),
-                    rank as i32,
-                    &mut config,
-                )
-            };
-            if rc != sys::ncclResult_t_ncclInProgress {
-                n.check("ncclCommInitRankConfig", rc, raws[rank])?;
+            match start_rank(n, id, rank, streams.len(), stream) {
+                Ok(raw) => raws[rank] = raw,
+                Err(e) => {
+                    started = Err(e);
+                    break;
+                }
             }
         }
-        group_end(n)
+        // The group is closed on every path.
+        let ended = group_end(n);
+        started.and(ended)
     }
 
     fn finish_init(
@@ -317,13 +257,17 @@ impl Comm {
         self.world
     }
 
+    /// The loaded NCCL.
+    pub(super) fn nccl(&self) -> &'static Nccl {
+        self.nccl
+    }
+
     /// The stream every operation is enqueued on.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }
 
-    /// The raw NCCL handle, for the crate's own registration calls.
-    #[allow(dead_code)]
+    /// The raw NCCL handle, for the crate's own calls (collectives, registration).
     pub(crate) fn raw(&self) -> sys::ncclComm_t {
         self.raw
     }
@@ -411,237 +355,8 @@ impl Comm {
         Ok(())
     }
 
-    /// `recv[i] = op over ranks of send[i]`. `send` and `recv` have the same length.
-    pub fn all_reduce<T: NcclType>(
-        &self,
-        send: &impl DevicePtr<T>,
-        recv: &mut impl DevicePtrMut<T>,
-        op: ReduceOp,
-    ) -> Result<()> {
-        self.on_device("all_reduce", send, recv)?;
-        same_len("all_reduce", send.len(), recv.len())?;
-        let f = self.func("ncclAllReduce", &self.nccl.lib.ncclAllReduce)?;
-        let s = self.stream.clone();
-        let (sp, _g1) = send.device_ptr(&s);
-        let (rp, _g2) = recv.device_ptr_mut(&s);
-        // SAFETY: both buffers hold `len` elements of T on this communicator's device and
-        // stay borrowed until the call has been enqueued.
-        let rc = unsafe {
-            f(
-                sp as *const _,
-                rp as *mut _,
-                send.len(),
-                T::NCCL,
-                op.raw(),
-                self.raw,
-                self.cu_stream(),
-            )
-        };
-        self.after("ncclAllReduce", rc)
-    }
-
-    /// In-place [`Comm::all_reduce`].
-    pub fn all_reduce_in_place<T: NcclType>(
-        &self,
-        buf: &mut impl DevicePtrMut<T>,
-        op: ReduceOp,
-    ) -> Result<()> {
-        self.on_device("all_reduce", &*buf, &*buf)?;
-        let f = self.func("ncclAllReduce", &self.nccl.lib.ncclAllReduce)?;
-        let s = self.stream.clone();
-        let len = buf.len();
-        let (p, _g) = buf.device_ptr_mut(&s);
-        // SAFETY: NCCL allows sendbuff == recvbuff; `len` elements of T on this device.
-        let rc = unsafe {
-            f(
-                p as *const _,
-                p as *mut _,
-                len,
-                T::NCCL,
-                op.raw(),
-                self.raw,
-                self.cu_stream(),
-            )
-        };
-        self.after("ncclAllReduce", rc)
-    }
-
-    /// `recv[r * n .. (r + 1) * n] = send` of rank r, where n = `send.len()`;
-    /// `recv.len()` must be `world * send.len()`.
-    pub fn all_gather<T: NcclType>(
-        &self,
-        send: &impl DevicePtr<T>,
-        recv: &mut impl DevicePtrMut<T>,
-    ) -> Result<()> {
-        self.on_device("all_gather", send, recv)?;
-        times_world(
-            "all_gather",
-            "recv",
-            recv.len(),
-            "send",
-            send.len(),
-            self.world,
-        )?;
-        let f = self.func("ncclAllGather", &self.nccl.lib.ncclAllGather)?;
-        let s = self.stream.clone();
-        let (sp, _g1) = send.device_ptr(&s);
-        let (rp, _g2) = recv.device_ptr_mut(&s);
-        // SAFETY: lengths checked above; buffers borrowed until enqueued.
-        let rc = unsafe {
-            f(
-                sp as *const _,
-                rp as *mut _,
-                send.len(),
-                T::NCCL,
-                self.raw,
-                self.cu_stream(),
-            )
-        };
-        self.after("ncclAllGather", rc)
-    }
-
-    /// `recv = (op over ranks of send)[rank * n .. (rank + 1) * n]`, where n = `recv.len()`;
-    /// `send.len()` must be `world * recv.len()`.
-    pub fn reduce_scatter<T: NcclType>(
-        &self,
-        send: &impl DevicePtr<T>,
-        recv: &mut impl DevicePtrMut<T>,
-        op: ReduceOp,
-    ) -> Result<()> {
-        self.on_device("reduce_scatter", send, recv)?;
-        times_world(
-            "reduce_scatter",
-            "send",
-            send.len(),
-            "recv",
-            recv.len(),
-            self.world,
-        )?;
-        let f = self.func("ncclReduceScatter", &self.nccl.lib.ncclReduceScatter)?;
-        let s = self.stream.clone();
-        let (sp, _g1) = send.device_ptr(&s);
-        let count = recv.len();
-        let (rp, _g2) = recv.device_ptr_mut(&s);
-        // SAFETY: lengths checked above; buffers borrowed until enqueued.
-        let rc = unsafe {
-            f(
-                sp as *const _,
-                rp as *mut _,
-                count,
-                T::NCCL,
-                op.raw(),
-                self.raw,
-                self.cu_stream(),
-            )
-        };
-        self.after("ncclReduceScatter", rc)
-    }
-
-    /// Copies `buf` of rank `root` into `buf` of every rank (in place).
-    pub fn broadcast<T: NcclType>(
-        &self,
-        buf: &mut impl DevicePtrMut<T>,
-        root: usize,
-    ) -> Result<()> {
-        self.on_device("broadcast", &*buf, &*buf)?;
-        check_root("broadcast", root, self.world)?;
-        let f = self.func("ncclBroadcast", &self.nccl.lib.ncclBroadcast)?;
-        let s = self.stream.clone();
-        let len = buf.len();
-        let (p, _g) = buf.device_ptr_mut(&s);
-        // SAFETY: in-place broadcast is allowed; `len` elements of T on this device.
-        let rc = unsafe {
-            f(
-                p as *const _,
-                p as *mut _,
-                len,
-                T::NCCL,
-                root as i32,
-                self.raw,
-                self.cu_stream(),
-            )
-        };
-        self.after("ncclBroadcast", rc)
-    }
-
-    /// `recv = op over ranks of send`, written on rank `root` only (`recv` is untouched
-    /// elsewhere). `send` and `recv` have the same length.
-    pub fn reduce<T: NcclType>(
-        &self,
-        send: &impl DevicePtr<T>,
-        recv: &mut impl DevicePtrMut<T>,
-        op: ReduceOp,
-        root: usize,
-    ) -> Result<()> {
-        self.on_device("reduce", send, recv)?;
-        same_len("reduce", send.len(), recv.len())?;
-        check_root("reduce", root, self.world)?;
-        let f = self.func("ncclReduce", &self.nccl.lib.ncclReduce)?;
-        let s = self.stream.clone();
-        let (sp, _g1) = send.device_ptr(&s);
-        let (rp, _g2) = recv.device_ptr_mut(&s);
-        // SAFETY: lengths checked above; buffers borrowed until enqueued.
-        let rc = unsafe {
-            f(
-                sp as *const _,
-                rp as *mut _,
-                send.len(),
-                T::NCCL,
-                op.raw(),
-                root as i32,
-                self.raw,
-                self.cu_stream(),
-            )
-        };
-        self.after("ncclReduce", rc)
-    }
-
-    /// Sends `buf` to rank `peer`, which must post a matching [`Comm::recv`]. Pair sends and
-    /// receives between the same ranks inside [`group`] to avoid deadlock.
-    pub fn send<T: NcclType>(&self, buf: &impl DevicePtr<T>, peer: usize) -> Result<()> {
-        self.on_device("send", buf, buf)?;
-        check_root("send", peer, self.world)?;
-        let f = self.func("ncclSend", &self.nccl.lib.ncclSend)?;
-        let s = self.stream.clone();
-        let (p, _g) = buf.device_ptr(&s);
-        // SAFETY: `len` elements of T on this device, borrowed until enqueued.
-        let rc = unsafe {
-            f(
-                p as *const _,
-                buf.len(),
-                T::NCCL,
-                peer as i32,
-                self.raw,
-                self.cu_stream(),
-            )
-        };
-        self.after("ncclSend", rc)
-    }
-
-    /// Receives into `buf` from rank `peer` (see [`Comm::send`]).
-    pub fn recv<T: NcclType>(&self, buf: &mut impl DevicePtrMut<T>, peer: usize) -> Result<()> {
-        self.on_device("recv", &*buf, &*buf)?;
-        check_root("recv", peer, self.world)?;
-        let f = self.func("ncclRecv", &self.nccl.lib.ncclRecv)?;
-        let s = self.stream.clone();
-        let len = buf.len();
-        let (p, _g) = buf.device_ptr_mut(&s);
-        // SAFETY: `len` elements of T on this device, borrowed until enqueued.
-        let rc = unsafe {
-            f(
-                p as *mut _,
-                len,
-                T::NCCL,
-                peer as i32,
-                self.raw,
-                self.cu_stream(),
-            )
-        };
-        self.after("ncclRecv", rc)
-    }
-
     /// Errors unless both buffers live on the communicator's device.
-    fn on_device<T>(
+    pub(super) fn on_device<T>(
         &self,
         op: &str,
         a: &impl DeviceSlice<T>,
@@ -659,11 +374,11 @@ impl Comm {
         Ok(())
     }
 
-    fn cu_stream(&self) -> sys::cudaStream_t {
+    pub(super) fn cu_stream(&self) -> sys::cudaStream_t {
         self.stream.cu_stream() as sys::cudaStream_t
     }
 
-    fn func<'a, F>(
+    pub(super) fn func<'a, F>(
         &self,
         name: &'static str,
         f: &'a std::result::Result<F, libloading::Error>,
@@ -712,7 +427,7 @@ impl Comm {
     }
 
     /// Handles a call's result: success, an error, or "in progress", which is polled.
-    fn after(&self, call: &'static str, rc: sys::ncclResult_t) -> Result<()> {
+    pub(super) fn after(&self, call: &'static str, rc: sys::ncclResult_t) -> Result<()> {
         match rc {
             sys::ncclResult_t_ncclSuccess => Ok(()),
             sys::ncclResult_t_ncclInProgress => self.settle(call, "NCCL to accept the call"),
@@ -773,13 +488,38 @@ impl Drop for Comm {
     }
 }
 
-type InitRankConfig = unsafe extern "C" fn(
-    *mut sys::ncclComm_t,
-    std::ffi::c_int,
-    sys::ncclUniqueId,
-    std::ffi::c_int,
-    *mut sys::ncclConfig_t,
-) -> sys::ncclResult_t;
+/// Starts rank `rank`'s non-blocking init on `stream`'s device; the returned communicator
+/// is still joining (see [`Comm::finish_init`]).
+fn start_rank(
+    n: &Nccl,
+    id: &UniqueId,
+    rank: usize,
+    world: usize,
+    stream: &CudaStream,
+) -> Result<sys::ncclComm_t> {
+    let init = n.func("ncclCommInitRankConfig", &n.lib.ncclCommInitRankConfig)?;
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(cuda("binding the context"))?;
+    let mut config = default_config()?;
+    config.blocking = 0;
+    let mut raw: sys::ncclComm_t = std::ptr::null_mut();
+    // SAFETY: `raw` receives the communicator; `config` lives across the call.
+    let rc = unsafe {
+        init(
+            &mut raw,
+            world as i32,
+            id.to_raw(),
+            rank as i32,
+            &mut config,
+        )
+    };
+    if rc != sys::ncclResult_t_ncclInProgress {
+        n.check("ncclCommInitRankConfig", rc, raw)?;
+    }
+    Ok(raw)
+}
 
 fn abort_raw(n: &Nccl, raw: sys::ncclComm_t) {
     if raw.is_null() {
@@ -846,66 +586,4 @@ fn check_rank(rank: usize, world: usize) -> Result<()> {
         return Err(Error::invalid("world", "larger than NCCL supports"));
     }
     Ok(())
-}
-
-fn check_root(op: &str, root: usize, world: usize) -> Result<()> {
-    if root >= world {
-        return Err(Error::invalid(
-            format!("{op}: peer/root"),
-            format!("rank {root} does not exist in a world of {world}"),
-        ));
-    }
-    Ok(())
-}
-
-fn same_len(op: &str, send: usize, recv: usize) -> Result<()> {
-    if send != recv {
-        return Err(Error::invalid(
-            format!("{op}: recv"),
-            format!("holds {recv} elements but send holds {send}"),
-        ));
-    }
-    Ok(())
-}
-
-/// Checks `big == world * small` for the gather/scatter pairs.
-fn times_world(
-    op: &str,
-    big_name: &str,
-    big: usize,
-    small_name: &str,
-    small: usize,
-    world: usize,
-) -> Result<()> {
-    if small.checked_mul(world) != Some(big) {
-        return Err(Error::invalid(
-            format!("{op}: {big_name}"),
-            format!(
-                "holds {big} elements but must hold world ({world}) x {small_name} ({small}) = {}",
-                small.saturating_mul(world)
-            ),
-        ));
-    }
-    Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn length_checks_name_the_argument() {
-        let e = times_world("all_gather", "recv", 10, "send", 3, 4).unwrap_err();
-        assert!(e.to_string().contains("all_gather: recv"), "{e}");
-        assert!(e.to_string().contains("world (4) x send (3) = 12"), "{e}");
-        assert!(times_world("all_gather", "recv", 12, "send", 3, 4).is_ok());
-        assert!(same_len("all_reduce", 3, 4).is_err());
-        assert!(check_root("broadcast", 4, 4).is_err());
-        assert!(check_root("broadcast", 3, 4).is_ok());
-        assert!(matches!(
-            check_rank(2, 2),
-            Err(Error::RankOutOfRange { rank: 2, world: 2 })
-        ));
-        assert!(check_rank(0, 0).is_err());
-    }
 }

@@ -2,8 +2,10 @@
 //! to every rank.
 
 pub mod bootstrap;
+mod collectives;
 mod communicator;
 mod unique_id;
 
-pub use communicator::{group, nccl_info, Comm, CommOptions, NcclInfo, ReduceOp};
+pub use collectives::ReduceOp;
+pub use communicator::{group, nccl_info, Comm, CommOptions, NcclInfo};
 pub use unique_id::{UniqueId, UNIQUE_ID_BYTES};
