@@ -6,6 +6,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <atomic>
+
 #include "tpfuse.h"
 
 namespace tpfuse {
@@ -57,14 +59,28 @@ __device__ __forceinline__ size_t global_thread_count() {
   return static_cast<size_t>(gridDim.x) * blockDim.x;
 }
 
-// Host: launch config for a grid-stride kernel over `work` items, at most a few waves.
-inline unsigned grid_for(size_t work, unsigned threads) {
-  int device = 0, sms = 1;
-  if (cudaGetDevice(&device) == cudaSuccess) {
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+// Host: the SM count of the current device, queried once per device and cached (the
+// launch path stays free of repeated driver queries).
+inline int current_sm_count() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return 1;
+  int sms = cache[device].load(std::memory_order_relaxed);
+  if (sms <= 0) {
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+        sms <= 0) {
+      return 1;
+    }
+    cache[device].store(sms, std::memory_order_relaxed);
   }
+  return sms;
+}
+
+// Host: launch config for a grid-stride kernel over `work` items, at most 8 blocks per SM.
+inline unsigned grid_for(size_t work, unsigned threads) {
   size_t blocks = (work + threads - 1) / threads;
-  size_t cap = static_cast<size_t>(sms > 0 ? sms : 1) * 8;
+  size_t cap = static_cast<size_t>(current_sm_count()) * 8;
   if (blocks > cap) blocks = cap;
   return blocks == 0 ? 1u : static_cast<unsigned>(blocks);
 }

@@ -49,7 +49,7 @@ impl Comm {
         let f = self.func("ncclAllReduce", &self.nccl().lib.ncclAllReduce)?;
         let n = send.len();
         // SAFETY (closure): both buffers hold `n` elements of T on this device.
-        self.send_recv("ncclAllReduce", send, recv, |s, r, stream| unsafe {
+        self.send_recv("ncclAllReduce", send, recv, 0, |s, r, stream| unsafe {
             f(s, r, n, T::NCCL, op.raw(), self.raw(), stream)
         })
     }
@@ -85,10 +85,15 @@ impl Comm {
         )?;
         let f = self.func("ncclAllGather", &self.nccl().lib.ncclAllGather)?;
         let n = send.len();
+        let in_place_at = (self.rank() * n) as i128;
         // SAFETY (closure): lengths checked above.
-        self.send_recv("ncclAllGather", send, recv, |s, r, stream| unsafe {
-            f(s, r, n, T::NCCL, self.raw(), stream)
-        })
+        self.send_recv(
+            "ncclAllGather",
+            send,
+            recv,
+            in_place_at,
+            |s, r, stream| unsafe { f(s, r, n, T::NCCL, self.raw(), stream) },
+        )
     }
 
     /// `recv = (op over ranks of send)[rank * n .. (rank + 1) * n]`, where n = `recv.len()`;
@@ -109,10 +114,15 @@ impl Comm {
             self.world(),
         )?;
         let f = self.func("ncclReduceScatter", &self.nccl().lib.ncclReduceScatter)?;
+        let in_place_at = -((self.rank() * n) as i128);
         // SAFETY (closure): lengths checked above.
-        self.send_recv("ncclReduceScatter", send, recv, |s, r, stream| unsafe {
-            f(s, r, n, T::NCCL, op.raw(), self.raw(), stream)
-        })
+        self.send_recv(
+            "ncclReduceScatter",
+            send,
+            recv,
+            in_place_at,
+            |s, r, stream| unsafe { f(s, r, n, T::NCCL, op.raw(), self.raw(), stream) },
+        )
     }
 
     /// Copies `buf` of rank `root` into `buf` of every rank (in place).
@@ -144,7 +154,7 @@ impl Comm {
         let f = self.func("ncclReduce", &self.nccl().lib.ncclReduce)?;
         let n = send.len();
         // SAFETY (closure): lengths checked above.
-        self.send_recv("ncclReduce", send, recv, |s, r, stream| unsafe {
+        self.send_recv("ncclReduce", send, recv, 0, |s, r, stream| unsafe {
             f(s, r, n, T::NCCL, op.raw(), root as i32, self.raw(), stream)
         })
     }
@@ -184,17 +194,24 @@ impl Comm {
 
     /// Enqueues `call` on a send and a receive buffer: checks their device, holds cudarc's
     /// stream-ordering guards while the call is issued, and handles the result.
+    ///
+    /// `send` and `recv` must be disjoint, or overlap exactly the way NCCL's in-place form
+    /// of the call wants: `send` starting `in_place_at` elements after `recv`.
     fn send_recv<T>(
         &self,
         call: &'static str,
         send: &impl DevicePtr<T>,
         recv: &mut impl DevicePtrMut<T>,
+        in_place_at: i128,
         issue: impl FnOnce(*const c_void, *mut c_void, Stream) -> sys::ncclResult_t,
     ) -> Result<()> {
         self.on_device(call, send, &*recv)?;
+        let (send_len, recv_len) = (send.len(), recv.len());
         let stream = self.stream().clone();
         let (s, _send_guard) = send.device_ptr(&stream);
         let (r, _recv_guard) = recv.device_ptr_mut(&stream);
+        let send_span = (s, send_len);
+        check_in_place::<T>(call, send_span, (r, recv_len), in_place_at)?;
         let rc = issue(s as *const c_void, r as *mut c_void, self.cu_stream());
         self.after(call, rc)
     }
@@ -212,6 +229,28 @@ impl Comm {
         let rc = issue(p as *mut c_void, self.cu_stream());
         self.after(call, rc)
     }
+}
+
+/// `send` and `recv` (address, elements) are disjoint, or `send` starts exactly
+/// `in_place_at` elements after `recv`.
+fn check_in_place<T>(
+    call: &str,
+    (send, send_len): (u64, usize),
+    (recv, recv_len): (u64, usize),
+    in_place_at: i128,
+) -> Result<()> {
+    let size = std::mem::size_of::<T>() as i128;
+    let (s0, r0) = (send as i128, recv as i128);
+    let overlap = s0 < r0 + recv_len as i128 * size && r0 < s0 + send_len as i128 * size;
+    if overlap && send_len > 0 && recv_len > 0 && s0 - r0 != in_place_at * size {
+        return Err(Error::invalid(
+            call,
+            format!(
+                "send and recv overlap; in place, send must start {in_place_at} elements into recv"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn check_peer(op: &str, peer: usize, world: usize) -> Result<()> {
@@ -270,5 +309,22 @@ mod tests {
         assert!(same_len("all_reduce", 4, 4).is_ok());
         assert!(check_peer("broadcast", 4, 4).is_err());
         assert!(check_peer("broadcast", 3, 4).is_ok());
+    }
+
+    #[test]
+    fn overlapping_buffers_must_be_the_in_place_form() {
+        let base = 0x1000u64;
+        // all_reduce: disjoint or identical.
+        assert!(check_in_place::<f32>("ar", (base, 16), (base + 64, 16), 0).is_ok());
+        assert!(check_in_place::<f32>("ar", (base, 16), (base, 16), 0).is_ok());
+        assert!(check_in_place::<f32>("ar", (base + 4, 16), (base, 16), 0).is_err());
+        // all_gather, rank 2 of 4, n = 8: send = recv + 16 elements.
+        let recv = (base, 32);
+        assert!(check_in_place::<u16>("ag", (base + 32, 8), recv, 16).is_ok());
+        assert!(check_in_place::<u16>("ag", (base + 30, 8), recv, 16).is_err());
+        // reduce_scatter, rank 1, n = 8: recv = send + 8 elements.
+        assert!(check_in_place::<f64>("rs", (base, 32), (base + 64, 8), -8).is_ok());
+        let e = check_in_place::<f64>("rs", (base, 32), (base + 128, 8), -8).unwrap_err();
+        assert!(e.to_string().contains("-8 elements"), "{e}");
     }
 }

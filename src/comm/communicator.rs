@@ -304,10 +304,12 @@ impl Comm {
                 cudarc::driver::sys::CUresult::CUDA_SUCCESS => return Ok(()),
                 cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY => {}
                 other => {
+                    // A failed stream leaves the context unusable: so is the communicator.
+                    self.abort();
                     return Err(Error::Cuda {
                         context: "waiting for the communicator's stream",
                         source: cudarc::driver::DriverError(other),
-                    })
+                    });
                 }
             }
             self.check_async()?;

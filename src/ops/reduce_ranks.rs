@@ -27,26 +27,28 @@ pub fn reduce_ranks<T: Element, I: DevicePtr<T>>(
     out: &mut impl DevicePtrMut<T>,
 ) -> Result<()> {
     let device = stream.context().ordinal();
+    // Count, devices and lengths first, before any pointer is taken: taking the pointer of a
+    // buffer on another device would order that device's events on this stream.
+    let mut infos: Vec<BufferInfo> = inputs
+        .iter()
+        .map(|input| BufferInfo::new(0, input.len(), owner(*input)))
+        .collect();
+    let mut out_info = BufferInfo::new(0, out.len(), owner(&*out));
+    check_shapes(&infos, &out_info, device)?;
+    if out_info.len == 0 {
+        return Ok(());
+    }
     let mut guards = Vec::with_capacity(inputs.len());
     let mut ptrs = Vec::with_capacity(inputs.len());
-    let mut infos = Vec::with_capacity(inputs.len());
-    for input in inputs {
+    for (input, info) in inputs.iter().zip(&mut infos) {
         let (ptr, guard) = input.device_ptr(stream);
-        infos.push(BufferInfo::new(ptr, input.len(), owner(*input)));
+        info.addr = ptr;
         ptrs.push(ptr as *const std::ffi::c_void);
         guards.push(guard);
     }
-    let out_device = owner(&*out);
-    let out_len = out.len();
     let (out_ptr, _out_guard) = out.device_ptr_mut(stream);
-    check_reduce_ranks::<T>(
-        &infos,
-        &BufferInfo::new(out_ptr, out_len, out_device),
-        device,
-    )?;
-    if out_len == 0 {
-        return Ok(());
-    }
+    out_info.addr = out_ptr;
+    check_overlaps::<T>(&infos, &out_info)?;
     stream
         .context()
         .bind_to_thread()
@@ -60,7 +62,7 @@ pub fn reduce_ranks<T: Element, I: DevicePtr<T>>(
             ptrs.as_ptr(),
             ptrs.len() as i32,
             out_ptr as *mut std::ffi::c_void,
-            out_len,
+            out_info.len,
             stream.cu_stream() as *mut std::ffi::c_void,
         )
     };
@@ -73,6 +75,12 @@ pub fn check_reduce_ranks<T: Element>(
     out: &BufferInfo,
     device: usize,
 ) -> Result<()> {
+    check_shapes(inputs, out, device)?;
+    check_overlaps::<T>(inputs, out)
+}
+
+/// The number of inputs, their devices and lengths.
+fn check_shapes(inputs: &[BufferInfo], out: &BufferInfo, device: usize) -> Result<()> {
     if inputs.is_empty() || inputs.len() > MAX_REDUCE_INPUTS {
         return Err(Error::invalid(
             "inputs",
@@ -92,7 +100,14 @@ pub fn check_reduce_ranks<T: Element>(
                 format!("holds {} elements but out holds {}", input.len, out.len),
             ));
         }
-        check_disjoint::<T>(&name, input, "out", out)?;
+    }
+    Ok(())
+}
+
+/// `out` shares no byte with any input.
+fn check_overlaps<T: Element>(inputs: &[BufferInfo], out: &BufferInfo) -> Result<()> {
+    for (r, input) in inputs.iter().enumerate() {
+        check_disjoint::<T>(&format!("inputs[{r}]"), input, "out", out)?;
     }
     Ok(())
 }
