@@ -40,7 +40,7 @@ fn check_run_id(run_id: &str) -> Result<()> {
 /// The write is atomic: the file is written under a temporary name in the same directory
 /// and renamed over `path`, replacing any file already there (such as one from an earlier
 /// run). `run_id` must be the token the readers pass to [`read_file`]: the launcher's job id
-/// ([`LaunchEnv::run_id`]) or any other token that is the same on every rank of this run
+/// ([`LaunchEnv::run_id`](super::LaunchEnv::run_id)) or any other token that is the same on every rank of this run
 /// and new for each run.
 ///
 /// # Errors
@@ -139,7 +139,7 @@ fn inspect_file(path: &Path, run_id: &str, world: usize) -> Result<FileState> {
 /// Polls the file, sleeping 10 ms at first and up to 100 ms between looks. The run id
 /// decides what is stale: a file with another run id is left over from an earlier run and
 /// is never returned, however long it stays; the wait goes on until rank 0 replaces it or
-/// the timeout passes. Pass the launcher's job id ([`LaunchEnv::run_id`]) or any other
+/// the timeout passes. Pass the launcher's job id ([`LaunchEnv::run_id`](super::LaunchEnv::run_id)) or any other
 /// token that is the same on every rank of this run and new for each run.
 ///
 /// # Errors
