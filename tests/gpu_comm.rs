@@ -18,7 +18,6 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use std::fmt::Debug;
 use std::io::Write as _;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -26,6 +25,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tpfuse::comm::{group, Comm, CommOptions, ReduceOp, UniqueId};
 use tpfuse::{Error, NcclType};
+
+mod common;
+use common::{assert_same_bits, Bits};
 
 const OPS: [ReduceOp; 5] = [
     ReduceOp::Sum,
@@ -39,92 +41,30 @@ const OPS: [ReduceOp; 5] = [
 const WORLD_ONE_LENGTHS: [usize; 4] = [1, 17, 4097, 1 << 20];
 
 /// A value type the tests move through NCCL.
-trait Val: NcclType + PartialEq + Debug {
+trait Val: NcclType + Bits + PartialEq {
     const NAME: &'static str;
-    /// A random value; never [`Val::poison`].
+    /// A random value; never [`Bits::poison`].
     fn random(rng: &mut StdRng) -> Self;
-    /// What outputs hold before a call (NaN for floats; a value `random` never gives).
-    fn poison() -> Self;
-    /// The bit pattern, for exact comparisons.
-    fn bits(self) -> u64;
 }
 
-impl Val for f32 {
-    const NAME: &'static str = "f32";
-    fn random(rng: &mut StdRng) -> Self {
-        rng.random_range(-4.0f32..4.0)
-    }
-    fn poison() -> Self {
-        f32::NAN
-    }
-    fn bits(self) -> u64 {
-        u64::from(self.to_bits())
-    }
+macro_rules! val {
+    ($($t:ty => $name:literal, |$rng:ident| $random:expr);* $(;)?) => {
+        $(impl Val for $t {
+            const NAME: &'static str = $name;
+            fn random($rng: &mut StdRng) -> Self {
+                $random
+            }
+        })*
+    };
 }
 
-impl Val for f64 {
-    const NAME: &'static str = "f64";
-    fn random(rng: &mut StdRng) -> Self {
-        rng.random_range(-4.0f64..4.0)
-    }
-    fn poison() -> Self {
-        f64::NAN
-    }
-    fn bits(self) -> u64 {
-        self.to_bits()
-    }
-}
-
-impl Val for f16 {
-    const NAME: &'static str = "f16";
-    fn random(rng: &mut StdRng) -> Self {
-        f16::from_f32(rng.random_range(-4.0f32..4.0))
-    }
-    fn poison() -> Self {
-        f16::NAN
-    }
-    fn bits(self) -> u64 {
-        u64::from(self.to_bits())
-    }
-}
-
-impl Val for bf16 {
-    const NAME: &'static str = "bf16";
-    fn random(rng: &mut StdRng) -> Self {
-        bf16::from_f32(rng.random_range(-4.0f32..4.0))
-    }
-    fn poison() -> Self {
-        bf16::NAN
-    }
-    fn bits(self) -> u64 {
-        u64::from(self.to_bits())
-    }
-}
-
-impl Val for i32 {
-    const NAME: &'static str = "i32";
-    fn random(rng: &mut StdRng) -> Self {
-        rng.random_range(-1_000_000..1_000_000)
-    }
-    fn poison() -> Self {
-        i32::MIN
-    }
-    fn bits(self) -> u64 {
-        u64::from(self as u32)
-    }
-}
-
-impl Val for u8 {
-    const NAME: &'static str = "u8";
-    fn random(rng: &mut StdRng) -> Self {
-        rng.random_range(0..=254)
-    }
-    fn poison() -> Self {
-        u8::MAX
-    }
-    fn bits(self) -> u64 {
-        u64::from(self)
-    }
+val! {
+    f32 => "f32", |rng| rng.random_range(-4.0f32..4.0);
+    f64 => "f64", |rng| rng.random_range(-4.0f64..4.0);
+    f16 => "f16", |rng| f16::from_f32(rng.random_range(-4.0f32..4.0));
+    bf16 => "bf16", |rng| bf16::from_f32(rng.random_range(-4.0f32..4.0));
+    i32 => "i32", |rng| rng.random_range(-1_000_000..1_000_000);
+    u8 => "u8", |rng| rng.random_range(0..=254);
 }
 
 fn splitmix64(mut x: u64) -> u64 {
@@ -132,27 +72,6 @@ fn splitmix64(mut x: u64) -> u64 {
     x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     x ^ (x >> 31)
-}
-
-fn assert_same_bits<T: Val>(label: &str, got: &[T], want: &[T]) {
-    assert_eq!(got.len(), want.len(), "{label}: length");
-    let bad: Vec<usize> = (0..got.len())
-        .filter(|&i| got[i].bits() != want[i].bits())
-        .collect();
-    if let Some(&i) = bad.first() {
-        let poisoned = bad
-            .iter()
-            .filter(|&&j| got[j].bits() == T::poison().bits())
-            .count();
-        panic!(
-            "{label}: {} of {} elements differ ({poisoned} still hold the poison, i.e. were \
-             never written); first at {i}: got {:?}, want {:?}",
-            bad.len(),
-            got.len(),
-            got[i],
-            want[i]
-        );
-    }
 }
 
 fn fresh_id() -> UniqueId {

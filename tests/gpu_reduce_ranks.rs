@@ -12,11 +12,13 @@
 //! The seed of every case derives from `TPFUSE_TEST_SEED` (a fixed default when unset), so a
 //! failure names the seed that reproduces it.
 
+mod common;
+use common::{assert_same_bits, Bits};
+
 use cudarc::driver::{CudaSlice, CudaStream, CudaView};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use std::fmt::Debug;
 use std::ops::Range;
 use std::sync::Arc;
 use tpfuse::ops::reduce_ranks;
@@ -49,41 +51,26 @@ enum Variant {
 }
 
 /// What the tests need of an element type beyond [`Element`].
-trait TestElement: Element + Debug {
+trait TestElement: Element + Bits {
     /// Distinguishes the dtypes in seeds.
     const ID: u64;
     /// Bound on the relative Frobenius error against the f64 reference.
     const TOLERANCE: f64;
-    /// The bit pattern, for exact comparisons (NaN-safe, tells -0 from +0).
-    fn bits(self) -> u32;
-    /// What outputs are filled with before a launch.
-    fn poison() -> Self {
-        Self::from_f32(f32::NAN)
-    }
 }
 
 impl TestElement for f32 {
     const ID: u64 = 1;
     const TOLERANCE: f64 = 1e-6;
-    fn bits(self) -> u32 {
-        self.to_bits()
-    }
 }
 
 impl TestElement for f16 {
     const ID: u64 = 2;
     const TOLERANCE: f64 = 2e-3;
-    fn bits(self) -> u32 {
-        u32::from(self.to_bits())
-    }
 }
 
 impl TestElement for bf16 {
     const ID: u64 = 3;
     const TOLERANCE: f64 = 1e-2;
-    fn bits(self) -> u32 {
-        u32::from(self.to_bits())
-    }
 }
 
 /// A stream on GPU 0. A missing driver or GPU fails the test (it never skips).
@@ -173,30 +160,6 @@ fn references<T: TestElement>(inputs: &[Vec<T>], range: Range<usize>) -> (Vec<T>
         wide.extend(w);
     }
     (exact, wide)
-}
-
-/// Asserts `got` has the bits of `want` everywhere.
-fn assert_same_bits<T: TestElement>(label: &str, got: &[T], want: &[T]) {
-    assert_eq!(got.len(), want.len(), "{label}: length");
-    let bad: Vec<usize> = (0..got.len())
-        .filter(|&i| got[i].bits() != want[i].bits())
-        .collect();
-    if let Some(&i) = bad.first() {
-        let poisoned = bad
-            .iter()
-            .filter(|&&j| got[j].bits() == T::poison().bits())
-            .count();
-        panic!(
-            "{label}: {} of {} elements differ ({poisoned} still hold the NaN poison, i.e. were \
-             never written); first at {i}: got {:?} (bits {:#x}), want {:?} (bits {:#x})",
-            bad.len(),
-            got.len(),
-            got[i],
-            got[i].bits(),
-            want[i],
-            want[i].bits()
-        );
-    }
 }
 
 /// Bitwise against the exact emulation, then the error bound against the f64 reference.

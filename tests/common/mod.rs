@@ -1,0 +1,63 @@
+//! Helpers shared by the GPU tests: exact comparison of element bits, and poison values
+//! that an output holds before a call so that an element never written fails the check.
+#![allow(dead_code)]
+
+use half::{bf16, f16};
+use std::fmt::Debug;
+
+/// A type whose values the tests compare bit for bit.
+pub trait Bits: Copy + Debug {
+    /// The bit pattern (NaN-safe, tells -0 from +0).
+    fn bits(self) -> u64;
+    /// What outputs are filled with before a call: NaN for floats, a value the tests never
+    /// generate for integers.
+    fn poison() -> Self;
+}
+
+macro_rules! bits {
+    ($($t:ty => $poison:expr, |$x:ident| $bits:expr);* $(;)?) => {
+        $(impl Bits for $t {
+            fn bits(self) -> u64 {
+                let $x = self;
+                $bits
+            }
+            fn poison() -> Self {
+                $poison
+            }
+        })*
+    };
+}
+
+bits! {
+    f32 => f32::NAN, |x| u64::from(x.to_bits());
+    f64 => f64::NAN, |x| x.to_bits();
+    f16 => f16::NAN, |x| u64::from(x.to_bits());
+    bf16 => bf16::NAN, |x| u64::from(x.to_bits());
+    i32 => i32::MIN, |x| u64::from(x as u32);
+    u8 => u8::MAX, |x| u64::from(x);
+}
+
+/// Asserts `got` has the bits of `want` everywhere; the message counts the elements that
+/// differ and how many of them still hold the poison (were never written).
+pub fn assert_same_bits<T: Bits>(label: &str, got: &[T], want: &[T]) {
+    assert_eq!(got.len(), want.len(), "{label}: length");
+    let bad: Vec<usize> = (0..got.len())
+        .filter(|&i| got[i].bits() != want[i].bits())
+        .collect();
+    if let Some(&i) = bad.first() {
+        let poisoned = bad
+            .iter()
+            .filter(|&&j| got[j].bits() == T::poison().bits())
+            .count();
+        panic!(
+            "{label}: {} of {} elements differ ({poisoned} still hold the poison, i.e. were \
+             never written); first at {i}: got {:?} (bits {:#x}), want {:?} (bits {:#x})",
+            bad.len(),
+            got.len(),
+            got[i],
+            got[i].bits(),
+            want[i],
+            want[i].bits()
+        );
+    }
+}
