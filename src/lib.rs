@@ -60,6 +60,7 @@ pub mod error;
 mod ffi;
 pub mod ops;
 pub mod reference;
+pub mod topology;
 pub mod validate;
 
 pub use dtype::{Element, NcclType};

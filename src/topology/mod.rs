@@ -1,0 +1,11 @@
+//! Topology: what connects the GPUs (from NVML), and the policy that decides which
+//! algorithms a set of ranks can use.
+
+mod model;
+mod nvml;
+
+pub use model::{
+    normalize_bus_id, same_bus_id, Ancestor, ComputeCapability, Gpu, GpuPair, LinkRemote,
+    NvLink, P2p, P2pStatus, Topology,
+};
+pub use nvml::{discover, Discovery};
