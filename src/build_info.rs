@@ -17,7 +17,7 @@ pub const NCCL_HEADER: &str = env!("TPFUSE_BUILD_NCCL_HEADER");
 const PTXAS_REPORT: &str = include_str!(concat!(env!("OUT_DIR"), "/ptxas_report.tsv"));
 
 /// One kernel on one architecture, as ptxas reported it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct KernelResources {
     /// e.g. "sm_90a".
     pub arch: String,

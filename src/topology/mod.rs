@@ -3,9 +3,16 @@
 
 mod model;
 mod nvml;
+mod policy;
+mod report;
 
 pub use model::{
-    normalize_bus_id, same_bus_id, Ancestor, ComputeCapability, Gpu, GpuPair, LinkRemote,
-    NvLink, P2p, P2pStatus, Topology,
+    normalize_bus_id, same_bus_id, Ancestor, ComputeCapability, Gpu, GpuPair, LinkRemote, NvLink,
+    P2p, P2pStatus, Topology,
 };
 pub use nvml::{discover, Discovery};
+pub use policy::{
+    assess, assess_places, groups, AllReduceAlgo, AllReduceRule, Interconnect, RankPlace, Refusal,
+    SizeLimits, Verdict,
+};
+pub use report::render;

@@ -1,0 +1,397 @@
+//! `tpfuse doctor`: the first command to run on a new machine.
+//!
+//! Gathers the facts once (build, NCCL, CUDA driver, NVML topology) and prints them for
+//! people or, with `--json`, for machines. Exits 0 whatever the machine lacks: saying what is
+//! missing is its job.
+
+use serde_json::{json, Value};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use tpfuse::build_info::{self, KernelResources};
+use tpfuse::comm::{nccl_info, NcclInfo, UniqueId};
+use tpfuse::topology::{self, Discovery, Topology};
+
+/// The command line of `tpfuse doctor`.
+pub struct Options {
+    build_report: bool,
+    json: bool,
+    topology_file: Option<PathBuf>,
+}
+
+impl Options {
+    /// Parses the arguments after `doctor`.
+    pub fn parse(args: &[&str]) -> Result<Options, String> {
+        let mut options = Options {
+            build_report: false,
+            json: false,
+            topology_file: None,
+        };
+        let mut rest = args.iter();
+        while let Some(arg) = rest.next() {
+            match *arg {
+                "--build" => options.build_report = true,
+                "--json" => options.json = true,
+                "--topology" => match rest.next() {
+                    Some(path) => options.topology_file = Some(PathBuf::from(path)),
+                    None => return Err("--topology needs a file".to_string()),
+                },
+                other => return Err(format!("unknown option {other}")),
+            }
+        }
+        Ok(options)
+    }
+}
+
+/// A GPU as the CUDA driver sees it.
+struct Device {
+    ordinal: usize,
+    name: String,
+    code: String,
+    sms: i32,
+    kernels: &'static str,
+}
+
+/// Where the topology came from.
+enum TopologySource {
+    Machine(Discovery),
+    File(PathBuf, Result<Topology, String>),
+}
+
+struct Facts {
+    resources: Vec<KernelResources>,
+    nccl: Result<NcclInfo, String>,
+    unique_ids: Result<(), String>,
+    driver_present: bool,
+    driver_version: Option<String>,
+    devices: Result<Vec<Device>, String>,
+    topology: TopologySource,
+    missing: Vec<String>,
+}
+
+/// Runs the command.
+pub fn run(options: &Options) -> ExitCode {
+    let facts = gather(options);
+    if options.json {
+        let text = serde_json::to_string_pretty(&to_json(&facts))
+            .unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"));
+        println!("{text}");
+    } else {
+        print_text(&facts, options.build_report);
+    }
+    ExitCode::SUCCESS
+}
+
+fn gather(options: &Options) -> Facts {
+    let mut missing = Vec::new();
+    let resources = build_info::kernel_resources();
+    for k in resources.iter().filter(|k| k.spills()) {
+        missing.push(format!(
+            "kernel {} spills on {} ({} B stores, {} B loads): a defect",
+            k.kernel, k.arch, k.spill_stores, k.spill_loads
+        ));
+    }
+    let nccl = nccl_info().map_err(|e| e.to_string());
+    let unique_ids = match &nccl {
+        Ok(_) => UniqueId::new().map(|_| ()).map_err(|e| e.to_string()),
+        Err(_) => Err("NCCL is not loaded".to_string()),
+    };
+    match (&nccl, &unique_ids) {
+        (Err(_), _) => {
+            missing.push("NCCL (pip install nvidia-nccl-cu13, or set TPFUSE_NCCL_LIB)".into())
+        }
+        (Ok(_), Err(e)) => missing.push(format!("a working ncclGetUniqueId ({e})")),
+        _ => {}
+    }
+    let driver_present = tpfuse::device::driver_present();
+    let driver_version = tpfuse::device::driver_version()
+        .ok()
+        .map(|(a, b)| format!("{a}.{b}"));
+    let devices = if driver_present {
+        devices(&mut missing)
+    } else {
+        missing.push("an NVIDIA driver and GPU (only needed to run kernels)".into());
+        Ok(Vec::new())
+    };
+    let topology = match &options.topology_file {
+        Some(path) => TopologySource::File(path.clone(), read_topology(path)),
+        None => TopologySource::Machine(topology::discover()),
+    };
+    match &topology {
+        TopologySource::Machine(Discovery::Broken(e)) => missing.push(format!(
+            "a working NVML (the driver is installed but broken: {e})"
+        )),
+        TopologySource::File(path, Err(e)) => {
+            missing.push(format!("a readable topology in {} ({e})", path.display()))
+        }
+        _ => {}
+    }
+    Facts {
+        resources,
+        nccl,
+        unique_ids,
+        driver_present,
+        driver_version,
+        devices,
+        topology,
+        missing,
+    }
+}
+
+/// A topology recorded by `tpfuse doctor --json` (its "topology" field) or a bare one.
+fn read_topology(path: &PathBuf) -> Result<Topology, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
+    let value: Value = serde_json::from_str(&text).map_err(|e| e.to_string())?;
+    let inner = match value.get("topology") {
+        Some(t) if !t.is_null() => t.clone(),
+        Some(_) => return Err("the recording holds no topology (no driver there)".into()),
+        None => value,
+    };
+    serde_json::from_value(inner).map_err(|e| e.to_string())
+}
+
+fn devices(missing: &mut Vec<String>) -> Result<Vec<Device>, String> {
+    use cudarc::driver::sys::CUdevice_attribute as A;
+    let count = tpfuse::device::device_count().map_err(|e| {
+        missing.push(format!("a working CUDA driver ({e})"));
+        e.to_string()
+    })?;
+    if count == 0 {
+        missing.push("a visible GPU (check CUDA_VISIBLE_DEVICES)".into());
+    }
+    let built = build_info::architectures();
+    let mut out = Vec::new();
+    for ordinal in 0..count {
+        let ctx = match tpfuse::device::open(ordinal) {
+            Ok(c) => c,
+            Err(e) => {
+                missing.push(format!("access to GPU {ordinal} ({e})"));
+                continue;
+            }
+        };
+        let attr = |a| ctx.attribute(a).unwrap_or(0);
+        let (major, minor) = (
+            attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
+            attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR),
+        );
+        let code = format!("sm_{major}{minor}");
+        let native = built.iter().any(|a| a.trim_end_matches(['a', 'f']) == code);
+        let ptx = built.iter().any(|a| {
+            a.strip_prefix("compute_")
+                .and_then(|n| n.parse::<i32>().ok())
+                .is_some_and(|n| n <= major * 10 + minor)
+        });
+        let kernels = if native {
+            "native code"
+        } else if ptx {
+            "PTX, JIT-compiled at first use"
+        } else {
+            missing.push(format!(
+                "kernels for {code} (GPU {ordinal}): rebuild with TPFUSE_CUDA_ARCHS including {code}"
+            ));
+            "NO kernels for this GPU"
+        };
+        out.push(Device {
+            ordinal,
+            name: ctx.name().unwrap_or_else(|_| "?".into()),
+            code,
+            sms: attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
+            kernels,
+        });
+    }
+    Ok(out)
+}
+
+fn print_text(facts: &Facts, build_report: bool) {
+    println!("tpfuse {} doctor\n", env!("CARGO_PKG_VERSION"));
+    print_build(facts, build_report);
+
+    println!("\nNCCL");
+    match &facts.nccl {
+        Ok(info) => {
+            let (a, b, c) = info.version;
+            println!("  found               {a}.{b}.{c} at {}", info.path);
+            println!("  bindings from       nccl.h {}", info.header_version);
+            match &facts.unique_ids {
+                Ok(()) => println!("  unique ids          ok (ncclGetUniqueId works)"),
+                Err(e) => println!("  unique ids          FAILED: {e}"),
+            }
+        }
+        Err(e) => println!("  not found           {e}"),
+    }
+
+    println!("\nCUDA driver");
+    if facts.driver_present {
+        if let Some(v) = &facts.driver_version {
+            println!("  driver              CUDA {v}");
+        }
+        match &facts.devices {
+            Ok(devices) => {
+                println!("  devices             {}", devices.len());
+                for d in devices {
+                    println!(
+                        "    {}: {}, {}, {} SMs: {}",
+                        d.ordinal, d.name, d.code, d.sms, d.kernels
+                    );
+                }
+            }
+            Err(e) => println!("  devices             error: {e}"),
+        }
+    } else {
+        println!("  not found           libcuda.so could not be loaded");
+        println!(
+            "  This machine has no NVIDIA driver, so no GPU work can run here: the kernels,\n  \
+             Comm::init_* and the gpu-tests need one. Building, the CPU tests and NCCL's\n  \
+             version and unique ids work without it."
+        );
+    }
+
+    println!("\nTopology");
+    match &facts.topology {
+        TopologySource::Machine(Discovery::Found(t)) => print_indented(&topology::render(t)),
+        TopologySource::Machine(Discovery::NoDriver) => println!(
+            "  NVML (libnvidia-ml.so) is not installed: without an NVIDIA driver tpfuse cannot\n  \
+             see the GPUs, their NVLink and PCIe connections or peer access here.\n  \
+             (tpfuse doctor --topology FILE examines a topology recorded elsewhere.)"
+        ),
+        TopologySource::Machine(Discovery::Broken(e)) => {
+            println!("  NVML is installed but failed: {e}")
+        }
+        TopologySource::File(path, Ok(t)) => {
+            println!("  recorded topology from {}", path.display());
+            print_indented(&topology::render(t));
+        }
+        TopologySource::File(path, Err(e)) => {
+            println!("  cannot read {}: {e}", path.display())
+        }
+    }
+
+    println!();
+    if facts.missing.is_empty() {
+        println!("Verdict: nothing missing.");
+    } else {
+        println!("Verdict: missing on this machine:");
+        for m in &facts.missing {
+            println!("  - {m}");
+        }
+    }
+}
+
+fn print_indented(text: &str) {
+    for line in text.lines() {
+        if line.is_empty() {
+            println!();
+        } else {
+            println!("  {line}");
+        }
+    }
+}
+
+fn print_build(facts: &Facts, build_report: bool) {
+    println!("Build");
+    println!(
+        "  CUDA architectures  {}",
+        build_info::architectures().join(", ")
+    );
+    let (rt_major, rt_minor) = build_info::cudart_version();
+    println!(
+        "  nvcc                {} ({})",
+        build_info::NVCC_RELEASE,
+        build_info::NVCC
+    );
+    println!("  CUDA runtime        {rt_major}.{rt_minor}, linked statically");
+    let kernels = build_info::kernels();
+    let spilling = facts.resources.iter().filter(|k| k.spills()).count();
+    println!(
+        "  kernels             {} ({} kernel x architecture builds, {spilling} with spills)",
+        kernels.len(),
+        facts.resources.len(),
+    );
+    for k in &kernels {
+        println!("    {k}");
+    }
+    println!("  nccl.h              {}", build_info::NCCL_HEADER);
+    if !build_report {
+        println!("  (tpfuse doctor --build shows registers, spills and memory per kernel)");
+        return;
+    }
+    println!("\n  ptxas resource report (per kernel and architecture)");
+    println!(
+        "  {:<8} {:>5} {:>12} {:>11} {:>6} {:>6}  kernel",
+        "arch", "regs", "spill stores", "spill loads", "stack", "smem"
+    );
+    for k in &facts.resources {
+        println!(
+            "  {:<8} {:>5} {:>12} {:>11} {:>6} {:>6}  {}",
+            k.arch, k.registers, k.spill_stores, k.spill_loads, k.stack, k.shared, k.kernel
+        );
+    }
+}
+
+fn to_json(facts: &Facts) -> Value {
+    let (rt_major, rt_minor) = build_info::cudart_version();
+    let nccl = match &facts.nccl {
+        Ok(info) => json!({
+            "found": true,
+            "version": format!("{}.{}.{}", info.version.0, info.version.1, info.version.2),
+            "path": info.path,
+            "header_version": info.header_version,
+            "unique_ids": facts.unique_ids.as_ref().err(),
+        }),
+        Err(e) => json!({ "found": false, "error": e }),
+    };
+    let devices = match &facts.devices {
+        Ok(devices) => json!(devices
+            .iter()
+            .map(|d| json!({
+                "ordinal": d.ordinal,
+                "name": d.name,
+                "sm": d.code,
+                "sms": d.sms,
+                "kernels": d.kernels,
+            }))
+            .collect::<Vec<_>>()),
+        Err(e) => json!({ "error": e }),
+    };
+    let (nvml, topo) = match &facts.topology {
+        TopologySource::Machine(Discovery::Found(t)) => (json!({"status": "found"}), Some(t)),
+        TopologySource::Machine(Discovery::NoDriver) => (json!({"status": "no_driver"}), None),
+        TopologySource::Machine(Discovery::Broken(e)) => {
+            (json!({"status": "broken", "error": e}), None)
+        }
+        TopologySource::File(path, Ok(t)) => (
+            json!({"status": "recorded", "file": path.display().to_string()}),
+            Some(t),
+        ),
+        TopologySource::File(path, Err(e)) => (
+            json!({"status": "unreadable", "file": path.display().to_string(), "error": e}),
+            None,
+        ),
+    };
+    let verdicts = topo.map(|t| {
+        topology::groups(&t.cuda_ordinals())
+            .into_iter()
+            .map(|(label, group)| json!({"group": label, "verdict": topology::assess(t, &group)}))
+            .collect::<Vec<_>>()
+    });
+    json!({
+        "tpfuse_version": env!("CARGO_PKG_VERSION"),
+        "build": {
+            "architectures": build_info::architectures(),
+            "nvcc": build_info::NVCC,
+            "nvcc_release": build_info::NVCC_RELEASE,
+            "cudart": format!("{rt_major}.{rt_minor}"),
+            "nccl_header": build_info::NCCL_HEADER,
+            "kernels": facts.resources,
+        },
+        "nccl": nccl,
+        "cuda_driver": {
+            "found": facts.driver_present,
+            "version": facts.driver_version,
+            "devices": devices,
+        },
+        "nvml": nvml,
+        "topology": topo,
+        "verdicts": verdicts,
+        "missing": facts.missing,
+    })
+}

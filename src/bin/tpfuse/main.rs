@@ -1,0 +1,52 @@
+//! `tpfuse`: the command-line face of the crate.
+//!
+//! - `tpfuse doctor [--build] [--json] [--topology FILE]`: what was built, what this machine
+//!   has and what connects its GPUs, what is missing, and which algorithms each GPU set can use.
+//! - `tpfuse selftest`: checks that run here (NCCL, unique ids) and, with a GPU, the kernels
+//!   against the CPU reference and a one-rank NCCL communicator.
+//! - `tpfuse bench`: a quick reduce_ranks bandwidth figure (needs a GPU; the criterion
+//!   benches are the real measurement).
+
+mod bench;
+mod doctor;
+mod selftest;
+
+use std::process::ExitCode;
+
+const USAGE: &str = "usage: tpfuse <command>
+
+commands:
+  doctor [--build] [--json] [--topology FILE]
+                     build facts, NCCL, the CUDA driver, the GPUs and what connects them,
+                     and which algorithms each GPU set can use
+                       --build     adds the ptxas report of every kernel and architecture
+                       --json      the same facts as JSON (the topology included)
+                       --topology  examines a topology recorded elsewhere (--json output
+                                   or a bare topology) instead of this machine's
+  selftest           run the checks this machine can run
+  bench              quick reduce_ranks bandwidth on GPU 0
+  help               this text";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    match args.as_slice() {
+        ["doctor", rest @ ..] => match doctor::Options::parse(rest) {
+            Ok(options) => doctor::run(&options),
+            Err(e) => {
+                eprintln!("tpfuse doctor: {e}\n\n{USAGE}");
+                ExitCode::from(2)
+            }
+        },
+        ["selftest"] => selftest::run(),
+        ["bench"] => bench::run(),
+        [] | ["help"] | ["--help"] | ["-h"] => {
+            println!("{USAGE}");
+            ExitCode::SUCCESS
+        }
+        _ => {
+            eprintln!("tpfuse: unknown arguments {args:?}\n\n{USAGE}");
+            ExitCode::from(2)
+        }
+    }
+}
