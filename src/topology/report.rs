@@ -19,7 +19,9 @@ pub fn render(topo: &Topology) -> String {
     nvlink(&mut out, topo);
     numa(&mut out, topo);
     verdicts(&mut out, topo);
-    out
+    out.lines()
+        .map(|l| format!("{}\n", l.trim_end()))
+        .collect()
 }
 
 fn header(out: &mut String, topo: &Topology) {
@@ -63,7 +65,7 @@ fn gpus(out: &mut String, topo: &Topology) {
                 "{}.{}",
                 g.compute_capability.major, g.compute_capability.minor
             ),
-            g.memory_bytes / (1 << 30),
+            (g.memory_bytes + (1 << 29)) >> 30,
             g.pci_bus_id,
             numa,
             cpus
@@ -230,11 +232,15 @@ fn verdict_line(out: &mut String, label: &str, v: &Verdict, rule: &AllReduceRule
         let _ = writeln!(out, "    multicast: {multicast}");
     }
     if let Some(l) = rule.limits_for(v) {
+        let two_shot = if l.two_shot_below > l.one_shot_below {
+            format!(", two-shot below {}", bytes(l.two_shot_below))
+        } else {
+            String::new()
+        };
         let _ = writeln!(
             out,
-            "    by message size: one-shot below {}, two-shot below {}, NCCL from there",
+            "    by message size: one-shot below {}{two_shot}, NCCL from there",
             bytes(l.one_shot_below),
-            bytes(l.two_shot_below)
         );
     } else if v.ordinals.len() > 1 {
         out.push_str("    every all-reduce goes to NCCL\n");
