@@ -19,9 +19,7 @@ pub fn render(topo: &Topology) -> String {
     nvlink(&mut out, topo);
     numa(&mut out, topo);
     verdicts(&mut out, topo);
-    out.lines()
-        .map(|l| format!("{}\n", l.trim_end()))
-        .collect()
+    out.lines().map(|l| format!("{}\n", l.trim_end())).collect()
 }
 
 fn header(out: &mut String, topo: &Topology) {
