@@ -54,6 +54,85 @@ const char *tpfuse_error_string(int32_t code);
 /* CUDART_VERSION the kernels were compiled against, e.g. 13000. */
 int32_t tpfuse_cudart_version(void);
 
+
+/* ---------------------------------------------------------------------------------------
+ * Custom all-reduce over symmetric memory (cuda/all_reduce.cu).
+ *
+ * Every rank of a group owns, in memory every other rank can address (CUDA IPC, peer
+ * access, or one GPU for virtual ranks):
+ *   - a data buffer of 2 * capacity bytes: staging at offset 0 (each rank's input is copied
+ *     there by its own kernel), result at offset capacity (two-shot's reduced slices);
+ *   - a signal pad of TPFUSE_SIGNAL_PAD_BYTES, zeroed once at creation:
+ *       uint32 flags[TPFUSE_MAX_BLOCKS][TPFUSE_MAX_RANKS]  flag[b][src]: the last barrier
+ *                                                         value block b of rank src reached
+ *       uint32 counters[TPFUSE_MAX_BLOCKS]                 barriers block b of this rank has
+ *                                                         passed (its epoch)
+ *       uint32 error                                       0, or TPFUSE_ERROR_* | peer
+ * The kernels never reset flags: every barrier waits for a larger value (epochs), so the
+ * same launch can be replayed from a CUDA graph.
+ * --------------------------------------------------------------------------------------- */
+
+#define TPFUSE_MAX_RANKS 8
+#define TPFUSE_MAX_BLOCKS 64
+#define TPFUSE_SIGNAL_FLAGS_OFFSET 0
+#define TPFUSE_SIGNAL_COUNTERS_OFFSET (4 * TPFUSE_MAX_BLOCKS * TPFUSE_MAX_RANKS)
+#define TPFUSE_SIGNAL_ERROR_OFFSET (TPFUSE_SIGNAL_COUNTERS_OFFSET + 4 * TPFUSE_MAX_BLOCKS)
+#define TPFUSE_SIGNAL_PAD_BYTES (TPFUSE_SIGNAL_ERROR_OFFSET + 256)
+
+/* Error word values (the low 8 bits name the peer that did not arrive). */
+#define TPFUSE_ERROR_PEER_TIMEOUT 0x100
+
+/* Algorithms. */
+#define TPFUSE_ALGO_ONE_SHOT 0
+#define TPFUSE_ALGO_TWO_SHOT 1
+
+/* The buffers of every rank, as this rank addresses them. */
+typedef struct tpfuse_peers {
+  void *data[TPFUSE_MAX_RANKS];
+  uint32_t *signals[TPFUSE_MAX_RANKS];
+} tpfuse_peers;
+
+/* Who this rank is and how long it waits. */
+typedef struct tpfuse_group_args {
+  int32_t rank;
+  int32_t world;       /* 2 ..= TPFUSE_MAX_RANKS */
+  int32_t blocks;      /* grid size, 1 ..= TPFUSE_MAX_BLOCKS, the same on every rank */
+  uint64_t capacity;   /* bytes of staging (and of result) per rank */
+  uint64_t timeout_ns; /* bound on every wait */
+} tpfuse_group_args;
+
+/*
+ * out = sum over ranks of input (rank order, f32), then optionally
+ *   h = out + bias[col] + residual  (in f32, rounded once), residual := h when given,
+ *   out = rmsnorm(h) * gamma          when gamma is given (h stays in residual/out first).
+ * rows x hidden elements (hidden is the row length; rows = 1 and hidden = len for a flat
+ * all-reduce). bias, residual, gamma may be NULL. Every pointer is 16-byte aligned, the
+ * input fits in capacity, and with bias or gamma hidden is a multiple of 16 / sizeof(T).
+ * Returns a cudaError_t; the outcome of the waits is in this rank's error word.
+ */
+int tpfuse_all_reduce(tpfuse_dtype dtype, int32_t algo, const tpfuse_peers *peers,
+                      const tpfuse_group_args *group, const void *input, const void *bias,
+                      void *residual, const void *gamma, float eps, void *out, size_t rows,
+                      size_t hidden, void *stream);
+
+/* out[r * len .. (r + 1) * len] = input of rank r (bytes; len a multiple of 16). */
+int tpfuse_all_gather(const tpfuse_peers *peers, const tpfuse_group_args *group,
+                      const void *input, void *out, size_t len_bytes, void *stream);
+
+/* out = (sum over ranks of input)[rank * len .. (rank + 1) * len], input of world * len. */
+int tpfuse_reduce_scatter(tpfuse_dtype dtype, const tpfuse_peers *peers,
+                          const tpfuse_group_args *group, const void *input, void *out,
+                          size_t len, void *stream);
+
+/* Standalone RMSNorm of rows x hidden, in place allowed (x == out): the same arithmetic as
+ * the fused epilogue, so fused and unfused give the same bits. */
+int tpfuse_rms_norm(tpfuse_dtype dtype, const void *x, const void *gamma, float eps, void *out,
+                    size_t rows, size_t hidden, void *stream);
+
+/* Threads per block of every all-reduce and RMSNorm kernel (fixed: it fixes the order of
+ * the RMSNorm sum of squares). */
+#define TPFUSE_ALL_REDUCE_THREADS 512
+
 #ifdef __cplusplus
 }
 #endif

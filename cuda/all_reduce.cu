@@ -1,0 +1,385 @@
+// all_reduce.cu: one-shot and two-shot all-reduce over symmetric memory, with the fused
+// epilogue of a transformer layer's row-parallel output (+ bias, + residual, RMSNorm), and
+// the all-gather and reduce-scatter built on the same machinery.
+//
+// Every kernel follows the same shape, with the barriers of barrier.cuh between phases:
+//
+//   one-shot    stage -> | -> reduce all ranks' staging, epilogue -> | -> (RMSNorm rows)
+//   two-shot    stage -> | -> reduce own slice, epilogue, publish -> | -> gather slices -> |
+//   all-gather  stage -> | -> copy every rank's staging -> |
+//   reduce-sc.  stage -> | -> reduce own slice -> |
+//
+// "stage" copies this rank's input into its own staging buffer; every other rank reads it
+// only after the next barrier. The closing barrier guarantees that no rank still reads a
+// staging buffer when its owner's next launch overwrites it (launches on one stream run in
+// order, so a launch starts only after all blocks of the previous one passed it).
+//
+// Block b of every rank handles the same part of the data, so the barrier of block b with
+// block b of the peers is all the ordering that part needs. Reductions add in rank order
+// 0..W-1 in f32 and round once, so every rank, and both algorithms, produce the same bits.
+
+#include "barrier.cuh"
+
+namespace tpfuse {
+namespace {
+
+constexpr int kThreads = TPFUSE_ALL_REDUCE_THREADS;
+
+// Reads 16 bytes of a peer's buffer, bypassing L1 (the data changes between launches).
+template <typename T> __device__ __forceinline__ Vec16<T> load16_peer(const T *p) {
+  Vec16<T> out;
+  *reinterpret_cast<uint4 *>(&out) = __ldcg(reinterpret_cast<const uint4 *>(p));
+  return out;
+}
+
+// The contiguous share [begin, end) of `n` items that block `b` of `blocks` handles.
+struct Range {
+  size_t begin, end;
+};
+__device__ __forceinline__ Range share(size_t n, size_t b, size_t blocks) {
+  return Range{n * b / blocks, n * (b + 1) / blocks};
+}
+
+// Elements [vec units of a range], clipped to n.
+template <typename T> __device__ __forceinline__ Range element_range(Range units, size_t n) {
+  constexpr size_t kVec = Vec16<T>::kLen;
+  return Range{min(units.begin * kVec, n), min(units.end * kVec, n)};
+}
+
+// Copies elements [r.begin, r.end) of src to dst (same offsets). r.begin is vector-aligned.
+template <typename T> __device__ __forceinline__ void copy_range(const T *src, T *dst, Range r) {
+  constexpr size_t kVec = Vec16<T>::kLen;
+  const size_t full_end = r.begin + (r.end - r.begin) / kVec * kVec;
+  for (size_t i = r.begin + threadIdx.x * kVec; i < full_end; i += kThreads * kVec) {
+    store16(dst + i, load16(src + i));
+  }
+  for (size_t i = full_end + threadIdx.x; i < r.end; i += kThreads) dst[i] = src[i];
+}
+
+// Copies from a peer's buffer (L2 loads).
+template <typename T> __device__ __forceinline__ void copy_range_from_peer(const T *src, T *dst, Range r) {
+  constexpr size_t kVec = Vec16<T>::kLen;
+  const size_t full_end = r.begin + (r.end - r.begin) / kVec * kVec;
+  for (size_t i = r.begin + threadIdx.x * kVec; i < full_end; i += kThreads * kVec) {
+    store16(dst + i, load16_peer(src + i));
+  }
+  for (size_t i = full_end + threadIdx.x; i < r.end; i += kThreads) {
+    dst[i] = __ldcg(src + i);
+  }
+}
+
+// The element-wise part of the epilogue: h = acc (+ bias[col]) (+ residual), in f32,
+// rounded once; residual := h when given.
+template <typename T> struct Epilogue {
+  const T *bias;
+  T *residual;
+  size_t hidden;
+
+  __device__ __forceinline__ T apply(float acc, size_t i) const {
+    if (bias != nullptr) acc += Elem<T>::to_f32(bias[i % hidden]);
+    if (residual != nullptr) acc += Elem<T>::to_f32(residual[i]);
+    const T h = Elem<T>::from_f32(acc);
+    if (residual != nullptr) residual[i] = h;
+    return h;
+  }
+};
+
+// For elements [r.begin, r.end): the rank-ordered sum of every rank's staging, through the
+// epilogue, into out (and, when `publish` is set, into this rank's result buffer too).
+// `peer_offset` (elements) is added to every rank's staging pointer (reduce-scatter reads
+// the slice of this rank at that offset).
+template <typename T>
+__device__ __forceinline__ void reduce_range(const tpfuse_peers &peers, int world, size_t peer_offset, Range r,
+                             const Epilogue<T> &epi, T *out, T *publish) {
+  constexpr size_t kVec = Vec16<T>::kLen;
+  const size_t full_end = r.begin + (r.end - r.begin) / kVec * kVec;
+  for (size_t i = r.begin + threadIdx.x * kVec; i < full_end; i += kThreads * kVec) {
+    float acc[kVec];
+    Vec16<T> x = load16_peer(static_cast<const T *>(peers.data[0]) + peer_offset + i);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) acc[j] = Elem<T>::to_f32(x.v[j]);
+    for (int p = 1; p < world; ++p) {
+      x = load16_peer(static_cast<const T *>(peers.data[p]) + peer_offset + i);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) acc[j] += Elem<T>::to_f32(x.v[j]);
+    }
+    Vec16<T> y;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) y.v[j] = epi.apply(acc[j], i + j);
+    store16(out + i, y);
+    if (publish != nullptr) store16(publish + i, y);
+  }
+  for (size_t i = full_end + threadIdx.x; i < r.end; i += kThreads) {
+    float acc = Elem<T>::to_f32(__ldcg(static_cast<const T *>(peers.data[0]) + peer_offset + i));
+    for (int p = 1; p < world; ++p) {
+      acc += Elem<T>::to_f32(__ldcg(static_cast<const T *>(peers.data[p]) + peer_offset + i));
+    }
+    const T y = epi.apply(acc, i);
+    out[i] = y;
+    if (publish != nullptr) publish[i] = y;
+  }
+}
+
+// The sum of `v` over the block, the same value in every thread, in a fixed order.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float warp_sums[kThreads / 32];
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x / 32] = v;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w];
+  __syncthreads(); // warp_sums is reused by the next call
+  return total;
+}
+
+// out[i] = x[i] * rsqrt(mean(x^2) + eps) * gamma[i] over one row; x == out is allowed.
+// Shared by the fused kernel and the standalone one: same arithmetic, same bits.
+template <typename T>
+__device__ __forceinline__ void rms_norm_row(const T *x, const T *gamma, float eps, T *out, size_t hidden) {
+  float ss = 0.f;
+  for (size_t i = threadIdx.x; i < hidden; i += kThreads) {
+    const float v = Elem<T>::to_f32(x[i]);
+    ss = fmaf(v, v, ss);
+  }
+  const float rstd = rsqrtf(block_sum(ss) / static_cast<float>(hidden) + eps);
+  for (size_t i = threadIdx.x; i < hidden; i += kThreads) {
+    out[i] = Elem<T>::from_f32(Elem<T>::to_f32(x[i]) * rstd * Elem<T>::to_f32(gamma[i]));
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1)
+    one_shot_kernel(const __grid_constant__ tpfuse_peers peers,
+                    const __grid_constant__ tpfuse_group_args g, const T *input, const T *bias,
+                    T *residual, const T *gamma, float eps, T *out, size_t rows, size_t hidden) {
+  __shared__ int failures;
+  BlockBarrier barrier(peers, g, &failures);
+  if (barrier.poisoned()) return;
+  const size_t n = rows * hidden;
+  // With RMSNorm a block owns whole rows; otherwise an even share of 16-byte vectors.
+  const Range rows_mine = share(rows, blockIdx.x, gridDim.x);
+  const Range r = gamma != nullptr
+                      ? Range{rows_mine.begin * hidden, rows_mine.end * hidden}
+                      : element_range<T>(share((n + Vec16<T>::kLen - 1) / Vec16<T>::kLen,
+                                               blockIdx.x, gridDim.x),
+                                         n);
+  copy_range(input, static_cast<T *>(peers.data[g.rank]), r);
+  if (!barrier.arrive_and_wait()) return;
+  reduce_range(peers, g.world, 0, r, Epilogue<T>{bias, residual, hidden}, out,
+               static_cast<T *>(nullptr));
+  if (!barrier.arrive_and_wait()) return;
+  barrier.commit();
+  if (gamma != nullptr) {
+    for (size_t row = rows_mine.begin; row < rows_mine.end; ++row) {
+      __syncthreads(); // the row's h, written by other threads, is complete
+      rms_norm_row(out + row * hidden, gamma, eps, out + row * hidden, hidden);
+    }
+  }
+}
+
+// Slice p of the data (rank p reduces it), and block b's chunk of it, in elements.
+template <typename T>
+__device__ __forceinline__ Range chunk(size_t n, int p, int world, size_t b, size_t blocks) {
+  const size_t units = (n + Vec16<T>::kLen - 1) / Vec16<T>::kLen;
+  const Range slice = share(units, p, world);
+  const Range part = share(slice.end - slice.begin, b, blocks);
+  return element_range<T>(Range{slice.begin + part.begin, slice.begin + part.end}, n);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1)
+    two_shot_kernel(const __grid_constant__ tpfuse_peers peers,
+                    const __grid_constant__ tpfuse_group_args g, const T *input, const T *bias,
+                    T *residual, T *out, size_t rows, size_t hidden) {
+  __shared__ int failures;
+  BlockBarrier barrier(peers, g, &failures);
+  if (barrier.poisoned()) return;
+  const size_t n = rows * hidden;
+  T *staging = static_cast<T *>(peers.data[g.rank]);
+  for (int p = 0; p < g.world; ++p) {
+    copy_range(input, staging, chunk<T>(n, p, g.world, blockIdx.x, gridDim.x));
+  }
+  if (!barrier.arrive_and_wait()) return;
+  const size_t result_offset = g.capacity / sizeof(T);
+  reduce_range(peers, g.world, 0, chunk<T>(n, g.rank, g.world, blockIdx.x, gridDim.x),
+               Epilogue<T>{bias, residual, hidden}, out, staging + result_offset);
+  if (!barrier.arrive_and_wait()) return;
+  for (int p = 0; p < g.world; ++p) {
+    if (p == g.rank) continue;
+    const Range r = chunk<T>(n, p, g.world, blockIdx.x, gridDim.x);
+    const T *result = static_cast<const T *>(peers.data[p]) + result_offset;
+    copy_range_from_peer(result, out, r);
+    if (residual != nullptr) copy_range_from_peer(result, residual, r);
+  }
+  if (!barrier.arrive_and_wait()) return;
+  barrier.commit();
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1)
+    rms_norm_kernel(const T *x, const T *gamma, float eps, T *out, size_t rows, size_t hidden) {
+  for (size_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    rms_norm_row(x + row * hidden, gamma, eps, out + row * hidden, hidden);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    all_gather_kernel(const __grid_constant__ tpfuse_peers peers,
+                      const __grid_constant__ tpfuse_group_args g, const uint4 *input, uint4 *out,
+                      size_t len_vectors) {
+  __shared__ int failures;
+  BlockBarrier barrier(peers, g, &failures);
+  if (barrier.poisoned()) return;
+  const Range r = share(len_vectors, blockIdx.x, gridDim.x);
+  uint4 *staging = static_cast<uint4 *>(peers.data[g.rank]);
+  for (size_t i = r.begin + threadIdx.x; i < r.end; i += kThreads) staging[i] = input[i];
+  if (!barrier.arrive_and_wait()) return;
+  for (int p = 0; p < g.world; ++p) {
+    const uint4 *src = static_cast<const uint4 *>(peers.data[p]);
+    uint4 *dst = out + p * len_vectors;
+    for (size_t i = r.begin + threadIdx.x; i < r.end; i += kThreads) dst[i] = __ldcg(src + i);
+  }
+  if (!barrier.arrive_and_wait()) return;
+  barrier.commit();
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1)
+    reduce_scatter_kernel(const __grid_constant__ tpfuse_peers peers,
+                          const __grid_constant__ tpfuse_group_args g, const T *input, T *out,
+                          size_t len) {
+  __shared__ int failures;
+  BlockBarrier barrier(peers, g, &failures);
+  if (barrier.poisoned()) return;
+  T *staging = static_cast<T *>(peers.data[g.rank]);
+  const size_t units = (len + Vec16<T>::kLen - 1) / Vec16<T>::kLen;
+  const Range part = element_range<T>(share(units, blockIdx.x, gridDim.x), len);
+  for (int p = 0; p < g.world; ++p) {
+    copy_range(input + p * len, staging + p * len, part);
+  }
+  if (!barrier.arrive_and_wait()) return;
+  // Reduce slice `rank` (offset rank * len in every staging buffer) into out[0, len).
+  reduce_range(peers, g.world, static_cast<size_t>(g.rank) * len, part,
+               Epilogue<T>{nullptr, nullptr, 1}, out, static_cast<T *>(nullptr));
+  if (!barrier.arrive_and_wait()) return;
+  barrier.commit();
+}
+
+bool valid(const tpfuse_group_args *g) {
+  return g != nullptr && g->world >= 2 && g->world <= TPFUSE_MAX_RANKS && g->rank >= 0 &&
+         g->rank < g->world && g->blocks >= 1 && g->blocks <= TPFUSE_MAX_BLOCKS;
+}
+
+template <typename T>
+int launch_all_reduce(int algo, const tpfuse_peers &peers, const tpfuse_group_args &g,
+                      const void *input, const void *bias, void *residual, const void *gamma,
+                      float eps, void *out, size_t rows, size_t hidden, cudaStream_t stream) {
+  const T *in = static_cast<const T *>(input);
+  const T *b = static_cast<const T *>(bias);
+  T *res = static_cast<T *>(residual);
+  const T *gam = static_cast<const T *>(gamma);
+  T *o = static_cast<T *>(out);
+  if (algo == TPFUSE_ALGO_ONE_SHOT) {
+    one_shot_kernel<T><<<g.blocks, kThreads, 0, stream>>>(peers, g, in, b, res, gam, eps, o,
+                                                           rows, hidden);
+  } else if (algo == TPFUSE_ALGO_TWO_SHOT) {
+    two_shot_kernel<T><<<g.blocks, kThreads, 0, stream>>>(peers, g, in, b, res, o, rows, hidden);
+    if (gam != nullptr) {
+      const unsigned grid = rows < 65535 ? static_cast<unsigned>(rows) : 65535u;
+      rms_norm_kernel<T><<<grid, kThreads, 0, stream>>>(o, gam, eps, o, rows, hidden);
+    }
+  } else {
+    return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+} // namespace
+} // namespace tpfuse
+
+extern "C" int tpfuse_all_reduce(tpfuse_dtype dtype, int32_t algo, const tpfuse_peers *peers,
+                                 const tpfuse_group_args *group, const void *input,
+                                 const void *bias, void *residual, const void *gamma, float eps,
+                                 void *out, size_t rows, size_t hidden, void *stream) {
+  using namespace tpfuse;
+  if (peers == nullptr || !valid(group) || rows == 0 || hidden == 0) return cudaErrorInvalidValue;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  switch (dtype) {
+  case TPFUSE_DTYPE_F32:
+    return launch_all_reduce<float>(algo, *peers, *group, input, bias, residual, gamma, eps,
+                                    out, rows, hidden, s);
+  case TPFUSE_DTYPE_F16:
+    return launch_all_reduce<__half>(algo, *peers, *group, input, bias, residual, gamma, eps,
+                                     out, rows, hidden, s);
+  case TPFUSE_DTYPE_BF16:
+    return launch_all_reduce<__nv_bfloat16>(algo, *peers, *group, input, bias, residual, gamma,
+                                            eps, out, rows, hidden, s);
+  default: return cudaErrorInvalidValue;
+  }
+}
+
+extern "C" int tpfuse_all_gather(const tpfuse_peers *peers, const tpfuse_group_args *group,
+                                 const void *input, void *out, size_t len_bytes, void *stream) {
+  using namespace tpfuse;
+  if (peers == nullptr || !valid(group) || len_bytes % 16 != 0) return cudaErrorInvalidValue;
+  if (len_bytes == 0) return cudaSuccess;
+  all_gather_kernel<<<group->blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      *peers, *group, static_cast<const uint4 *>(input), static_cast<uint4 *>(out),
+      len_bytes / 16);
+  return cudaGetLastError();
+}
+
+extern "C" int tpfuse_reduce_scatter(tpfuse_dtype dtype, const tpfuse_peers *peers,
+                                     const tpfuse_group_args *group, const void *input,
+                                     void *out, size_t len, void *stream) {
+  using namespace tpfuse;
+  if (peers == nullptr || !valid(group)) return cudaErrorInvalidValue;
+  if (len == 0) return cudaSuccess;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  switch (dtype) {
+  case TPFUSE_DTYPE_F32:
+    reduce_scatter_kernel<float><<<group->blocks, kThreads, 0, s>>>(
+        *peers, *group, static_cast<const float *>(input), static_cast<float *>(out), len);
+    break;
+  case TPFUSE_DTYPE_F16:
+    reduce_scatter_kernel<__half><<<group->blocks, kThreads, 0, s>>>(
+        *peers, *group, static_cast<const __half *>(input), static_cast<__half *>(out), len);
+    break;
+  case TPFUSE_DTYPE_BF16:
+    reduce_scatter_kernel<__nv_bfloat16><<<group->blocks, kThreads, 0, s>>>(
+        *peers, *group, static_cast<const __nv_bfloat16 *>(input),
+        static_cast<__nv_bfloat16 *>(out), len);
+    break;
+  default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+extern "C" int tpfuse_rms_norm(tpfuse_dtype dtype, const void *x, const void *gamma, float eps,
+                               void *out, size_t rows, size_t hidden, void *stream) {
+  using namespace tpfuse;
+  if (rows == 0 || hidden == 0) return cudaSuccess;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const unsigned grid = rows < 65535 ? static_cast<unsigned>(rows) : 65535u;
+  switch (dtype) {
+  case TPFUSE_DTYPE_F32:
+    rms_norm_kernel<float><<<grid, kThreads, 0, s>>>(static_cast<const float *>(x),
+                                                     static_cast<const float *>(gamma), eps,
+                                                     static_cast<float *>(out), rows, hidden);
+    break;
+  case TPFUSE_DTYPE_F16:
+    rms_norm_kernel<__half><<<grid, kThreads, 0, s>>>(static_cast<const __half *>(x),
+                                                      static_cast<const __half *>(gamma), eps,
+                                                      static_cast<__half *>(out), rows, hidden);
+    break;
+  case TPFUSE_DTYPE_BF16:
+    rms_norm_kernel<__nv_bfloat16><<<grid, kThreads, 0, s>>>(
+        static_cast<const __nv_bfloat16 *>(x), static_cast<const __nv_bfloat16 *>(gamma), eps,
+        static_cast<__nv_bfloat16 *>(out), rows, hidden);
+    break;
+  default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
