@@ -19,11 +19,10 @@
 // 0..W-1 in f32 and round once, so every rank, and both algorithms, produce the same bits.
 
 #include "barrier.cuh"
+#include "epilogue.cuh"
 
 namespace tpfuse {
 namespace {
-
-constexpr int kThreads = TPFUSE_ALL_REDUCE_THREADS;
 
 // Reads 16 bytes of a peer's buffer, bypassing L1 (the data changes between launches).
 template <typename T> __device__ __forceinline__ Vec16<T> load16_peer(const T *p) {
@@ -68,22 +67,6 @@ template <typename T> __device__ __forceinline__ void copy_range_from_peer(const
   }
 }
 
-// The element-wise part of the epilogue: h = acc (+ bias[col]) (+ residual), in f32,
-// rounded once; residual := h when given.
-template <typename T> struct Epilogue {
-  const T *bias;
-  T *residual;
-  size_t hidden;
-
-  __device__ __forceinline__ T apply(float acc, size_t i) const {
-    if (bias != nullptr) acc += Elem<T>::to_f32(bias[i % hidden]);
-    if (residual != nullptr) acc += Elem<T>::to_f32(residual[i]);
-    const T h = Elem<T>::from_f32(acc);
-    if (residual != nullptr) residual[i] = h;
-    return h;
-  }
-};
-
 // For elements [r.begin, r.end): the rank-ordered sum of every rank's staging, through the
 // epilogue, into out (and, when `publish` is set, into this rank's result buffer too).
 // `peer_offset` (elements) is added to every rank's staging pointer (reduce-scatter reads
@@ -117,35 +100,6 @@ __device__ __forceinline__ void reduce_range(const tpfuse_peers &peers, int worl
     const T y = epi.apply(acc, i);
     out[i] = y;
     if (publish != nullptr) publish[i] = y;
-  }
-}
-
-// The sum of `v` over the block, the same value in every thread, in a fixed order.
-__device__ __forceinline__ float block_sum(float v) {
-  __shared__ float warp_sums[kThreads / 32];
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x / 32] = v;
-  __syncthreads();
-  float total = 0.f;
-#pragma unroll
-  for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w];
-  __syncthreads(); // warp_sums is reused by the next call
-  return total;
-}
-
-// out[i] = x[i] * rsqrt(mean(x^2) + eps) * gamma[i] over one row; x == out is allowed.
-// Shared by the fused kernel and the standalone one: same arithmetic, same bits.
-template <typename T>
-__device__ __forceinline__ void rms_norm_row(const T *x, const T *gamma, float eps, T *out, size_t hidden) {
-  float ss = 0.f;
-  for (size_t i = threadIdx.x; i < hidden; i += kThreads) {
-    const float v = Elem<T>::to_f32(x[i]);
-    ss = fmaf(v, v, ss);
-  }
-  const float rstd = rsqrtf(block_sum(ss) / static_cast<float>(hidden) + eps);
-  for (size_t i = threadIdx.x; i < hidden; i += kThreads) {
-    out[i] = Elem<T>::from_f32(Elem<T>::to_f32(x[i]) * rstd * Elem<T>::to_f32(gamma[i]));
   }
 }
 
@@ -217,14 +171,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   barrier.commit();
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads, 1)
-    rms_norm_kernel(const T *x, const T *gamma, float eps, T *out, size_t rows, size_t hidden) {
-  for (size_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    rms_norm_row(x + row * hidden, gamma, eps, out + row * hidden, hidden);
-  }
-}
-
 __global__ void __launch_bounds__(kThreads, 1)
     all_gather_kernel(const __grid_constant__ tpfuse_peers peers,
                       const __grid_constant__ tpfuse_group_args g, const uint4 *input, uint4 *out,
@@ -287,8 +233,8 @@ int launch_all_reduce(int algo, const tpfuse_peers &peers, const tpfuse_group_ar
   } else if (algo == TPFUSE_ALGO_TWO_SHOT) {
     two_shot_kernel<T><<<g.blocks, kThreads, 0, stream>>>(peers, g, in, b, res, o, rows, hidden);
     if (gam != nullptr) {
-      const unsigned grid = rows < 65535 ? static_cast<unsigned>(rows) : 65535u;
-      rms_norm_kernel<T><<<grid, kThreads, 0, stream>>>(o, gam, eps, o, rows, hidden);
+      const int code = launch_rms_norm<T>(o, gam, eps, o, rows, hidden, stream);
+      if (code != cudaSuccess) return code;
     }
   } else {
     return cudaErrorInvalidValue;
@@ -351,33 +297,6 @@ extern "C" int tpfuse_reduce_scatter(tpfuse_dtype dtype, const tpfuse_peers *pee
     reduce_scatter_kernel<__nv_bfloat16><<<group->blocks, kThreads, 0, s>>>(
         *peers, *group, static_cast<const __nv_bfloat16 *>(input),
         static_cast<__nv_bfloat16 *>(out), len);
-    break;
-  default: return cudaErrorInvalidValue;
-  }
-  return cudaGetLastError();
-}
-
-extern "C" int tpfuse_rms_norm(tpfuse_dtype dtype, const void *x, const void *gamma, float eps,
-                               void *out, size_t rows, size_t hidden, void *stream) {
-  using namespace tpfuse;
-  if (rows == 0 || hidden == 0) return cudaSuccess;
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const unsigned grid = rows < 65535 ? static_cast<unsigned>(rows) : 65535u;
-  switch (dtype) {
-  case TPFUSE_DTYPE_F32:
-    rms_norm_kernel<float><<<grid, kThreads, 0, s>>>(static_cast<const float *>(x),
-                                                     static_cast<const float *>(gamma), eps,
-                                                     static_cast<float *>(out), rows, hidden);
-    break;
-  case TPFUSE_DTYPE_F16:
-    rms_norm_kernel<__half><<<grid, kThreads, 0, s>>>(static_cast<const __half *>(x),
-                                                      static_cast<const __half *>(gamma), eps,
-                                                      static_cast<__half *>(out), rows, hidden);
-    break;
-  case TPFUSE_DTYPE_BF16:
-    rms_norm_kernel<__nv_bfloat16><<<grid, kThreads, 0, s>>>(
-        static_cast<const __nv_bfloat16 *>(x), static_cast<const __nv_bfloat16 *>(gamma), eps,
-        static_cast<__nv_bfloat16 *>(out), rows, hidden);
     break;
   default: return cudaErrorInvalidValue;
   }

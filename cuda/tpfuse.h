@@ -129,6 +129,11 @@ int tpfuse_reduce_scatter(tpfuse_dtype dtype, const tpfuse_peers *peers,
 int tpfuse_rms_norm(tpfuse_dtype dtype, const void *x, const void *gamma, float eps, void *out,
                     size_t rows, size_t hidden, void *stream);
 
+/* out = h = x (+ bias[col]) (+ residual), in f32 rounded once; residual := h when given.
+ * The element-wise epilogue of the fused all-reduce, standalone (same bits). */
+int tpfuse_bias_residual(tpfuse_dtype dtype, const void *x, const void *bias, void *residual,
+                         void *out, size_t rows, size_t hidden, void *stream);
+
 /* Threads per block of every all-reduce and RMSNorm kernel (fixed: it fixes the order of
  * the RMSNorm sum of squares). */
 #define TPFUSE_ALL_REDUCE_THREADS 512

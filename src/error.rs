@@ -136,6 +136,22 @@ pub enum Error {
         reason: String,
     },
 
+    /// A peer of a custom collective did not arrive before the group's deadline. The group
+    /// is poisoned: rebuild it.
+    #[error("rank {rank}: peer rank {peer} did not arrive within {after:?}; the group is poisoned, rebuild it")]
+    PeerTimeout {
+        /// The rank that waited.
+        rank: usize,
+        /// The rank that did not arrive.
+        peer: usize,
+        /// The deadline.
+        after: Duration,
+    },
+
+    /// The group saw a timeout or a failure earlier and refuses work until it is rebuilt.
+    #[error("the group is poisoned ({0}); rebuild it")]
+    GroupPoisoned(String),
+
     /// A computed result differs from its reference (used by `tpfuse selftest`).
     #[error("result mismatch: {0}")]
     Mismatch(String),

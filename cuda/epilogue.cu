@@ -1,0 +1,90 @@
+// epilogue.cu: the epilogue as standalone kernels: the unfused baseline, and the tail of
+// paths that cannot fuse it (two-shot RMSNorm, NCCL).
+
+#include "epilogue.cuh"
+
+namespace tpfuse {
+namespace {
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    rms_norm_kernel(const T *x, const T *gamma, float eps, T *out, size_t rows, size_t hidden) {
+  for (size_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    rms_norm_row(x + row * hidden, gamma, eps, out + row * hidden, hidden);
+  }
+}
+
+// h = x (+ bias[col]) (+ residual), rounded once; residual := h; out := h.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    bias_residual_kernel(const T *x, const T *bias, T *residual, T *out, size_t n,
+                         size_t hidden) {
+  const Epilogue<T> epi{bias, residual, hidden};
+  for (size_t i = global_thread_index(); i < n; i += global_thread_count()) {
+    out[i] = epi.apply(Elem<T>::to_f32(x[i]), i);
+  }
+}
+
+} // namespace
+
+template <typename T>
+int launch_rms_norm(const T *x, const T *gamma, float eps, T *out, size_t rows, size_t hidden,
+                    cudaStream_t stream) {
+  if (rows == 0 || hidden == 0) return cudaSuccess;
+  const unsigned grid = rows < 65535 ? static_cast<unsigned>(rows) : 65535u;
+  rms_norm_kernel<T><<<grid, kThreads, 0, stream>>>(x, gamma, eps, out, rows, hidden);
+  return cudaGetLastError();
+}
+
+template int launch_rms_norm<float>(const float *, const float *, float, float *, size_t,
+                                    size_t, cudaStream_t);
+template int launch_rms_norm<__half>(const __half *, const __half *, float, __half *, size_t,
+                                     size_t, cudaStream_t);
+template int launch_rms_norm<__nv_bfloat16>(const __nv_bfloat16 *, const __nv_bfloat16 *, float,
+                                            __nv_bfloat16 *, size_t, size_t, cudaStream_t);
+
+template <typename T>
+int launch_bias_residual(const void *x, const void *bias, void *residual, void *out, size_t rows,
+                         size_t hidden, cudaStream_t stream) {
+  const size_t n = rows * hidden;
+  if (n == 0) return cudaSuccess;
+  bias_residual_kernel<T><<<grid_for(n, kThreads), kThreads, 0, stream>>>(
+      static_cast<const T *>(x), static_cast<const T *>(bias), static_cast<T *>(residual),
+      static_cast<T *>(out), n, hidden);
+  return cudaGetLastError();
+}
+
+} // namespace tpfuse
+
+extern "C" int tpfuse_rms_norm(tpfuse_dtype dtype, const void *x, const void *gamma, float eps,
+                               void *out, size_t rows, size_t hidden, void *stream) {
+  using namespace tpfuse;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  switch (dtype) {
+  case TPFUSE_DTYPE_F32:
+    return launch_rms_norm(static_cast<const float *>(x), static_cast<const float *>(gamma), eps,
+                           static_cast<float *>(out), rows, hidden, s);
+  case TPFUSE_DTYPE_F16:
+    return launch_rms_norm(static_cast<const __half *>(x), static_cast<const __half *>(gamma),
+                           eps, static_cast<__half *>(out), rows, hidden, s);
+  case TPFUSE_DTYPE_BF16:
+    return launch_rms_norm(static_cast<const __nv_bfloat16 *>(x),
+                           static_cast<const __nv_bfloat16 *>(gamma), eps,
+                           static_cast<__nv_bfloat16 *>(out), rows, hidden, s);
+  default: return cudaErrorInvalidValue;
+  }
+}
+
+extern "C" int tpfuse_bias_residual(tpfuse_dtype dtype, const void *x, const void *bias,
+                                    void *residual, void *out, size_t rows, size_t hidden,
+                                    void *stream) {
+  using namespace tpfuse;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  switch (dtype) {
+  case TPFUSE_DTYPE_F32: return launch_bias_residual<float>(x, bias, residual, out, rows, hidden, s);
+  case TPFUSE_DTYPE_F16: return launch_bias_residual<__half>(x, bias, residual, out, rows, hidden, s);
+  case TPFUSE_DTYPE_BF16:
+    return launch_bias_residual<__nv_bfloat16>(x, bias, residual, out, rows, hidden, s);
+  default: return cudaErrorInvalidValue;
+  }
+}

@@ -1,0 +1,63 @@
+// epilogue.cuh: what follows the reduction in a transformer layer's row-parallel output:
+// + bias, + residual (written back as the new residual), RMSNorm. Shared by the fused
+// all-reduce kernels and the standalone kernels of epilogue.cu, so fused and unfused paths
+// run the same arithmetic and give the same bits.
+#pragma once
+
+#include "common.cuh"
+
+namespace tpfuse {
+
+constexpr int kThreads = TPFUSE_ALL_REDUCE_THREADS;
+
+// The element-wise part of the epilogue: h = acc (+ bias[col]) (+ residual), in f32,
+// rounded once; residual := h when given.
+template <typename T> struct Epilogue {
+  const T *bias;
+  T *residual;
+  size_t hidden;
+
+  __device__ __forceinline__ T apply(float acc, size_t i) const {
+    if (bias != nullptr) acc += Elem<T>::to_f32(bias[i % hidden]);
+    if (residual != nullptr) acc += Elem<T>::to_f32(residual[i]);
+    const T h = Elem<T>::from_f32(acc);
+    if (residual != nullptr) residual[i] = h;
+    return h;
+  }
+};
+
+// The sum of `v` over the block, the same value in every thread, in a fixed order.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float warp_sums[kThreads / 32];
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x / 32] = v;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w];
+  __syncthreads(); // warp_sums is reused by the next call
+  return total;
+}
+
+// out[i] = x[i] * rsqrt(mean(x^2) + eps) * gamma[i] over one row; x == out is allowed.
+// Shared by the fused kernel and the standalone one: same arithmetic, same bits.
+template <typename T>
+__device__ __forceinline__ void rms_norm_row(const T *x, const T *gamma, float eps, T *out, size_t hidden) {
+  float ss = 0.f;
+  for (size_t i = threadIdx.x; i < hidden; i += kThreads) {
+    const float v = Elem<T>::to_f32(x[i]);
+    ss = fmaf(v, v, ss);
+  }
+  const float rstd = rsqrtf(block_sum(ss) / static_cast<float>(hidden) + eps);
+  for (size_t i = threadIdx.x; i < hidden; i += kThreads) {
+    out[i] = Elem<T>::from_f32(Elem<T>::to_f32(x[i]) * rstd * Elem<T>::to_f32(gamma[i]));
+  }
+}
+
+// The standalone RMSNorm over rows (one block per row), defined in epilogue.cu.
+template <typename T>
+int launch_rms_norm(const T *x, const T *gamma, float eps, T *out, size_t rows, size_t hidden,
+                    cudaStream_t stream);
+
+} // namespace tpfuse
