@@ -10,12 +10,14 @@
 //      st.release.sys: everything the block did before is visible, at system scope, to
 //      whoever acquires that flag;
 //   3. thread p spins on flags[b][p] of this rank's own pad with ld.acquire.sys until it
-//      holds the value or more (wrap-safe), bounded by the launch's timeout;
+//      holds the value or more (wrap-safe), bounded by one deadline per launch (start of
+//      the launch + timeout), and gives up early when its error word turns nonzero;
 //   4. __syncthreads(): the whole block proceeds, ordered after the acquires.
 //
 // Flags only grow, so they are never reset and a replayed CUDA graph works. When a peer
 // does not arrive in time, the block records TPFUSE_ERROR_PEER_TIMEOUT | peer in this
-// rank's error word and the kernel returns; the host turns that into Error::PeerTimeout
+// rank's error word and in every other peer's (so they stop waiting too) and the kernel
+// returns; the host turns that into Error::PeerTimeout
 // and refuses further work on the group. A kernel that finds the error word set returns
 // at once (a poisoned group never waits again).
 #pragma once
@@ -67,6 +69,7 @@ public:
     // Only this block of this rank touches counters[b]; the previous launch on the stream
     // wrote it and has finished.
     epoch_ = *own_.counter(blockIdx.x);
+    start_ns_ = global_timer_ns();
     if (threadIdx.x == 0) *failures_ = 0;
     __syncthreads();
   }
@@ -74,7 +77,8 @@ public:
   // Whether the group was poisoned by an earlier timeout.
   __device__ bool poisoned() const { return ld_relaxed_sys(own_.error()) != 0; }
 
-  // Passes the next barrier; false when a peer did not arrive in time.
+  // Passes the next barrier; false when a peer did not arrive before the launch's deadline
+  // or another rank reported a timeout.
   __device__ bool arrive_and_wait() {
     const uint32_t value = ++epoch_;
     __syncthreads();
@@ -82,10 +86,14 @@ public:
     if (peer < g_.world) {
       st_release_sys(Pad{peers_.signals[peer]}.flag(blockIdx.x, g_.rank), value);
       const uint32_t *flag = own_.flag(blockIdx.x, peer);
-      const uint64_t start = global_timer_ns();
-      while (static_cast<int32_t>(ld_acquire_sys(flag) - value) < 0) {
-        if (global_timer_ns() - start > g_.timeout_ns) {
-          atomicCAS(own_.error(), 0u, TPFUSE_ERROR_PEER_TIMEOUT | static_cast<uint32_t>(peer));
+      for (uint32_t spins = 0; static_cast<int32_t>(ld_acquire_sys(flag) - value) < 0; ++spins) {
+        if ((spins & 1023u) != 1023u) continue;
+        if (ld_relaxed_sys(own_.error()) != 0) { // a peer gave up: so do we
+          atomicAdd(failures_, 1);
+          break;
+        }
+        if (global_timer_ns() - start_ns_ > g_.timeout_ns) {
+          report_timeout(peer);
           atomicAdd(failures_, 1);
           break;
         }
@@ -93,6 +101,16 @@ public:
     }
     __syncthreads();
     return *failures_ == 0;
+  }
+
+  // Records "rank `missing` did not arrive" in this rank's error word and in every peer's,
+  // so that the survivors stop waiting at once instead of each running out its deadline.
+  __device__ void report_timeout(int missing) const {
+    const uint32_t word = TPFUSE_ERROR_PEER_TIMEOUT | static_cast<uint32_t>(missing);
+    atomicCAS(own_.error(), 0u, word);
+    for (int p = 0; p < g_.world; ++p) {
+      if (p != g_.rank && p != missing) st_release_sys(Pad{peers_.signals[p]}.error(), word);
+    }
   }
 
   // Stores the epoch for the next launch; call once, after the last barrier passed.
@@ -106,6 +124,7 @@ private:
   Pad own_;
   int *failures_;
   uint32_t epoch_;
+  uint64_t start_ns_; // the launch's deadline is start_ns_ + timeout_ns, for all its waits
 };
 
 } // namespace tpfuse

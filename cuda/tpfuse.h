@@ -97,8 +97,8 @@ typedef struct tpfuse_group_args {
   int32_t rank;
   int32_t world;       /* 2 ..= TPFUSE_MAX_RANKS */
   int32_t blocks;      /* grid size, 1 ..= TPFUSE_MAX_BLOCKS, the same on every rank */
-  uint64_t capacity;   /* bytes of staging (and of result) per rank */
-  uint64_t timeout_ns; /* bound on every wait */
+  uint64_t capacity;   /* bytes of staging (and of result) per rank; equal on every rank */
+  uint64_t timeout_ns; /* one deadline per launch: launch start + timeout_ns bounds its waits */
 } tpfuse_group_args;
 
 /*
@@ -137,6 +137,70 @@ int tpfuse_bias_residual(tpfuse_dtype dtype, const void *x, const void *bias, vo
 /* Threads per block of every all-reduce and RMSNorm kernel (fixed: it fixes the order of
  * the RMSNorm sum of squares). */
 #define TPFUSE_ALL_REDUCE_THREADS 512
+
+/* ---------------------------------------------------------------------------------------
+ * GEMM (cuda/gemm.cu, cuda/gemm_sm80.cuh, cuda/gemm_epilogue.cuh).
+ *
+ * C[m,n] = A[m,k] * B[n,k]^T (+ bias[n]) (+ residual[m,n]), row-major, f16 or bf16 (A, B,
+ * bias, residual and C of one type), f32 accumulation, rounded once to the type. B is a
+ * PyTorch weight [out_features, in_features].
+ *
+ * Batch invariance: every configuration accumulates each output with one chain of
+ * mma.sync.m16n8k16 over k in ascending steps of 16 from zero, then runs the same epilogue,
+ * so a row of C has the same bits whatever m is and whichever path or configuration runs.
+ * --------------------------------------------------------------------------------------- */
+
+/* Paths (what tpfuse_gemm_describe reports). Values are part of the ABI. */
+#define TPFUSE_GEMM_PATH_NONE 0
+#define TPFUSE_GEMM_PATH_SM80_SMALL_M 1 /* mma.sync, m <= TPFUSE_GEMM_SMALL_M_MAX, sm_80+ */
+#define TPFUSE_GEMM_PATH_SM80_TILED 2   /* mma.sync, cp.async multistage tiles, sm_80+ */
+/* 3 is reserved for a future sm_90a wgmma/TMA path behind the same entry point. */
+
+/* The largest m the automatic choice sends to the small-m path. */
+#define TPFUSE_GEMM_SMALL_M_MAX 16
+
+/* Tile configurations (block_m x block_n). AUTO lets tpfuse_gemm choose by device and shape;
+ * the others force one (for tests and benchmarks: every one is valid for every shape). */
+#define TPFUSE_GEMM_CONFIG_AUTO (-1)
+#define TPFUSE_GEMM_CONFIG_SMALL_16X16 0
+#define TPFUSE_GEMM_CONFIG_SMALL_16X32 1
+#define TPFUSE_GEMM_CONFIG_SMALL_16X64 2
+#define TPFUSE_GEMM_CONFIG_TILE_64X64 3
+#define TPFUSE_GEMM_CONFIG_TILE_128X128 4
+#define TPFUSE_GEMM_CONFIG_COUNT 5
+
+/* What a configuration is. */
+typedef struct tpfuse_gemm_config_info {
+  int32_t path; /* TPFUSE_GEMM_PATH_* */
+  int32_t block_m;
+  int32_t block_n;
+  int32_t block_k;
+  int32_t stages;     /* cp.async pipeline depth (k-slices of block_k in shared memory) */
+  int32_t threads;    /* per block */
+  int32_t smem_bytes; /* dynamic shared memory per block */
+} tpfuse_gemm_config_info;
+
+/*
+ * dtype:    TPFUSE_DTYPE_F16 or TPFUSE_DTYPE_BF16 (f32: cudaErrorInvalidValue)
+ * config:   TPFUSE_GEMM_CONFIG_AUTO, or a TPFUSE_GEMM_CONFIG_* to force
+ * a:        [m, k];  b: [n, k];  bias: [n] or NULL;  residual: [m, n] or NULL;  c: [m, n]
+ * m:        any (0 launches nothing);  n, k: positive multiples of 8;  m, n, k <= 2^30
+ * Every pointer 16-byte aligned. c must not overlap a, b or bias; residual may be c exactly
+ * (c += a * b^T (+ bias)) and must not otherwise overlap c.
+ * Returns a cudaError_t: cudaErrorNoKernelImageForDevice on compute capability < 8.0 (nothing
+ * launched); invalid shapes or pointers are rejected without a launch as a backstop (the Rust
+ * side validates first).
+ */
+int tpfuse_gemm(tpfuse_dtype dtype, int32_t config, const void *a, const void *b, const void *bias,
+                const void *residual, void *c, size_t m, size_t n, size_t k, void *stream);
+
+/* The configuration tpfuse_gemm(AUTO) runs for this shape on a device of compute capability
+ * cc_major.cc_minor with sm_count SMs, or -1 when that device has no GEMM path. */
+int32_t tpfuse_gemm_select(size_t m, size_t n, size_t k, int32_t cc_major, int32_t cc_minor,
+                           int32_t sm_count);
+
+/* Fills *info for a TPFUSE_GEMM_CONFIG_* (not AUTO). Returns 0, or cudaErrorInvalidValue. */
+int tpfuse_gemm_describe(int32_t config, tpfuse_gemm_config_info *info);
 
 #ifdef __cplusplus
 }

@@ -58,10 +58,13 @@ pub mod device;
 pub mod dtype;
 pub mod error;
 mod ffi;
+pub mod group;
 pub mod ops;
 pub mod reference;
+pub mod symmetric;
 pub mod topology;
 pub mod validate;
 
 pub use dtype::{Element, NcclType};
 pub use error::{Error, Result};
+pub use group::{GroupOptions, TpGroup};

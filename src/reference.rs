@@ -45,3 +45,104 @@ pub fn relative_error<T: Element>(got: &[T], want: &[f64]) -> f64 {
         (diff / norm).sqrt()
     }
 }
+
+/// The element-wise part of the fused all-reduce, exactly as the kernels compute it:
+/// `h = ((sum in rank order, f32) + bias[col]) + residual`, rounded once to `T`.
+/// `partials` are the ranks' `[rows, hidden]` inputs; `bias` is `[hidden]`.
+pub fn all_reduce_epilogue_exact<T: Element>(
+    partials: &[&[T]],
+    bias: Option<&[T]>,
+    residual: Option<&[T]>,
+    hidden: usize,
+) -> Vec<T> {
+    let n = partials.first().map_or(0, |x| x.len());
+    (0..n)
+        .map(|i| {
+            let mut acc = partials[0][i].to_f32();
+            for x in &partials[1..] {
+                acc += x[i].to_f32();
+            }
+            if let Some(b) = bias {
+                acc += b[i % hidden].to_f32();
+            }
+            if let Some(r) = residual {
+                acc += r[i].to_f32();
+            }
+            T::from_f32(acc)
+        })
+        .collect()
+}
+
+/// The fused all-reduce in f64: `h = sum + bias + residual`, then, with `gamma`,
+/// `out = h * rsqrt(mean(h^2) + eps) * gamma` per row of `hidden`; without, `out = h`.
+/// Returns `(h, out)`.
+pub fn all_reduce_fused_f64<T: Element>(
+    partials: &[&[T]],
+    bias: Option<&[T]>,
+    residual: Option<&[T]>,
+    gamma: Option<&[T]>,
+    eps: f64,
+    hidden: usize,
+) -> (Vec<f64>, Vec<f64>) {
+    let n = partials.first().map_or(0, |x| x.len());
+    let h: Vec<f64> = (0..n)
+        .map(|i| {
+            let sum: f64 = partials.iter().map(|x| x[i].to_f64()).sum();
+            sum + bias.map_or(0.0, |b| b[i % hidden].to_f64())
+                + residual.map_or(0.0, |r| r[i].to_f64())
+        })
+        .collect();
+    let Some(gamma) = gamma else {
+        return (h.clone(), h);
+    };
+    let out = h
+        .chunks(hidden.max(1))
+        .flat_map(|row| {
+            let ms = row.iter().map(|x| x * x).sum::<f64>() / row.len() as f64;
+            let rstd = 1.0 / (ms + eps).sqrt();
+            row.iter()
+                .zip(gamma)
+                .map(move |(x, g)| x * rstd * g.to_f64())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    (h, out)
+}
+
+/// `C = A · Bᵀ (+ bias) (+ residual)` in f64: `a` is `[m, k]`, `b` is `[n, k]` (a weight
+/// `[out, in]`), `bias` `[n]`, `residual` `[m, n]`, all row-major; returns `C` `[m, n]` with
+/// `c[i*n + j] = Σ_l a[i*k + l]·b[j*k + l] + bias[j] + residual[i*n + j]`.
+///
+/// # Panics
+///
+/// When a slice's length does not match the shape.
+pub fn gemm_f64<T: Element>(
+    a: &[T],
+    b: &[T],
+    bias: Option<&[T]>,
+    residual: Option<&[T]>,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> Vec<f64> {
+    assert_eq!(a.len(), m * k, "a must hold m * k elements");
+    assert_eq!(b.len(), n * k, "b must hold n * k elements");
+    if let Some(bias) = bias {
+        assert_eq!(bias.len(), n, "bias must hold n elements");
+    }
+    if let Some(residual) = residual {
+        assert_eq!(residual.len(), m * n, "residual must hold m * n elements");
+    }
+    let a: Vec<f64> = a.iter().map(|x| x.to_f64()).collect();
+    let mut c = vec![0.0f64; m * n];
+    for j in 0..n {
+        let b_row: Vec<f64> = b[j * k..(j + 1) * k].iter().map(|x| x.to_f64()).collect();
+        let extra = bias.map_or(0.0, |bias| bias[j].to_f64());
+        for i in 0..m {
+            let a_row = &a[i * k..(i + 1) * k];
+            let dot: f64 = a_row.iter().zip(&b_row).map(|(x, y)| x * y).sum();
+            c[i * n + j] = dot + extra + residual.map_or(0.0, |r| r[i * n + j].to_f64());
+        }
+    }
+    c
+}

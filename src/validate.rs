@@ -38,7 +38,7 @@ impl BufferInfo {
 }
 
 /// The CUDA ordinal of the device a cudarc buffer lives on.
-pub(crate) fn owner<T>(buf: &impl DeviceSlice<T>) -> usize {
+pub(crate) fn owner<T>(buf: &(impl DeviceSlice<T> + ?Sized)) -> usize {
     buf.stream().context().ordinal()
 }
 

@@ -1,0 +1,185 @@
+//! All-gather and reduce-scatter over a [`TpGroup`]: the custom kernels on symmetric
+//! memory (always for virtual ranks), NCCL when the message exceeds the group's capacity
+//! or the topology refuses the custom kernels.
+
+use crate::device::cuda;
+use crate::dtype::{Element, NcclType};
+use crate::error::{Error, Result};
+use crate::ffi::kernels;
+use crate::group::TpGroup;
+use crate::validate::{launched, owner, BufferInfo};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
+use std::ffi::c_void;
+
+/// Whether the custom kernels serve a message of `bytes` staged bytes on `group`.
+fn use_custom(group: &TpGroup, bytes: usize) -> Result<bool> {
+    let allowed = group.is_virtual() || group.verdict().map_or(true, |v| v.custom_all_reduce());
+    match (allowed && bytes <= group.capacity(), group.comm().is_some()) {
+        (true, _) => Ok(true),
+        (false, true) => Ok(false),
+        (false, false) => Err(Error::invalid(
+            "input",
+            format!(
+                "{bytes} bytes exceed the group's capacity of {} bytes and there is no NCCL \
+                 communicator to fall back on",
+                group.capacity()
+            ),
+        )),
+    }
+}
+
+fn check_common<T>(
+    group: &TpGroup,
+    input: (&str, usize, usize, u64),
+    out: (&str, usize, usize, u64),
+) -> Result<()> {
+    let device = group.device();
+    for (name, _, dev, addr) in [input, out] {
+        BufferInfo::new(addr, 0, dev).check_device(name, device)?;
+        if addr % 16 != 0 {
+            return Err(Error::invalid(
+                name,
+                format!("device address {addr:#x} is not 16-byte aligned"),
+            ));
+        }
+    }
+    let size = std::mem::size_of::<T>() as u64;
+    let (a0, a1) = (input.3, input.3 + input.1 as u64 * size);
+    let (b0, b1) = (out.3, out.3 + out.1 as u64 * size);
+    if input.1 > 0 && out.1 > 0 && a0 < b1 && b0 < a1 {
+        return Err(Error::invalid(
+            out.0,
+            "overlaps input; this op is not in-place",
+        ));
+    }
+    Ok(())
+}
+
+/// `out[r * n .. (r + 1) * n] = input` of rank r, n = `input.len()`; `out` holds
+/// `world * n` elements. The staged bytes (n elements) must be a multiple of 16.
+pub fn all_gather<T: Element + NcclType>(
+    group: &TpGroup,
+    input: &impl DevicePtr<T>,
+    out: &mut impl DevicePtrMut<T>,
+) -> Result<()> {
+    let n = input.len();
+    let world = group.world();
+    if out.len() != n * world {
+        return Err(Error::invalid(
+            "out",
+            format!(
+                "holds {} elements, must hold world ({world}) x {n}",
+                out.len()
+            ),
+        ));
+    }
+    let bytes = n * std::mem::size_of::<T>();
+    if bytes % 16 != 0 {
+        return Err(Error::invalid(
+            "input",
+            format!("{bytes} bytes is not a multiple of 16"),
+        ));
+    }
+    let (in_dev, out_dev, out_len) = (owner(input), owner(&*out), out.len());
+    BufferInfo::new(0, n, in_dev).check_device("input", group.device())?;
+    BufferInfo::new(0, out_len, out_dev).check_device("out", group.device())?;
+    if n == 0 {
+        return Ok(());
+    }
+    if !use_custom(group, bytes)? {
+        let comm = group
+            .comm()
+            .ok_or_else(|| Error::invalid("group", "no communicator"))?;
+        return comm.all_gather(input, out);
+    }
+    let stream = group.stream();
+    let (ip, _g1) = input.device_ptr(stream);
+    let (op, _g2) = out.device_ptr_mut(stream);
+    check_common::<T>(
+        group,
+        ("input", n, in_dev, ip),
+        ("out", out_len, out_dev, op),
+    )?;
+    let (peers, args) = group.kernel_args()?;
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(cuda("binding the context"))?;
+    // SAFETY: lengths, devices, alignment, capacity and aliasing checked above.
+    let code = unsafe {
+        kernels::tpfuse_all_gather(
+            &peers,
+            &args,
+            ip as *const c_void,
+            op as *mut c_void,
+            bytes,
+            stream.cu_stream() as *mut c_void,
+        )
+    };
+    launched("tpfuse_all_gather", code)
+}
+
+/// `out = (sum over ranks of input)[rank * n .. (rank + 1) * n]`, n = `out.len()`; `input`
+/// holds `world * n` elements (rank order sum in f32, as the all-reduce).
+pub fn reduce_scatter<T: Element + NcclType>(
+    group: &TpGroup,
+    input: &impl DevicePtr<T>,
+    out: &mut impl DevicePtrMut<T>,
+) -> Result<()> {
+    let n = out.len();
+    let world = group.world();
+    if input.len() != n * world {
+        return Err(Error::invalid(
+            "input",
+            format!(
+                "holds {} elements, must hold world ({world}) x {n}",
+                input.len()
+            ),
+        ));
+    }
+    let (in_dev, out_dev, in_len) = (owner(input), owner(&*out), input.len());
+    BufferInfo::new(0, in_len, in_dev).check_device("input", group.device())?;
+    BufferInfo::new(0, n, out_dev).check_device("out", group.device())?;
+    if n == 0 {
+        return Ok(());
+    }
+    let vec = 16 / std::mem::size_of::<T>();
+    if n % vec != 0 {
+        return Err(Error::invalid(
+            "out",
+            format!("{n} elements per rank is not a multiple of {vec} (16 bytes)"),
+        ));
+    }
+    if !use_custom(group, in_len * std::mem::size_of::<T>())? {
+        let comm = group
+            .comm()
+            .ok_or_else(|| Error::invalid("group", "no communicator"))?;
+        return comm.reduce_scatter(input, out, crate::comm::ReduceOp::Sum);
+    }
+    let stream = group.stream();
+    let (ip, _g1) = input.device_ptr(stream);
+    let (op, _g2) = out.device_ptr_mut(stream);
+    check_common::<T>(
+        group,
+        ("input", in_len, in_dev, ip),
+        ("out", n, out_dev, op),
+    )?;
+    let (peers, args) = group.kernel_args()?;
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(cuda("binding the context"))?;
+    // SAFETY: lengths, devices, alignment, capacity and aliasing checked above.
+    let code = unsafe {
+        kernels::tpfuse_reduce_scatter(
+            T::DTYPE,
+            &peers,
+            &args,
+            ip as *const c_void,
+            op as *mut c_void,
+            n,
+            stream.cu_stream() as *mut c_void,
+        )
+    };
+    launched("tpfuse_reduce_scatter", code)
+}
