@@ -1,0 +1,329 @@
+//! GEMM benchmarks: tpfuse's `gemm` beside cuBLASLt at the DESIGN reference shapes
+//! (Llama-3-70B at TP = 8: qkv, o_proj, gate_up, down) for m in {1, 16, 64, 256, 1024, 4096,
+//! 8192}.
+//!
+//! Method (DESIGN, performance): CUDA-event timing of CUDA graphs, after warm-up, on random
+//! inputs. Each graph holds one call per copy of the weight, rotating through enough copies
+//! (at least 256 MiB) that the weight is read from HBM, not from L2; the time of one call is
+//! the graph's time over its calls, so host-side costs (validation, cuBLASLt's heuristic
+//! query) are not counted for either side. Criterion's throughput is in FLOPs (`elem/s` reads
+//! as FLOP/s). After criterion, a table gives for every case the median time of one call,
+//! TFLOP/s, weight bandwidth and the ratio to cuBLASLt.
+//!
+//! `TPFUSE_BENCH_DTYPES` picks the element types (`bf16`, `f16`, or `bf16,f16`; default
+//! `bf16`). cuBLASLt runs when libcublasLt can be loaded (put the nvidia-cublas wheel's lib/
+//! on LD_LIBRARY_PATH), else only tpfuse is measured. Without a CUDA driver nothing runs.
+
+use criterion::{BenchmarkId, Criterion, Throughput};
+use cudarc::cublaslt::{CudaBlasLT, Matmul, MatmulConfig};
+use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+use half::{bf16, f16};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::sync::Arc;
+use std::time::Duration;
+use tpfuse::ops::gemm::{gemm, select_config, GemmElement, GemmShape};
+
+const SHAPES: [(&str, usize, usize); 4] = [
+    ("qkv", 1280, 8192),
+    ("o_proj", 8192, 1024),
+    ("gate_up", 7168, 8192),
+    ("down", 8192, 3584),
+];
+const MS: [usize; 7] = [1, 16, 64, 256, 1024, 4096, 8192];
+/// Weight copies rotate through at least this many bytes (L2 is 40-60 MiB on sm_80/sm_90).
+const ROTATE_BYTES: usize = 256 << 20;
+/// Median of this many graph launches for the summary table.
+const TABLE_SAMPLES: usize = 30;
+
+fn main() {
+    if !tpfuse::device::driver_present() {
+        println!("gemm benches need a CUDA GPU and driver (libcuda.so not found): nothing run");
+        return;
+    }
+    let mut c = Criterion::default()
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(2))
+        .configure_from_args();
+    let ctx = tpfuse::device::open(0).unwrap_or_else(|e| panic!("opening GPU 0: {e}"));
+    let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+    println!("gemm benches on GPU 0: {name}");
+    // SAFETY: every buffer below is allocated, used and freed on the one stream.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx.new_stream().expect("creating a stream");
+    // SAFETY: only tries to load the library.
+    let blas = if unsafe { cudarc::cublaslt::sys::is_culib_present() } {
+        Some(CudaBlasLT::new(stream.clone()).expect("creating a cuBLASLt handle"))
+    } else {
+        println!("libcublasLt could not be loaded: measuring tpfuse only");
+        None
+    };
+    let dtypes = std::env::var("TPFUSE_BENCH_DTYPES").unwrap_or_else(|_| "bf16".into());
+    let mut table = Vec::new();
+    for dtype in dtypes.split(',').map(str::trim) {
+        for &(shape_name, n, k) in &SHAPES {
+            match dtype {
+                "bf16" => table.extend(bench_shape::<bf16>(
+                    &mut c,
+                    &stream,
+                    blas.as_ref(),
+                    shape_name,
+                    n,
+                    k,
+                )),
+                "f16" => table.extend(bench_shape::<f16>(
+                    &mut c,
+                    &stream,
+                    blas.as_ref(),
+                    shape_name,
+                    n,
+                    k,
+                )),
+                other => panic!("TPFUSE_BENCH_DTYPES: unknown type {other:?} (bf16 or f16)"),
+            }
+        }
+    }
+    c.final_summary();
+    print_table(&name, &table);
+}
+
+/// One measured case for the summary table.
+struct Row {
+    dtype: &'static str,
+    shape: &'static str,
+    gemm: GemmShape,
+    config: &'static str,
+    ours: Duration,
+    theirs: Option<Duration>,
+}
+
+/// Fills `len` elements with values uniform in (-scale, scale) by uploading one random host
+/// block (at most 1M elements) repeatedly at shifting offsets.
+fn random_device<T: GemmElement + ValidAsZeroBits>(
+    stream: &Arc<CudaStream>,
+    len: usize,
+    scale: f32,
+    seed: u64,
+) -> CudaSlice<T> {
+    let block = len.clamp(1, 1 << 20);
+    let mut rng = StdRng::seed_from_u64(seed);
+    let host: Vec<T> = (0..block + 997)
+        .map(|_| T::from_f32(rng.random_range(-scale..scale)))
+        .collect();
+    let mut dev = stream.alloc_zeros::<T>(len).expect("allocating an input");
+    let (mut start, mut shift) = (0, 0);
+    while start < len {
+        let n = block.min(len - start);
+        let mut view = dev.slice_mut(start..start + n);
+        stream
+            .memcpy_htod(&host[shift..shift + n], &mut view)
+            .expect("uploading an input");
+        start += n;
+        shift = (shift + 331) % 997;
+    }
+    dev
+}
+
+/// Captures `calls` enqueues of `f(i)` (i = 0..calls) into one CUDA graph.
+fn capture(stream: &Arc<CudaStream>, calls: usize, mut f: impl FnMut(usize)) -> CudaGraph {
+    stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .expect("beginning a capture");
+    for i in 0..calls {
+        f(i);
+    }
+    let graph = stream
+        .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH)
+        .expect("ending a capture")
+        .expect("the capture recorded work");
+    graph.upload().expect("uploading the graph");
+    graph
+}
+
+/// GPU time of `launches` launches of `graph`, from events on `stream`.
+fn time_graph(stream: &Arc<CudaStream>, graph: &CudaGraph, launches: u64) -> Duration {
+    let ctx = stream.context();
+    let start = ctx
+        .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+        .expect("creating an event");
+    let end = ctx
+        .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+        .expect("creating an event");
+    start.record(stream).expect("recording an event");
+    for _ in 0..launches {
+        graph.launch().expect("launching the graph");
+    }
+    end.record(stream).expect("recording an event");
+    let ms = start.elapsed_ms(&end).expect("reading the event timer");
+    Duration::from_secs_f64(f64::from(ms) * 1e-3)
+}
+
+/// Median time of one call: `samples` single launches of a graph of `calls` calls.
+fn median_call(stream: &Arc<CudaStream>, graph: &CudaGraph, calls: usize) -> Duration {
+    let mut t: Vec<Duration> = (0..TABLE_SAMPLES)
+        .map(|_| time_graph(stream, graph, 1) / calls as u32)
+        .collect();
+    t.sort();
+    t[t.len() / 2]
+}
+
+fn cublaslt<T>(
+    blas: &CudaBlasLT,
+    a: &CudaSlice<T>,
+    b: &CudaSlice<T>,
+    c: &mut CudaSlice<T>,
+    s: GemmShape,
+) where
+    CudaBlasLT: Matmul<T>,
+{
+    // Row-major C[m, n] = A[m, k] · B[n, k]^T is column-major C^T[n, m] = B^T · A.
+    let cfg = MatmulConfig {
+        transa: true,
+        transb: false,
+        transc: false,
+        m: s.n as u64,
+        n: s.m as u64,
+        k: s.k as u64,
+        alpha: 1.0,
+        lda: s.k as i64,
+        ldb: s.k as i64,
+        beta: 0.0,
+        ldc: s.n as i64,
+        stride_a: None,
+        stride_b: None,
+        stride_c: None,
+        stride_bias: None,
+        batch_size: None,
+    };
+    // SAFETY: a holds at least m*k, b n*k and c m*n elements, all on blas's stream.
+    unsafe { blas.matmul(cfg, b, a, c, None, None) }.expect("cuBLASLt matmul");
+}
+
+fn bench_shape<T: GemmElement + ValidAsZeroBits + DeviceRepr>(
+    c: &mut Criterion,
+    stream: &Arc<CudaStream>,
+    blas: Option<&CudaBlasLT>,
+    shape_name: &'static str,
+    n: usize,
+    k: usize,
+) -> Vec<Row>
+where
+    CudaBlasLT: Matmul<T>,
+{
+    let max_m = MS[MS.len() - 1];
+    let weight_bytes = n * k * std::mem::size_of::<T>();
+    let copies = ROTATE_BYTES.div_ceil(weight_bytes).clamp(1, 16);
+    let w = 1.0 / (k as f32).sqrt();
+    let weights: Vec<CudaSlice<T>> = (0..copies)
+        .map(|i| random_device::<T>(stream, n * k, w, 0xb0 + i as u64))
+        .collect();
+    let a = random_device::<T>(stream, max_m * k, 1.0, 0xa0);
+    let mut out = stream
+        .alloc_zeros::<T>(max_m * n)
+        .expect("allocating the output");
+    stream.synchronize().expect("uploading the inputs");
+
+    let ctx = stream.context();
+    let attr = |x| ctx.attribute(x).expect("device attribute");
+    use cudarc::driver::sys::CUdevice_attribute as A;
+    let cc = (
+        attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR) as u32,
+        attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR) as u32,
+    );
+    let sms = attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT) as usize;
+
+    let mut rows = Vec::new();
+    let mut group = c.benchmark_group(format!("gemm_{}_{shape_name}_n{n}_k{k}", T::NAME));
+    for &m in &MS {
+        let s = GemmShape { m, n, k };
+        let config = select_config(s, cc, sms).map_or("none", |c| c.name());
+        let a_m = a.slice(0..m * k);
+        // Warm up outside the capture (the first call sets kernel attributes).
+        {
+            let mut o = out.slice_mut(0..m * n);
+            gemm(stream, &a_m, &weights[0], None, None, &mut o, m, n, k).expect("gemm");
+        }
+        stream.synchronize().expect("gemm warm-up");
+        let ours = capture(stream, copies, |i| {
+            let mut o = out.slice_mut(0..m * n);
+            gemm(stream, &a_m, &weights[i], None, None, &mut o, m, n, k).expect("gemm");
+        });
+        group.throughput(Throughput::Elements(s.flops() as u64));
+        group.sample_size(if s.flops() > 1e12 { 20 } else { 50 });
+        group.bench_function(BenchmarkId::new("tpfuse", m), |bench| {
+            bench.iter_custom(|iters| time_graph(stream, &ours, iters) / copies as u32)
+        });
+        let ours_median = median_call(stream, &ours, copies);
+
+        let theirs_median = blas.map(|blas| {
+            cublaslt(blas, &a, &weights[0], &mut out, s);
+            stream.synchronize().expect("cuBLASLt warm-up");
+            let theirs = capture(stream, copies, |i| {
+                cublaslt(blas, &a, &weights[i], &mut out, s)
+            });
+            group.bench_function(BenchmarkId::new("cublaslt", m), |bench| {
+                bench.iter_custom(|iters| time_graph(stream, &theirs, iters) / copies as u32)
+            });
+            median_call(stream, &theirs, copies)
+        });
+        rows.push(Row {
+            dtype: T::NAME,
+            shape: shape_name,
+            gemm: s,
+            config,
+            ours: ours_median,
+            theirs: theirs_median,
+        });
+    }
+    group.finish();
+    rows
+}
+
+fn print_table(gpu: &str, rows: &[Row]) {
+    println!("\ngemm on {gpu}: median of {TABLE_SAMPLES} graph launches, time of one call");
+    println!(
+        "{:<5} {:<8} {:>5} {:>5} {:>5}  {:<14} {:>10} {:>8} {:>8}  {:>10} {:>8}  {:>6}",
+        "dtype",
+        "layer",
+        "m",
+        "n",
+        "k",
+        "config",
+        "tpfuse us",
+        "TFLOP/s",
+        "W GB/s",
+        "cuBLASLt",
+        "TFLOP/s",
+        "ratio"
+    );
+    for r in rows {
+        let s = r.gemm;
+        let tflops = |t: Duration| s.flops() / t.as_secs_f64() / 1e12;
+        let weight_gbs = (s.n * s.k * 2) as f64 / r.ours.as_secs_f64() / 1e9;
+        let (theirs_us, theirs_tf, ratio) = match r.theirs {
+            Some(t) => (
+                format!("{:.1}", t.as_secs_f64() * 1e6),
+                format!("{:.1}", tflops(t)),
+                format!("{:.2}", t.as_secs_f64() / r.ours.as_secs_f64()),
+            ),
+            None => ("-".into(), "-".into(), "-".into()),
+        };
+        println!(
+            "{:<5} {:<8} {:>5} {:>5} {:>5}  {:<14} {:>10.1} {:>8.1} {:>8.0}  {:>10} {:>8}  {:>6}",
+            r.dtype,
+            r.shape,
+            s.m,
+            s.n,
+            s.k,
+            r.config,
+            r.ours.as_secs_f64() * 1e6,
+            tflops(r.ours),
+            weight_gbs,
+            theirs_us,
+            theirs_tf,
+            ratio
+        );
+    }
+    println!("ratio = cuBLASLt time / tpfuse time (above 1: tpfuse is faster)");
+}

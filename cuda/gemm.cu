@@ -1,0 +1,165 @@
+// gemm.cu: C[m,n] = A[m,k] · B[n,k]^T (+ bias[n]) (+ residual[m,n]), f16 / bf16 in, f32
+// accumulation, C rounded once to the input type. Row-major everything; B is a PyTorch weight
+// [out_features, in_features].
+//
+// The entry point picks a path by compute capability, then a tile configuration by shape:
+//
+//   compute capability < 8.0     no path (cudaErrorNoKernelImageForDevice, nothing launched)
+//   8.0 and later, m <= 16       sm80 small-m path (decode): SmallM16x{16,32,64}
+//   8.0 and later, m > 16        sm80 tiled path: Tile64x64 or Tile128x128
+//   (9.0 with sm_90a SASS        the place for a future wgmma/TMA path: see select_config)
+//
+// Every configuration gives the same bits for the same row (gemm_sm80.cuh explains why), so
+// the choice is free to follow performance only.
+
+#include <climits>
+
+#include "gemm_sm80.cuh"
+
+namespace tpfuse {
+namespace gemm {
+namespace {
+
+// The device's compute capability (major * 10 + minor) and SM count, queried once per device.
+struct DeviceFacts {
+  int cc;
+  int sms;
+};
+
+bool device_facts(DeviceFacts &facts) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cc_cache[kMaxDevices];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return false;
+  int cc = cc_cache[device].load(std::memory_order_relaxed);
+  if (cc <= 0) {
+    int major = 0, minor = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+      return false;
+    }
+    cc = major * 10 + minor;
+    cc_cache[device].store(cc, std::memory_order_relaxed);
+  }
+  facts.cc = cc;
+  facts.sms = current_sm_count();
+  return true;
+}
+
+size_t ceil_div(size_t x, size_t y) { return (x + y - 1) / y; }
+
+// The configuration a call runs, or -1 when the device has no path.
+int select_config(size_t m, size_t n, int cc, int sms) {
+  if (cc < 80) return -1;
+  // A future sm90a path (wgmma + TMA, built only for sm_90a) goes here, for cc == 90 and
+  // m > TPFUSE_GEMM_SMALL_M_MAX, behind the same entry point. It must keep the batch-invariance
+  // contract of gemm_sm80.cuh with the small-m path (same per-element accumulation order and
+  // instruction semantics), or the small-m path must move to it as well.
+  if (m <= TPFUSE_GEMM_SMALL_M_MAX) {
+    // The widest block that still gives every SM a block: fewer, wider blocks read each
+    // k-slice of A once for more columns; narrow N (e.g. qkv at TP=8) needs narrow blocks.
+    if (ceil_div(n, SmallM16x64::kBlockN) >= static_cast<size_t>(sms)) return TPFUSE_GEMM_CONFIG_SMALL_16X64;
+    if (ceil_div(n, SmallM16x32::kBlockN) >= static_cast<size_t>(sms)) return TPFUSE_GEMM_CONFIG_SMALL_16X32;
+    return TPFUSE_GEMM_CONFIG_SMALL_16X16;
+  }
+  const size_t big_tiles = ceil_div(m, Tile128x128::kBlockM) * ceil_div(n, Tile128x128::kBlockN);
+  return big_tiles >= static_cast<size_t>(sms) ? TPFUSE_GEMM_CONFIG_TILE_128X128 : TPFUSE_GEMM_CONFIG_TILE_64X64;
+}
+
+template <typename Cfg> void describe(int32_t path, tpfuse_gemm_config_info &info) {
+  info.path = path;
+  info.block_m = Cfg::kBlockM;
+  info.block_n = Cfg::kBlockN;
+  info.block_k = Cfg::kBlockK;
+  info.stages = Cfg::kStages;
+  info.threads = Cfg::kThreads;
+  info.smem_bytes = Cfg::kSmemBytes;
+}
+
+template <typename T, typename Cfg>
+int launch_config(const T *a, const T *b, const T *bias, const T *residual, T *c, int m, int n, int k,
+                  cudaStream_t stream) {
+  const long long tiles_m = (m + Cfg::kBlockM - 1) / Cfg::kBlockM;
+  const long long tiles_n = (n + Cfg::kBlockN - 1) / Cfg::kBlockN;
+  if (tiles_m * tiles_n > INT_MAX) return cudaErrorInvalidConfiguration;
+  auto kernel = gemm_sm80_kernel<T, Cfg, GemmEpilogue<T>>;
+  if (Cfg::kSmemBytes > 48 * 1024) {
+    // Opting in to more than 48 KiB of dynamic shared memory is an attribute of the function
+    // in the current context. It is set on every call rather than cached: a context can be
+    // destroyed and recreated under the same device (cudarc releases the primary context
+    // with its last handle), and the new one starts without it. Setting a function attribute
+    // is host-side work, no stream operation, so it is allowed during stream capture.
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+    if (err != cudaSuccess) return err;
+  }
+  const GemmEpilogue<T> epi{c, bias, residual, n};
+  kernel<<<static_cast<unsigned>(tiles_m * tiles_n), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+      a, b, m, n, k, static_cast<int>(tiles_m), static_cast<int>(tiles_n), epi);
+  return cudaGetLastError();
+}
+
+template <typename T>
+int launch(int config, const void *a, const void *b, const void *bias, const void *residual, void *c, int m,
+           int n, int k, cudaStream_t stream) {
+  const T *ta = static_cast<const T *>(a);
+  const T *tb = static_cast<const T *>(b);
+  const T *tbias = static_cast<const T *>(bias);
+  const T *tres = static_cast<const T *>(residual);
+  T *tc = static_cast<T *>(c);
+  switch (config) {
+  case TPFUSE_GEMM_CONFIG_SMALL_16X16: return launch_config<T, SmallM16x16>(ta, tb, tbias, tres, tc, m, n, k, stream);
+  case TPFUSE_GEMM_CONFIG_SMALL_16X32: return launch_config<T, SmallM16x32>(ta, tb, tbias, tres, tc, m, n, k, stream);
+  case TPFUSE_GEMM_CONFIG_SMALL_16X64: return launch_config<T, SmallM16x64>(ta, tb, tbias, tres, tc, m, n, k, stream);
+  case TPFUSE_GEMM_CONFIG_TILE_64X64: return launch_config<T, Tile64x64>(ta, tb, tbias, tres, tc, m, n, k, stream);
+  case TPFUSE_GEMM_CONFIG_TILE_128X128: return launch_config<T, Tile128x128>(ta, tb, tbias, tres, tc, m, n, k, stream);
+  default: return cudaErrorInvalidValue;
+  }
+}
+
+constexpr size_t kMaxDim = size_t{1} << 30;
+
+} // namespace
+} // namespace gemm
+} // namespace tpfuse
+
+extern "C" int tpfuse_gemm(tpfuse_dtype dtype, int32_t config, const void *a, const void *b, const void *bias,
+                           const void *residual, void *c, size_t m, size_t n, size_t k, void *stream) {
+  using namespace tpfuse::gemm;
+  if (m == 0) return cudaSuccess;
+  if (n == 0 || k == 0 || n % 8 != 0 || k % 8 != 0 || m > kMaxDim || n > kMaxDim || k > kMaxDim)
+    return cudaErrorInvalidValue;
+  if (a == nullptr || b == nullptr || c == nullptr) return cudaErrorInvalidValue;
+  for (const void *p : {a, b, bias, residual, static_cast<const void *>(c)})
+    if (!tpfuse::is_aligned16(p)) return cudaErrorMisalignedAddress;
+  DeviceFacts facts{};
+  if (!device_facts(facts)) return cudaErrorInvalidDevice;
+  if (config == TPFUSE_GEMM_CONFIG_AUTO) config = select_config(m, n, facts.cc, facts.sms);
+  if (config < 0 || facts.cc < 80) return cudaErrorNoKernelImageForDevice;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const int im = static_cast<int>(m), in = static_cast<int>(n), ik = static_cast<int>(k);
+  switch (dtype) {
+  case TPFUSE_DTYPE_F16: return launch<__half>(config, a, b, bias, residual, c, im, in, ik, s);
+  case TPFUSE_DTYPE_BF16: return launch<__nv_bfloat16>(config, a, b, bias, residual, c, im, in, ik, s);
+  default: return cudaErrorInvalidValue;
+  }
+}
+
+extern "C" int32_t tpfuse_gemm_select(size_t m, size_t n, size_t k, int32_t cc_major, int32_t cc_minor,
+                                      int32_t sm_count) {
+  (void)k;  // the choice does not depend on k today; it is in the signature for later paths
+  return tpfuse::gemm::select_config(m, n, cc_major * 10 + cc_minor, sm_count > 0 ? sm_count : 1);
+}
+
+extern "C" int tpfuse_gemm_describe(int32_t config, tpfuse_gemm_config_info *info) {
+  using namespace tpfuse::gemm;
+  if (info == nullptr) return cudaErrorInvalidValue;
+  switch (config) {
+  case TPFUSE_GEMM_CONFIG_SMALL_16X16: describe<SmallM16x16>(TPFUSE_GEMM_PATH_SM80_SMALL_M, *info); return 0;
+  case TPFUSE_GEMM_CONFIG_SMALL_16X32: describe<SmallM16x32>(TPFUSE_GEMM_PATH_SM80_SMALL_M, *info); return 0;
+  case TPFUSE_GEMM_CONFIG_SMALL_16X64: describe<SmallM16x64>(TPFUSE_GEMM_PATH_SM80_SMALL_M, *info); return 0;
+  case TPFUSE_GEMM_CONFIG_TILE_64X64: describe<Tile64x64>(TPFUSE_GEMM_PATH_SM80_TILED, *info); return 0;
+  case TPFUSE_GEMM_CONFIG_TILE_128X128: describe<Tile128x128>(TPFUSE_GEMM_PATH_SM80_TILED, *info); return 0;
+  default: return cudaErrorInvalidValue;
+  }
+}

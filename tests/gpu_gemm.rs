@@ -1,0 +1,718 @@
+//! GPU tests of [`tpfuse::ops::gemm`] (feature `gpu-tests`; without it every test here is
+//! listed as ignored).
+//!
+//! Every case uploads fresh random inputs (seeded per case from `TPFUSE_TEST_SEED`, a fixed
+//! default when unset, so a failure names the seed that reproduces it), poisons the output
+//! with NaN (plus a poisoned guard after its end) so that an element the kernel never writes,
+//! or one it writes out of bounds, fails the check, and asserts
+//!
+//! - relative Frobenius error against the f64 reference [`gemm_f64`] below 1e-2 (bf16) or
+//!   2e-3 (f16), on every row for small m and on a random subset of rows (first and last
+//!   included) for large m, where the host reference would cost minutes;
+//! - batch invariance, bitwise: rows of m = 1 runs equal the same rows of an m = 4096 run,
+//!   m = 16 (small-m path) and m = 17 (tiled path) agree on their common rows, and every tile
+//!   configuration gives the same bits;
+//! - agreement with cuBLASLt (when libcublasLt can be loaded) within the same tolerance.
+
+mod common;
+use common::{assert_same_bits, Bits};
+
+use cudarc::cublaslt::{CudaBlasLT, Matmul, MatmulConfig};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, ValidAsZeroBits};
+use half::{bf16, f16};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::sync::Arc;
+use tpfuse::ops::gemm::{
+    gemm, gemm_accumulate, gemm_with_config, GemmConfig, GemmElement, GemmPath, GemmShape,
+};
+use tpfuse::reference::{gemm_f64, relative_error};
+use tpfuse::Error;
+
+/// The DESIGN reference shapes, Llama-3-70B at TP = 8: (name, n, k).
+const REFERENCE_SHAPES: [(&str, usize, usize); 4] = [
+    ("qkv", 1280, 8192),
+    ("o_proj", 8192, 1024),
+    ("gate_up", 7168, 8192),
+    ("down", 8192, 3584),
+];
+const REFERENCE_MS: [usize; 5] = [1, 16, 64, 256, 1024];
+/// Awkward shapes: m below, at and across tile edges; n and k at 8 and off every tile size.
+const AWKWARD_MS: [usize; 5] = [1, 3, 17, 129, 1000];
+const AWKWARD_NK: [(usize, usize); 7] = [
+    (8, 8),
+    (8, 1000),
+    (24, 8),
+    (136, 40),
+    (1288, 72),
+    (200, 8200),
+    (4104, 264),
+];
+/// Rows checked against the host reference when m is larger than this.
+const CHECKED_ROWS: usize = 16;
+/// Poisoned elements after the end of every output.
+const GUARD: usize = 64;
+
+trait TestElement: GemmElement + Bits + ValidAsZeroBits {
+    const ID: u64;
+    const TOLERANCE: f64;
+}
+
+impl TestElement for f16 {
+    const ID: u64 = 2;
+    const TOLERANCE: f64 = 2e-3;
+}
+
+impl TestElement for bf16 {
+    const ID: u64 = 3;
+    const TOLERANCE: f64 = 1e-2;
+}
+
+/// A stream on GPU 0. A missing driver or GPU fails the test (it never skips).
+fn gpu_stream() -> Arc<CudaStream> {
+    let ctx = tpfuse::device::open(0)
+        .unwrap_or_else(|e| panic!("this test needs a CUDA GPU and driver: {e}"));
+    ctx.new_stream().expect("creating a CUDA stream")
+}
+
+fn splitmix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+fn base_seed() -> u64 {
+    match std::env::var("TPFUSE_TEST_SEED") {
+        Ok(s) => s
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("TPFUSE_TEST_SEED={s:?} is not a u64")),
+        Err(_) => 0x7470_6675_7365_0005,
+    }
+}
+
+/// One seed per case: the dtype and the given parts.
+fn case_seed<T: TestElement>(parts: &[u64]) -> u64 {
+    let mut s = splitmix64(base_seed() ^ T::ID);
+    for &p in parts {
+        s = splitmix64(s ^ p);
+    }
+    s
+}
+
+/// `len` values uniform in (-scale, scale), generated in parallel chunks for large `len`.
+fn random<T: TestElement>(seed: u64, len: usize, scale: f32) -> Vec<T> {
+    const CHUNK: usize = 1 << 20;
+    let chunk = |c: usize| -> Vec<T> {
+        let mut rng = StdRng::seed_from_u64(splitmix64(seed ^ (c as u64).wrapping_mul(0x9e37)));
+        let n = CHUNK.min(len - c * CHUNK);
+        (0..n)
+            .map(|_| T::from_f32(rng.random_range(-scale..scale)))
+            .collect()
+    };
+    let chunks = len.div_ceil(CHUNK);
+    if chunks <= 1 {
+        return if len == 0 { Vec::new() } else { chunk(0) };
+    }
+    let threads = std::thread::available_parallelism().map_or(4, |t| t.get());
+    let per = chunks.div_ceil(threads);
+    let parts: Vec<Vec<Vec<T>>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| s.spawn(move || (t * per..((t + 1) * per).min(chunks)).map(chunk).collect()))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("generator thread"))
+            .collect()
+    });
+    parts.into_iter().flatten().flatten().collect()
+}
+
+/// The host side of one problem.
+struct Problem<T> {
+    shape: GemmShape,
+    a: Vec<T>,
+    b: Vec<T>,
+    bias: Option<Vec<T>>,
+    residual: Option<Vec<T>>,
+}
+
+impl<T: TestElement> Problem<T> {
+    fn new(seed: u64, shape: GemmShape, bias: bool, residual: bool) -> Self {
+        let GemmShape { m, n, k } = shape;
+        // Weights scaled like a trained layer (outputs of order 1).
+        let w = 1.0 / (k as f32).sqrt();
+        Problem {
+            shape,
+            a: random(splitmix64(seed ^ 1), m * k, 1.0),
+            b: random(splitmix64(seed ^ 2), n * k, 2.0 * w),
+            bias: bias.then(|| random(splitmix64(seed ^ 3), n, 0.5)),
+            residual: residual.then(|| random(splitmix64(seed ^ 4), m * n, 1.0)),
+        }
+    }
+
+    /// The f64 reference of the given rows, in order, computed on several threads.
+    fn reference_rows(&self, rows: &[usize]) -> Vec<f64> {
+        let GemmShape { n, k, .. } = self.shape;
+        let threads = std::thread::available_parallelism()
+            .map_or(4, |t| t.get())
+            .min(rows.len().max(1));
+        let per = rows.len().div_ceil(threads).max(1);
+        let parts: Vec<Vec<f64>> = std::thread::scope(|s| {
+            let handles: Vec<_> = rows
+                .chunks(per)
+                .map(|chunk| {
+                    s.spawn(move || {
+                        let a: Vec<T> = chunk
+                            .iter()
+                            .flat_map(|&r| self.a[r * k..(r + 1) * k].iter().copied())
+                            .collect();
+                        let residual: Option<Vec<T>> = self.residual.as_ref().map(|res| {
+                            chunk
+                                .iter()
+                                .flat_map(|&r| res[r * n..(r + 1) * n].iter().copied())
+                                .collect()
+                        });
+                        gemm_f64(
+                            &a,
+                            &self.b,
+                            self.bias.as_deref(),
+                            residual.as_deref(),
+                            chunk.len(),
+                            n,
+                            k,
+                        )
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("reference thread"))
+                .collect()
+        });
+        parts.concat()
+    }
+}
+
+/// The problem on the device.
+struct Device<T> {
+    a: CudaSlice<T>,
+    b: CudaSlice<T>,
+    bias: Option<CudaSlice<T>>,
+    residual: Option<CudaSlice<T>>,
+}
+
+fn upload<T: TestElement>(stream: &Arc<CudaStream>, host: &[T]) -> CudaSlice<T> {
+    stream.clone_htod(host).expect("uploading to the GPU")
+}
+
+fn download<T: TestElement>(stream: &Arc<CudaStream>, buf: &CudaSlice<T>) -> Vec<T> {
+    stream.synchronize().expect("synchronizing the stream");
+    stream.clone_dtoh(buf).expect("downloading from the GPU")
+}
+
+impl<T: TestElement> Problem<T> {
+    fn upload(&self, stream: &Arc<CudaStream>) -> Device<T> {
+        Device {
+            a: upload(stream, &self.a),
+            b: upload(stream, &self.b),
+            bias: self.bias.as_ref().map(|x| upload(stream, x)),
+            residual: self.residual.as_ref().map(|x| upload(stream, x)),
+        }
+    }
+}
+
+/// Runs a GEMM on rows `rows` of the device problem into a NaN-poisoned output with a
+/// poisoned guard after it; returns the output (the guard checked and dropped).
+fn run_rows<T: TestElement>(
+    stream: &Arc<CudaStream>,
+    label: &str,
+    dev: &Device<T>,
+    shape: GemmShape,
+    first_row: usize,
+    config: Option<GemmConfig>,
+) -> Vec<T> {
+    let GemmShape { m, n, k } = shape;
+    let a = dev.a.slice(first_row * k..(first_row + m) * k);
+    let residual: Option<CudaView<T>> = dev
+        .residual
+        .as_ref()
+        .map(|r| r.slice(first_row * n..(first_row + m) * n));
+    let bias: Option<&dyn DevicePtr<T>> = dev.bias.as_ref().map(|x| x as &dyn DevicePtr<T>);
+    let residual_ref: Option<&dyn DevicePtr<T>> = residual.as_ref().map(|x| x as &dyn DevicePtr<T>);
+    let mut c = upload(stream, &vec![T::poison(); m * n + GUARD]);
+    {
+        let mut out = c.slice_mut(0..m * n);
+        let result = match config {
+            None => gemm(stream, &a, &dev.b, bias, residual_ref, &mut out, m, n, k),
+            Some(cfg) => {
+                gemm_with_config(stream, &a, &dev.b, bias, residual_ref, &mut out, shape, cfg)
+            }
+        };
+        result.unwrap_or_else(|e| panic!("{label}: {e}"));
+    }
+    let mut got = download(stream, &c);
+    assert_same_bits(
+        &format!("{label}: the guard after the output (written out of bounds)"),
+        &got[m * n..],
+        &[T::poison(); GUARD],
+    );
+    got.truncate(m * n);
+    got
+}
+
+/// Rows to check: all for small m, else the first, the last and a random subset.
+fn checked_rows(seed: u64, m: usize) -> Vec<usize> {
+    if m <= CHECKED_ROWS {
+        return (0..m).collect();
+    }
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut rows = vec![0, m - 1];
+    while rows.len() < CHECKED_ROWS {
+        let r = rng.random_range(0..m);
+        if !rows.contains(&r) {
+            rows.push(r);
+        }
+    }
+    rows.sort_unstable();
+    rows
+}
+
+/// No element still holds the poison, and the checked rows are within tolerance.
+fn check_accuracy<T: TestElement>(label: &str, problem: &Problem<T>, got: &[T], rows: &[usize]) {
+    let n = problem.shape.n;
+    let unwritten = got
+        .iter()
+        .filter(|x| x.bits() == T::poison().bits())
+        .count();
+    assert_eq!(
+        unwritten, 0,
+        "{label}: {unwritten} outputs were never written"
+    );
+    let want = problem.reference_rows(rows);
+    let picked: Vec<T> = rows
+        .iter()
+        .flat_map(|&r| got[r * n..(r + 1) * n].iter().copied())
+        .collect();
+    let err = relative_error(&picked, &want);
+    assert!(
+        err < T::TOLERANCE,
+        "{label}: relative error {err:e} vs the f64 reference exceeds {:e}",
+        T::TOLERANCE
+    );
+}
+
+fn reference_shapes<T: TestElement>() {
+    let stream = gpu_stream();
+    for (i, &(name, n, k)) in REFERENCE_SHAPES.iter().enumerate() {
+        // qkv and gate_up without residual (a column-parallel output), o_proj and down with
+        // (row-parallel outputs feed the residual stream); bias on qkv and down.
+        let bias = i == 0 || i == 3;
+        let residual = i == 1 || i == 3;
+        let m_max = REFERENCE_MS[REFERENCE_MS.len() - 1];
+        let seed = case_seed::<T>(&[1, i as u64]);
+        let problem = Problem::<T>::new(seed, GemmShape { m: m_max, n, k }, bias, residual);
+        let dev = problem.upload(&stream);
+        for &m in &REFERENCE_MS {
+            let shape = GemmShape { m, n, k };
+            let label = format!("gemm {} {name} m={m} n={n} k={k} seed={seed:#x}", T::NAME);
+            let got = run_rows(&stream, &label, &dev, shape, 0, None);
+            // The first m rows of the m_max problem: the reference of a row needs only it.
+            let rows = checked_rows(seed ^ m as u64, m);
+            check_accuracy(&label, &problem, &got, &rows);
+        }
+    }
+}
+
+/// Awkward shapes: every configuration forced, each checked against the reference, and all
+/// of them (and the automatic choice) bitwise equal.
+fn awkward_shapes<T: TestElement>() {
+    let stream = gpu_stream();
+    for &(n, k) in &AWKWARD_NK {
+        for &m in &AWKWARD_MS {
+            let shape = GemmShape { m, n, k };
+            let seed = case_seed::<T>(&[2, m as u64, n as u64, k as u64]);
+            let with = (seed & 1 == 1, seed & 2 == 2);
+            let problem = Problem::<T>::new(seed, shape, with.0, with.1);
+            let dev = problem.upload(&stream);
+            let rows = checked_rows(seed, m);
+            let label = format!(
+                "gemm {} m={m} n={n} k={k} bias={} residual={} seed={seed:#x}",
+                T::NAME,
+                with.0,
+                with.1
+            );
+            let auto = run_rows(&stream, &format!("{label} auto"), &dev, shape, 0, None);
+            check_accuracy(&format!("{label} auto"), &problem, &auto, &rows);
+            for config in GemmConfig::ALL {
+                let l = format!("{label} {}", config.name());
+                let got = run_rows(&stream, &l, &dev, shape, 0, Some(config));
+                assert_same_bits(&format!("{l} vs auto"), &got, &auto);
+            }
+        }
+    }
+}
+
+/// Rows of m = 1 runs, m = 16 and m = 17 runs and every forced configuration equal the same
+/// rows of an m = 4096 run, bit for bit (bias and residual included).
+fn batch_invariance<T: TestElement>() {
+    let stream = gpu_stream();
+    let big_m = 4096;
+    for (i, &(name, n, k)) in REFERENCE_SHAPES.iter().enumerate().take(2) {
+        let seed = case_seed::<T>(&[3, i as u64]);
+        let problem = Problem::<T>::new(seed, GemmShape { m: big_m, n, k }, true, true);
+        let dev = problem.upload(&stream);
+        let label = format!("gemm {} {name} n={n} k={k} seed={seed:#x}", T::NAME);
+        let big = run_rows(
+            &stream,
+            &format!("{label} m={big_m}"),
+            &dev,
+            GemmShape { m: big_m, n, k },
+            0,
+            None,
+        );
+        check_accuracy(
+            &format!("{label} m={big_m}"),
+            &problem,
+            &big,
+            &checked_rows(seed, big_m),
+        );
+        let row = |r: usize| &big[r * n..(r + 1) * n];
+
+        // Decode: one row at a time, at positions across tile edges.
+        let mut rng = StdRng::seed_from_u64(seed);
+        let mut rows = vec![0, 1, 7, 8, 15, 16, 17, 63, 64, 127, 128, 1000, 2047, 4095];
+        rows.extend((0..6).map(|_| rng.random_range(0..big_m)));
+        for &r in &rows {
+            let got = run_rows(
+                &stream,
+                &format!("{label} m=1 row {r}"),
+                &dev,
+                GemmShape { m: 1, n, k },
+                r,
+                None,
+            );
+            assert_same_bits(
+                &format!("{label}: row {r} at m=1 vs m={big_m}"),
+                &got,
+                row(r),
+            );
+        }
+
+        // Across the small-m boundary: m = 16 (small-m path) and m = 17 (tiled), from row 0
+        // and from row 100.
+        for first in [0usize, 100] {
+            for m in [15usize, 16, 17, 33] {
+                let got = run_rows(
+                    &stream,
+                    &format!("{label} m={m} from row {first}"),
+                    &dev,
+                    GemmShape { m, n, k },
+                    first,
+                    None,
+                );
+                assert_same_bits(
+                    &format!("{label}: m={m} from row {first} vs m={big_m}"),
+                    &got,
+                    &big[first * n..(first + m) * n],
+                );
+            }
+        }
+
+        // Every configuration forced, on 256 rows from row 512.
+        for config in GemmConfig::ALL {
+            let got = run_rows(
+                &stream,
+                &format!("{label} {} m=256", config.name()),
+                &dev,
+                GemmShape { m: 256, n, k },
+                512,
+                Some(config),
+            );
+            assert_same_bits(
+                &format!("{label}: {} m=256 vs m={big_m}", config.name()),
+                &got,
+                &big[512 * n..768 * n],
+            );
+        }
+    }
+}
+
+/// The automatic choice crosses from the small-m path to the tiled path between m = 16 and
+/// m = 17 on this GPU (so the invariance tests above compare two paths).
+fn paths_on_this_gpu() {
+    let stream = gpu_stream();
+    let ctx = stream.context();
+    let attr = |a| ctx.attribute(a).expect("device attribute");
+    use cudarc::driver::sys::CUdevice_attribute as A;
+    let cc = (
+        attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR) as u32,
+        attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR) as u32,
+    );
+    let sms = attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT) as usize;
+    let pick = |m| {
+        tpfuse::ops::gemm::select_config(
+            GemmShape {
+                m,
+                n: 1280,
+                k: 8192,
+            },
+            cc,
+            sms,
+        )
+    };
+    let small = pick(16).expect("a GEMM path on this GPU");
+    let tiled = pick(17).expect("a GEMM path on this GPU");
+    println!(
+        "compute capability {}.{}, {sms} SMs: m=16 -> {}, m=17 -> {}, m=4096 -> {}",
+        cc.0,
+        cc.1,
+        small.name(),
+        tiled.name(),
+        pick(4096).map_or("none", |c| c.name())
+    );
+    assert_eq!(small.path(), GemmPath::Sm80SmallM);
+    assert_eq!(tiled.path(), GemmPath::Sm80Tiled);
+}
+
+/// gemm_accumulate (c += a·bᵀ + bias) gives the bits of gemm with a separate residual.
+fn accumulate_in_place<T: TestElement>() {
+    let stream = gpu_stream();
+    for &(m, n, k) in &[(1usize, 1280usize, 8192usize), (300, 520, 136)] {
+        let shape = GemmShape { m, n, k };
+        let seed = case_seed::<T>(&[4, m as u64, n as u64]);
+        let problem = Problem::<T>::new(seed, shape, true, true);
+        let dev = problem.upload(&stream);
+        let label = format!(
+            "gemm_accumulate {} m={m} n={n} k={k} seed={seed:#x}",
+            T::NAME
+        );
+        let separate = run_rows(&stream, &label, &dev, shape, 0, None);
+        let mut c = upload(&stream, problem.residual.as_ref().expect("residual"));
+        let bias: Option<&dyn DevicePtr<T>> = dev.bias.as_ref().map(|x| x as &dyn DevicePtr<T>);
+        gemm_accumulate(&stream, &dev.a, &dev.b, bias, &mut c, shape)
+            .unwrap_or_else(|e| panic!("{label}: {e}"));
+        let got = download(&stream, &c);
+        assert_same_bits(
+            &format!("{label}: in place vs separate residual"),
+            &got,
+            &separate,
+        );
+    }
+}
+
+/// Two runs of the same call give the same bits.
+fn deterministic<T: TestElement>() {
+    let stream = gpu_stream();
+    let shape = GemmShape {
+        m: 777,
+        n: 1288,
+        k: 1032,
+    };
+    let seed = case_seed::<T>(&[5]);
+    let problem = Problem::<T>::new(seed, shape, true, true);
+    let dev = problem.upload(&stream);
+    let label = format!("gemm {} repeat seed={seed:#x}", T::NAME);
+    let first = run_rows(&stream, &label, &dev, shape, 0, None);
+    for _ in 0..3 {
+        let again = run_rows(&stream, &label, &dev, shape, 0, None);
+        assert_same_bits(&label, &again, &first);
+    }
+}
+
+fn expect_invalid(label: &str, result: tpfuse::Result<()>, arg: &str) {
+    match result {
+        Err(Error::InvalidArgument { arg: got, reason }) => assert_eq!(
+            got, arg,
+            "{label}: InvalidArgument names `{got}` ({reason}), expected `{arg}`"
+        ),
+        Err(e) => panic!("{label}: expected InvalidArgument for `{arg}`, got {e:?}"),
+        Ok(()) => panic!("{label}: expected InvalidArgument for `{arg}`, got Ok"),
+    }
+}
+
+/// Bad calls on real buffers fail before the launch: the output keeps its poison.
+fn validation<T: TestElement>() {
+    let stream = gpu_stream();
+    let (m, n, k) = (4usize, 64usize, 64usize);
+    let seed = case_seed::<T>(&[6]);
+    let problem = Problem::<T>::new(seed, GemmShape { m, n, k }, true, false);
+    let dev = problem.upload(&stream);
+    let a_plus = upload(&stream, &random::<T>(seed, m * k + 8, 1.0));
+    let mut c = upload(&stream, &vec![T::poison(); m * n + 8]);
+    let name = T::NAME;
+    {
+        let mut out = c.slice_mut(0..m * n);
+        // k not a multiple of 8, n not a multiple of 8.
+        expect_invalid(
+            &format!("{name} k=60"),
+            gemm(&stream, &dev.a, &dev.b, None, None, &mut out, m, n, 60),
+            "k",
+        );
+        expect_invalid(
+            &format!("{name} n=60"),
+            gemm(&stream, &dev.a, &dev.b, None, None, &mut out, m, 60, k),
+            "n",
+        );
+        // a one row short.
+        let short = dev.a.slice(0..(m - 1) * k);
+        expect_invalid(
+            &format!("{name} short a"),
+            gemm(&stream, &short, &dev.b, None, None, &mut out, m, n, k),
+            "a",
+        );
+        // a misaligned by one element (the right length, 2 bytes off).
+        let off = a_plus.slice(1..1 + m * k);
+        expect_invalid(
+            &format!("{name} misaligned a"),
+            gemm(&stream, &off, &dev.b, None, None, &mut out, m, n, k),
+            "a",
+        );
+        // A bias of the wrong length.
+        let short_bias = dev.b.slice(0..n - 8);
+        expect_invalid(
+            &format!("{name} short bias"),
+            gemm(
+                &stream,
+                &dev.a,
+                &dev.b,
+                Some(&short_bias),
+                None,
+                &mut out,
+                m,
+                n,
+                k,
+            ),
+            "bias",
+        );
+    }
+    // (Overlapping c with an input takes two views of one allocation, one of them mutable,
+    // which safe Rust does not allow; tests/cpu_gemm.rs covers that check.)
+    let got = download(&stream, &c);
+    assert_same_bits(
+        &format!("{name}: output after rejected calls (nothing may be launched)"),
+        &got,
+        &vec![T::poison(); m * n + 8],
+    );
+    // The stream is healthy: a valid call works afterwards.
+    {
+        let mut out = c.slice_mut(0..m * n);
+        let bias: Option<&dyn DevicePtr<T>> = dev.bias.as_ref().map(|x| x as &dyn DevicePtr<T>);
+        gemm(&stream, &dev.a, &dev.b, bias, None, &mut out, m, n, k)
+            .expect("a valid call after the rejected ones");
+    }
+    let got = download(&stream, &c);
+    check_accuracy(
+        &format!("{name} after rejected calls"),
+        &problem,
+        &got[..m * n],
+        &(0..m).collect::<Vec<_>>(),
+    );
+    // m = 0 is a no-op.
+    {
+        let empty_a = dev.a.slice(0..0);
+        let mut empty_c = c.slice_mut(0..0);
+        gemm(&stream, &empty_a, &dev.b, None, None, &mut empty_c, 0, n, k).expect("m = 0");
+    }
+}
+
+/// Row-major C = A·Bᵀ through cuBLASLt (column-major): C_cm[n, m] = op(B_cm[k, n])ᵀ · A_cm[k, m].
+fn cublaslt_gemm<T: TestElement>(
+    blas: &CudaBlasLT,
+    a: &CudaSlice<T>,
+    b: &CudaSlice<T>,
+    c: &mut CudaSlice<T>,
+    shape: GemmShape,
+) where
+    CudaBlasLT: Matmul<T>,
+{
+    let GemmShape { m, n, k } = shape;
+    let cfg = MatmulConfig {
+        transa: true,
+        transb: false,
+        transc: false,
+        m: n as u64,
+        n: m as u64,
+        k: k as u64,
+        alpha: 1.0,
+        lda: k as i64,
+        ldb: k as i64,
+        beta: 0.0,
+        ldc: n as i64,
+        stride_a: None,
+        stride_b: None,
+        stride_c: None,
+        stride_bias: None,
+        batch_size: None,
+    };
+    // SAFETY: a is [m, k], b is [n, k] and c is [m, n], row-major, on blas's stream.
+    unsafe { blas.matmul(cfg, b, a, c, None, None) }.expect("cuBLASLt matmul");
+}
+
+/// Our result against cuBLASLt's, both without bias or residual.
+fn matches_cublaslt<T: TestElement>()
+where
+    CudaBlasLT: Matmul<T>,
+{
+    // SAFETY: only tries to load the library.
+    if !unsafe { cudarc::cublaslt::sys::is_culib_present() } {
+        println!(
+            "libcublasLt could not be loaded (add the nvidia-cublas wheel's lib/ to \
+             LD_LIBRARY_PATH): the cuBLASLt comparison did not run"
+        );
+        return;
+    }
+    let stream = gpu_stream();
+    let blas = CudaBlasLT::new(stream.clone()).expect("creating a cuBLASLt handle");
+    for (i, &(name, n, k)) in REFERENCE_SHAPES.iter().enumerate() {
+        for &m in &[1usize, 64, 1024] {
+            let shape = GemmShape { m, n, k };
+            let seed = case_seed::<T>(&[7, i as u64, m as u64]);
+            let problem = Problem::<T>::new(seed, shape, false, false);
+            let dev = problem.upload(&stream);
+            let label = format!("gemm {} {name} m={m} vs cuBLASLt seed={seed:#x}", T::NAME);
+            let ours = run_rows(&stream, &label, &dev, shape, 0, None);
+            let mut theirs = upload(&stream, &vec![T::poison(); m * n]);
+            cublaslt_gemm(&blas, &dev.a, &dev.b, &mut theirs, shape);
+            let theirs = download(&stream, &theirs);
+            let wide: Vec<f64> = theirs.iter().map(|x| x.to_f64()).collect();
+            let diff = relative_error(&ours, &wide);
+            assert!(
+                diff < T::TOLERANCE,
+                "{label}: relative difference {diff:e} exceeds {:e}",
+                T::TOLERANCE
+            );
+        }
+    }
+}
+
+macro_rules! gpu_tests {
+    ($($name:ident => $body:expr;)*) => {
+        $(
+            #[test]
+            #[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
+            fn $name() {
+                $body
+            }
+        )*
+    };
+}
+
+gpu_tests! {
+    reference_shapes_bf16 => reference_shapes::<bf16>();
+    reference_shapes_f16 => reference_shapes::<f16>();
+    awkward_shapes_bf16 => awkward_shapes::<bf16>();
+    awkward_shapes_f16 => awkward_shapes::<f16>();
+    batch_invariance_bf16 => batch_invariance::<bf16>();
+    batch_invariance_f16 => batch_invariance::<f16>();
+    small_m_and_tiled_paths_meet_at_16 => paths_on_this_gpu();
+    accumulate_in_place_bf16 => accumulate_in_place::<bf16>();
+    accumulate_in_place_f16 => accumulate_in_place::<f16>();
+    deterministic_bf16 => deterministic::<bf16>();
+    deterministic_f16 => deterministic::<f16>();
+    validation_bf16 => validation::<bf16>();
+    validation_f16 => validation::<f16>();
+    matches_cublaslt_bf16 => matches_cublaslt::<bf16>();
+    matches_cublaslt_f16 => matches_cublaslt::<f16>();
+}
