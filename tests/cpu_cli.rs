@@ -48,6 +48,13 @@ fn doctor_explains_a_machine_without_a_gpu() {
 fn doctor_build_lists_every_kernel_with_its_resources() {
     let text = stdout(&tpfuse(&["doctor", "--build"], &[]));
     assert!(text.contains("spill stores"), "{text}");
+    assert!(text.contains("GEMM paths per architecture"), "{text}");
+    for arch in tpfuse::build_info::architectures() {
+        let row = text
+            .lines()
+            .find(|l| l.trim_start().starts_with(arch) && l.contains("sm80-"));
+        assert!(row.is_some(), "no GEMM path row for {arch}:\n{text}");
+    }
     for k in tpfuse::build_info::kernel_resources() {
         let row = text
             .lines()

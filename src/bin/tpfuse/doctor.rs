@@ -311,8 +311,20 @@ fn print_build(facts: &Facts, build_report: bool) {
     }
     println!("  nccl.h              {}", build_info::NCCL_HEADER);
     if !build_report {
-        println!("  (tpfuse doctor --build shows registers, spills and memory per kernel)");
+        println!(
+            "  (tpfuse doctor --build shows the GEMM paths and registers, spills and memory per kernel)"
+        );
         return;
+    }
+    println!("\n  GEMM paths per architecture (chosen at run time by compute capability)");
+    for (arch, paths) in tpfuse::ops::gemm::gemm_paths() {
+        let names: Vec<&str> = paths.iter().map(|p| p.name()).collect();
+        let names = if names.is_empty() {
+            "none".to_string()
+        } else {
+            names.join(", ")
+        };
+        println!("  {arch:<12} {names}");
     }
     println!("\n  ptxas resource report (per kernel and architecture)");
     println!(
