@@ -92,31 +92,17 @@ pub fn all_gather<T: Element + NcclType>(
             .ok_or_else(|| Error::invalid("group", "no communicator"))?;
         return comm.all_gather(input, out);
     }
-    let stream = group.stream();
-    let (ip, _g1) = input.device_ptr(stream);
-    let (op, _g2) = out.device_ptr_mut(stream);
-    check_common::<T>(
+    // SAFETY (closure): lengths, devices and capacity checked above, alignment and aliasing
+    // by launch_custom.
+    launch_custom(
         group,
-        ("input", n, in_dev, ip),
-        ("out", out_len, out_dev, op),
-    )?;
-    let (peers, args) = group.kernel_args()?;
-    stream
-        .context()
-        .bind_to_thread()
-        .map_err(cuda("binding the context"))?;
-    // SAFETY: lengths, devices, alignment, capacity and aliasing checked above.
-    let code = unsafe {
-        kernels::tpfuse_all_gather(
-            &peers,
-            &args,
-            ip as *const c_void,
-            op as *mut c_void,
-            bytes,
-            stream.cu_stream() as *mut c_void,
-        )
-    };
-    launched("tpfuse_all_gather", code)
+        input,
+        out,
+        "tpfuse_all_gather",
+        |peers, args, ip, op, stream| unsafe {
+            kernels::tpfuse_all_gather(peers, args, ip, op, bytes, stream)
+        },
+    )
 }
 
 /// `out = (sum over ranks of input)[rank * n .. (rank + 1) * n]`, n = `out.len()`; `input`
@@ -156,30 +142,55 @@ pub fn reduce_scatter<T: Element + NcclType>(
             .ok_or_else(|| Error::invalid("group", "no communicator"))?;
         return comm.reduce_scatter(input, out, crate::comm::ReduceOp::Sum);
     }
+    // SAFETY (closure): lengths, devices and capacity checked above, alignment and aliasing
+    // by launch_custom.
+    launch_custom(
+        group,
+        input,
+        out,
+        "tpfuse_reduce_scatter",
+        |peers, args, ip, op, stream| unsafe {
+            kernels::tpfuse_reduce_scatter(T::DTYPE, peers, args, ip, op, n, stream)
+        },
+    )
+}
+
+/// Takes the buffers' pointers (ordering them on the group's stream), checks alignment and
+/// aliasing, and launches `launch` with the group's kernel arguments on its stream.
+fn launch_custom<T>(
+    group: &TpGroup,
+    input: &impl DevicePtr<T>,
+    out: &mut impl DevicePtrMut<T>,
+    kernel: &'static str,
+    launch: impl FnOnce(
+        &kernels::tpfuse_peers,
+        &kernels::tpfuse_group_args,
+        *const c_void,
+        *mut c_void,
+        *mut c_void,
+    ) -> i32,
+) -> Result<()> {
     let stream = group.stream();
+    let (in_len, in_dev) = (input.len(), owner(input));
+    let (out_len, out_dev) = (out.len(), owner(&*out));
     let (ip, _g1) = input.device_ptr(stream);
     let (op, _g2) = out.device_ptr_mut(stream);
     check_common::<T>(
         group,
         ("input", in_len, in_dev, ip),
-        ("out", n, out_dev, op),
+        ("out", out_len, out_dev, op),
     )?;
     let (peers, args) = group.kernel_args()?;
     stream
         .context()
         .bind_to_thread()
         .map_err(cuda("binding the context"))?;
-    // SAFETY: lengths, devices, alignment, capacity and aliasing checked above.
-    let code = unsafe {
-        kernels::tpfuse_reduce_scatter(
-            T::DTYPE,
-            &peers,
-            &args,
-            ip as *const c_void,
-            op as *mut c_void,
-            n,
-            stream.cu_stream() as *mut c_void,
-        )
-    };
-    launched("tpfuse_reduce_scatter", code)
+    let code = launch(
+        &peers,
+        &args,
+        ip as *const c_void,
+        op as *mut c_void,
+        stream.cu_stream() as *mut c_void,
+    );
+    launched(kernel, code)
 }
