@@ -10,19 +10,24 @@ namespace tpfuse {
 
 constexpr int kThreads = TPFUSE_ALL_REDUCE_THREADS;
 
-// The element-wise part of the epilogue: h = acc (+ bias[col]) (+ residual), in f32,
-// rounded once; residual := h when given.
+// The element-wise part of the epilogue. The reduction's f32 sum is first rounded to T
+// (the all-reduce's own result, exactly what the unfused sequence hands to its next
+// kernel), then h = s (+ bias[col]) (+ residual) in f32, rounded once; residual := h when
+// given. So the fused kernels and all-reduce-then-epilogue give the same bits.
 template <typename T> struct Epilogue {
   const T *bias;
   T *residual;
   size_t hidden;
 
   __device__ __forceinline__ T apply(float acc, size_t i) const {
-    if (bias != nullptr) acc += Elem<T>::to_f32(bias[i % hidden]);
-    if (residual != nullptr) acc += Elem<T>::to_f32(residual[i]);
-    const T h = Elem<T>::from_f32(acc);
-    if (residual != nullptr) residual[i] = h;
-    return h;
+    const T sum = Elem<T>::from_f32(acc);
+    if (bias == nullptr && residual == nullptr) return sum;
+    float h = Elem<T>::to_f32(sum);
+    if (bias != nullptr) h += Elem<T>::to_f32(bias[i % hidden]);
+    if (residual != nullptr) h += Elem<T>::to_f32(residual[i]);
+    const T out = Elem<T>::from_f32(h);
+    if (residual != nullptr) residual[i] = out;
+    return out;
   }
 };
 

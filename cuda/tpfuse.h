@@ -102,13 +102,15 @@ typedef struct tpfuse_group_args {
 } tpfuse_group_args;
 
 /*
- * out = sum over ranks of input (rank order, f32), then optionally
+ * out = sum over ranks of input (rank order, f32, rounded to the element type), then
  *   h = out + bias[col] + residual  (in f32, rounded once), residual := h when given,
  *   out = rmsnorm(h) * gamma          when gamma is given (h stays in residual/out first).
  * rows x hidden elements (hidden is the row length; rows = 1 and hidden = len for a flat
  * all-reduce). bias, residual, gamma may be NULL. Every pointer is 16-byte aligned, the
  * input fits in capacity, and with bias or gamma hidden is a multiple of 16 / sizeof(T).
- * Returns a cudaError_t; the outcome of the waits is in this rank's error word.
+ * bias, residual and gamma must hold the same values on every rank (two-shot computes each
+ * slice with its owner's copy). Returns a cudaError_t; the outcome of the waits is in this
+ * rank's error word.
  */
 int tpfuse_all_reduce(tpfuse_dtype dtype, int32_t algo, const tpfuse_peers *peers,
                       const tpfuse_group_args *group, const void *input, const void *bias,
@@ -119,7 +121,8 @@ int tpfuse_all_reduce(tpfuse_dtype dtype, int32_t algo, const tpfuse_peers *peer
 int tpfuse_all_gather(const tpfuse_peers *peers, const tpfuse_group_args *group,
                       const void *input, void *out, size_t len_bytes, void *stream);
 
-/* out = (sum over ranks of input)[rank * len .. (rank + 1) * len], input of world * len. */
+/* out = (sum over ranks of input)[rank * len .. (rank + 1) * len], input of world * len;
+ * len a multiple of 16 / sizeof(T). */
 int tpfuse_reduce_scatter(tpfuse_dtype dtype, const tpfuse_peers *peers,
                           const tpfuse_group_args *group, const void *input, void *out,
                           size_t len, void *stream);

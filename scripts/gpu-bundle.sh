@@ -6,7 +6,7 @@
 #   dist/tpfuse-gpu-bundle/
 #     bin/tpfuse            the CLI (doctor, selftest)
 #     tests/gpu_*           the gpu-tests binaries (cargo test --release --features gpu-tests)
-#     benches/reduce_ranks  the criterion bench binaries
+#     benches/*             the criterion bench binaries (every benches/*.rs)
 #     run.sh                runs everything there; see its header
 #     BUILD-INFO            what was built, from which commit, for which architecture
 #
@@ -115,9 +115,15 @@ cat >"$bundle/run.sh" <<'RUN'
 #                         wheel, then lib/ in this bundle)
 #   TPFUSE_BUNDLE_STEPS   which of doctor,selftest,tests,bench to run (default: all)
 #   TPFUSE_BENCH_ARGS     criterion arguments (default: short warm-up and measurement,
-#                         no plots; the whole bench run takes about four minutes)
+#                         no plots; each bench binary takes a few minutes)
 #   TPFUSE_STEP_TIMEOUT   seconds before a step is killed (default 1200)
+#   CUDA_DEVICE_MAX_CONNECTIONS  hardware queues per device (default here 32, the maximum):
+#                         virtual-rank tests and benches run one stream per rank, and two
+#                         ranks whose streams share a queue are serialised into a deadlock
+#                         that only the kernels' deadline ends; the driver reads it when a
+#                         process creates its CUDA context, so it is exported here
 set -u
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
 here=$(cd "$(dirname "$0")" && pwd)
 out=${1:-${OUT:-$here/out}}
 mkdir -p "$out"
@@ -133,6 +139,7 @@ wants() { case ",$steps," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 
 note "tpfuse GPU bundle run, $(date -u +%Y-%m-%dT%H:%M:%SZ), on $(hostname)"
 sed 's/^/  /' "$here/BUILD-INFO" | tee -a "$summary"
+note "  CUDA_DEVICE_MAX_CONNECTIONS=$CUDA_DEVICE_MAX_CONNECTIONS"
 if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader 2>&1 |
     sed 's/^/  gpu /' | tee -a "$summary"

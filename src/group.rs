@@ -26,12 +26,16 @@
 //!
 //! # Poisoning
 //!
-//! Every wait inside a kernel is bounded by the group's [`timeout`]. A wait that expires
-//! records `TPFUSE_ERROR_PEER_TIMEOUT | peer` in the rank's error word and the kernel
+//! Every launch's waits share one deadline, the launch's start plus the group's
+//! [`timeout`]. A wait that expires records `TPFUSE_ERROR_PEER_TIMEOUT | peer` in the rank's
+//! error word and in every other peer's (so the survivors stop waiting too) and the kernel
 //! returns; [`TpGroup::check`] turns that into [`Error::PeerTimeout`] and *poisons* the
-//! group. A poisoned group refuses every further custom kernel
-//! ([`Error::GroupPoisoned`]): the barriers' epochs of the ranks no longer agree, so the
-//! group must be dropped and rebuilt. A stream that does not drain within the host's bound
+//! group. A poisoned group refuses every further custom launch ([`Error::GroupPoisoned`]):
+//! the barriers' epochs of the ranks no longer agree, so the group must be dropped and
+//! rebuilt. (A CUDA graph captured earlier is not stopped by the host's refusal: its
+//! replays return at once on a rank whose error word is set, but a rank that never learned
+//! of the timeout waits out its deadline on each replay. Stop replaying once `check`
+//! fails.) A stream that does not drain within the host's bound
 //! (twice the timeout plus one second) or that reports a CUDA error poisons the group too.
 //! Groups built together in one process ([`TpGroup::virtual_ranks`],
 //! [`TpGroup::single_process`]) share one poison flag: a timeout seen by one rank poisons
@@ -45,7 +49,7 @@ use crate::device::{cuda, require_driver};
 use crate::error::{Error, Result};
 use crate::ffi::kernels;
 use crate::symmetric::{self, IpcOutcome, SymmetricWorkspace};
-use crate::topology::{self, AllReduceRule, Discovery, RankPlace, Topology, Verdict};
+use crate::topology::{self, AllReduceRule, Discovery, RankPlace, Refusal, Topology, Verdict};
 use cudarc::driver::{sys, CudaContext, CudaStream, DriverError};
 use std::ffi::c_char;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -284,7 +288,10 @@ impl TpGroup {
     ///
     /// The CTA budget is `options.blocks` or [`cta_budget`]`(sms, world, true)`; the
     /// kernels of all ranks must fit on the device together, so `world * blocks` may not
-    /// exceed the SM count.
+    /// exceed the SM count. They must also run concurrently, on `world` streams: set
+    /// `CUDA_DEVICE_MAX_CONNECTIONS` to at least the number of streams the process uses (32
+    /// is safe) before the first CUDA call, or two ranks may share a hardware queue and one
+    /// waits behind the other until the deadline turns it into [`Error::PeerTimeout`].
     ///
     /// Errors: [`Error::InvalidArgument`] for `world` outside 2 ..= 8, invalid `options`,
     /// or more blocks than the device can hold at once; [`Error::Cuda`] when an allocation
@@ -449,6 +456,11 @@ impl TpGroup {
             .collect::<Result<Vec<_>>>()?;
         let agreed = agree(&records)?;
         let verdict = agreed_verdict(&comm, &records, &agreed)?;
+        // Every rank takes the same branch: the verdict is rank 0's, broadcast.
+        let shared_gpu = verdict
+            .as_ref()
+            .and_then(|v| v.custom_all_reduce_refused.as_ref())
+            .filter(|r| matches!(r, Refusal::DuplicateGpu { .. }));
         let (workspace, unavailable) = if let Some(hosts) = &agreed.several_hosts {
             (
                 None,
@@ -456,6 +468,10 @@ impl TpGroup {
                     "the ranks span several hosts ({hosts}); CUDA IPC needs every rank on one host"
                 )),
             )
+        } else if let Some(refusal) = shared_gpu {
+            // Kernels of two processes cannot be resident on one GPU at once (without MPS):
+            // the custom kernels would only time out.
+            (None, Some(refusal.describe()))
         } else {
             match symmetric::ipc_outcome(&comm, options.capacity_bytes)? {
                 IpcOutcome::Ready(ws) => (Some(ws), None),

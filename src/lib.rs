@@ -61,6 +61,7 @@ mod ffi;
 pub mod group;
 pub mod ops;
 pub mod reference;
+pub mod shard;
 pub mod symmetric;
 pub mod topology;
 pub mod validate;

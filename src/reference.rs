@@ -46,9 +46,11 @@ pub fn relative_error<T: Element>(got: &[T], want: &[f64]) -> f64 {
     }
 }
 
-/// The element-wise part of the fused all-reduce, exactly as the kernels compute it:
-/// `h = ((sum in rank order, f32) + bias[col]) + residual`, rounded once to `T`.
-/// `partials` are the ranks' `[rows, hidden]` inputs; `bias` is `[hidden]`.
+/// The element-wise part of the fused all-reduce, exactly as the kernels compute it: the
+/// rank-ordered f32 sum rounded to `T` (the all-reduce's result), then
+/// `h = (s + bias[col]) + residual` in f32, rounded once to `T` — the same bits as the
+/// all-reduce followed by the standalone bias/residual kernel. `partials` are the ranks'
+/// `[rows, hidden]` inputs; `bias` is `[hidden]`.
 pub fn all_reduce_epilogue_exact<T: Element>(
     partials: &[&[T]],
     bias: Option<&[T]>,
@@ -62,13 +64,14 @@ pub fn all_reduce_epilogue_exact<T: Element>(
             for x in &partials[1..] {
                 acc += x[i].to_f32();
             }
+            let mut h = T::from_f32(acc).to_f32();
             if let Some(b) = bias {
-                acc += b[i % hidden].to_f32();
+                h += b[i % hidden].to_f32();
             }
             if let Some(r) = residual {
-                acc += r[i].to_f32();
+                h += r[i].to_f32();
             }
-            T::from_f32(acc)
+            T::from_f32(h)
         })
         .collect()
 }
@@ -145,4 +148,114 @@ pub fn gemm_f64<T: Element>(
         }
     }
     c
+}
+
+/// `C = A · Bᵀ (+ bias)` in f64 on f64 inputs, to chain layers without rounding in between:
+/// `a` `[m, k]`, `b` `[n, k]`, `bias` `[n]`, row-major; returns `C` `[m, n]`.
+///
+/// # Panics
+///
+/// When a slice's length does not match the shape.
+pub fn gemm_f64_wide(
+    a: &[f64],
+    b: &[f64],
+    bias: Option<&[f64]>,
+    m: usize,
+    n: usize,
+    k: usize,
+) -> Vec<f64> {
+    assert_eq!(a.len(), m * k, "a must hold m * k elements");
+    assert_eq!(b.len(), n * k, "b must hold n * k elements");
+    if let Some(bias) = bias {
+        assert_eq!(bias.len(), n, "bias must hold n elements");
+    }
+    let mut c = vec![0.0f64; m * n];
+    for i in 0..m {
+        let a_row = &a[i * k..(i + 1) * k];
+        for j in 0..n {
+            let dot: f64 = a_row
+                .iter()
+                .zip(&b[j * k..(j + 1) * k])
+                .map(|(x, y)| x * y)
+                .sum();
+            c[i * n + j] = dot + bias.map_or(0.0, |bias| bias[j]);
+        }
+    }
+    c
+}
+
+/// The activation of a gated MLP, `SiLU(gate) · up` with `SiLU(g) = g / (1 + e^-g)`, per row
+/// of a gate_up output: `gate_up` is `[rows, 2·width]`, each row `[gate | up]`; returns
+/// `[rows, width]`.
+///
+/// # Panics
+///
+/// When `gate_up` is not whole rows of `2·width`.
+pub fn silu_mul_f64(gate_up: &[f64], width: usize) -> Vec<f64> {
+    assert!(
+        width > 0 && gate_up.len() % (2 * width) == 0,
+        "gate_up must be whole rows of 2 * width"
+    );
+    gate_up
+        .chunks_exact(2 * width)
+        .flat_map(|row| {
+            let (gate, up) = row.split_at(width);
+            gate.iter()
+                .zip(up)
+                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// RMSNorm in f64 of every row of `h` (`[rows, hidden]`, `hidden` = `gamma.len()`):
+/// `out = h · (mean(h²) + eps)^-1/2 · gamma`.
+///
+/// # Panics
+///
+/// When `h` is not whole rows of `gamma.len()`.
+pub fn rms_norm_f64<T: Element>(h: &[f64], gamma: &[T], eps: f64) -> Vec<f64> {
+    let hidden = gamma.len();
+    assert!(
+        hidden > 0 && h.len() % hidden == 0,
+        "h must be whole rows of gamma.len()"
+    );
+    h.chunks_exact(hidden)
+        .flat_map(|row| {
+            let ms = row.iter().map(|x| x * x).sum::<f64>() / hidden as f64;
+            let rstd = 1.0 / (ms + eps).sqrt();
+            row.iter()
+                .zip(gamma)
+                .map(move |(x, g)| x * rstd * g.to_f64())
+        })
+        .collect()
+}
+
+/// A gated MLP in f64 with no rounding between its layers:
+/// `y = (SiLU(x · Wgᵀ) ⊙ (x · Wuᵀ)) · Wdᵀ (+ b)`. `x` is `[m, hidden]`; `gate_up` is
+/// `[2·intermediate, hidden]`, the gate rows first (a merged gate_up projection); `down` is
+/// `[hidden, intermediate]` and `down_bias` `[hidden]`. Returns `y` `[m, hidden]`.
+///
+/// # Panics
+///
+/// When a slice's length does not match the shape.
+pub fn gated_mlp_f64<T: Element>(
+    x: &[T],
+    gate_up: &[T],
+    down: &[T],
+    down_bias: Option<&[T]>,
+    m: usize,
+    hidden: usize,
+    intermediate: usize,
+) -> Vec<f64> {
+    assert_eq!(
+        down.len(),
+        hidden * intermediate,
+        "down must hold hidden * intermediate elements"
+    );
+    let h = gemm_f64(x, gate_up, None, None, m, 2 * intermediate, hidden);
+    let act = silu_mul_f64(&h, intermediate);
+    let wide = |v: &[T]| v.iter().map(|x| x.to_f64()).collect::<Vec<f64>>();
+    let bias = down_bias.map(wide);
+    gemm_f64_wide(&act, &wide(down), bias.as_deref(), m, hidden, intermediate)
 }

@@ -150,7 +150,8 @@ pub fn all_reduce_fused<T: Element + NcclType>(
     };
     check_shapes::<T>(&shapes, facts.device)?;
     if in_len == 0 {
-        return Ok(AllReduceAlgo::OneShot);
+        // Nothing to move, but the call is still checked (and its algorithm chosen).
+        return plan::<T>(&shapes, &facts, algorithm).map(|p| p.algo);
     }
     let (input_ptr, _g1) = partial.device_ptr(stream);
     let bias = epilogue.bias.map(|b| b.device_ptr(stream));
@@ -433,6 +434,9 @@ fn execute<T: Element + NcclType>(
     desc: &Desc,
     plan: &Plan,
 ) -> Result<AllReduceAlgo> {
+    if desc.input.len == 0 {
+        return Ok(plan.algo);
+    }
     let stream = group.stream();
     stream
         .context()

@@ -1,0 +1,927 @@
+//! Megatron sharding of linear layers, on the host: which rows or columns of a full weight
+//! each rank of a tensor-parallel group holds, and the rank's shard cut out of a full host
+//! weight. Pure functions of shapes and slices, with no GPU, so that the shard math is
+//! tested on the CPU against the f64 reference; the device layers of
+//! [`ops::linear`](crate::ops::linear) build on them.
+//!
+//! # Conventions (DESIGN.md)
+//!
+//! A weight is row-major `[out_features, in_features]`, as in PyTorch and safetensors, and a
+//! layer computes `y = x · Wᵀ (+ b)` on activations `x` `[m, in_features]`. With W ranks:
+//!
+//! - **column-parallel** ([`ColumnParallelSpec`]): rank `r` takes the rows
+//!   `r·out/W .. (r+1)·out/W` of the weight (and of the bias) and computes the columns
+//!   `r·out/W .. (r+1)·out/W` of `y`; concatenating the ranks' outputs along the columns
+//!   gives `y`.
+//! - **row-parallel** ([`RowParallelSpec`]): rank `r` takes the columns
+//!   `r·in/W .. (r+1)·in/W` of the weight and the same columns of `x`, and computes a partial
+//!   `[m, out]`; the sum of the partials over the ranks, plus the bias once, gives `y`. The
+//!   bias is not sharded: every rank holds all of it and the all-reduce adds it once, after
+//!   the reduction.
+//! - **merged column-parallel** ([`MergedColumnSpec`]): several column-parallel layers with
+//!   one input stacked along the rows of one weight, each *section* split on its own: QKV
+//!   (`q`, `k`, `v`, split by attention heads, with grouped-query attention) and gate_up
+//!   (`gate`, `up`). Rank `r`'s weight is its part of each section, in section order, so its
+//!   output row is `[q_r | k_r | v_r]` (or `[gate_r | up_r]`).
+//!
+//! # Grouped-query attention
+//!
+//! `q_heads` must be divisible by W. KV heads are split like query heads when `kv_heads` is
+//! a multiple of W; when there are fewer KV heads than ranks and W is a multiple of
+//! `kv_heads`, each KV head is *replicated* on `W / kv_heads` consecutive ranks: rank `r`
+//! holds KV head `r / (W / kv_heads)`, which is the KV head of all its query heads. Any other
+//! `kv_heads` is an error.
+//!
+//! # Errors
+//!
+//! Every error is an [`Error::InvalidArgument`] whose `arg` is the layer's description
+//! ([`describe`]), e.g. `row-parallel 'layers.0.mlp.down_proj'`, and whose reason says what
+//! does not fit, e.g. `in_features 14336 is not divisible by world 6`.
+
+use crate::error::{Error, Result};
+use std::ops::Range;
+
+/// The largest `m`, `n` or `k` the GEMM takes (2^30), checked by the `check_gemm_dims`
+/// methods.
+const MAX_DIM: usize = 1 << 30;
+
+/// The kind of a sharded linear layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LayerKind {
+    /// Output features split across the ranks.
+    ColumnParallel,
+    /// Input features split across the ranks; partial outputs summed.
+    RowParallel,
+    /// Several column-parallel sections in one weight (QKV, gate_up).
+    MergedColumnParallel,
+}
+
+impl LayerKind {
+    /// The kind as errors name it: `"column-parallel"`, `"row-parallel"` or
+    /// `"merged-column-parallel"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            LayerKind::ColumnParallel => "column-parallel",
+            LayerKind::RowParallel => "row-parallel",
+            LayerKind::MergedColumnParallel => "merged-column-parallel",
+        }
+    }
+}
+
+/// A layer's description as errors name it, e.g. `row-parallel 'layers.0.mlp.down_proj'`.
+///
+/// ```
+/// use tpfuse::shard::{describe, LayerKind};
+/// assert_eq!(
+///     describe(LayerKind::RowParallel, "layers.0.mlp.down_proj"),
+///     "row-parallel 'layers.0.mlp.down_proj'"
+/// );
+/// ```
+pub fn describe(kind: LayerKind, name: &str) -> String {
+    format!("{} '{name}'", kind.name())
+}
+
+fn check_world(label: &str, world: usize) -> Result<()> {
+    if world == 0 {
+        return Err(Error::invalid(
+            label,
+            "world 0: a group has at least one rank",
+        ));
+    }
+    Ok(())
+}
+
+fn check_rank(label: &str, rank: usize, world: usize) -> Result<()> {
+    if rank >= world {
+        return Err(Error::invalid(
+            label,
+            format!("rank {rank} is out of range for world {world}"),
+        ));
+    }
+    Ok(())
+}
+
+fn check_positive(label: &str, what: &str, value: usize) -> Result<()> {
+    if value == 0 {
+        return Err(Error::invalid(
+            label,
+            format!("{what} is 0: must be positive"),
+        ));
+    }
+    Ok(())
+}
+
+fn check_divisible(label: &str, what: &str, value: usize, world: usize) -> Result<()> {
+    if value % world != 0 {
+        return Err(Error::invalid(
+            label,
+            format!("{what} {value} is not divisible by world {world}"),
+        ));
+    }
+    Ok(())
+}
+
+/// `rows · cols`, or an error when the product overflows.
+fn elements(label: &str, rows: usize, cols: usize) -> Result<usize> {
+    rows.checked_mul(cols).ok_or_else(|| {
+        Error::invalid(
+            label,
+            format!("a [{rows}, {cols}] weight overflows the address space"),
+        )
+    })
+}
+
+/// Errors unless a host slice holds `want` elements; `shape` says where `want` comes from.
+fn check_len(label: &str, what: &str, got: usize, want: usize, shape: &str) -> Result<()> {
+    if got != want {
+        return Err(Error::invalid(
+            label,
+            format!("{what} holds {got} elements but {shape} needs {want}"),
+        ));
+    }
+    Ok(())
+}
+
+/// The GEMM's requirements on a rank's shard `[n, k]`: both positive multiples of 8, at most
+/// 2^30.
+fn check_gemm(label: &str, n: (&str, usize), k: (&str, usize)) -> Result<()> {
+    for (what, value) in [n, k] {
+        if value == 0 || value % 8 != 0 {
+            return Err(Error::invalid(
+                label,
+                format!(
+                    "{what} {value} of a rank's shard is not a positive multiple of 8, which \
+                     the GEMM needs"
+                ),
+            ));
+        }
+        if value > MAX_DIM {
+            return Err(Error::invalid(
+                label,
+                format!("{what} {value} exceeds the GEMM's largest dimension, 2^30"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The rows `rows` (each `cols` wide) of a row-major matrix, in order.
+fn take_rows<T: Copy>(full: &[T], cols: usize, rows: &[Range<usize>]) -> Vec<T> {
+    let total: usize = rows.iter().map(|r| r.len()).sum();
+    let mut out = Vec::with_capacity(total * cols);
+    for r in rows {
+        out.extend_from_slice(&full[r.start * cols..r.end * cols]);
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------------------
+// Column-parallel.
+// ---------------------------------------------------------------------------------------
+
+/// The shape of a column-parallel layer: a full weight `[out_features, in_features]` whose
+/// rows are split evenly across `world` ranks. Rank `r` holds the weight rows (and bias
+/// elements) `r·out/W .. (r+1)·out/W` and computes `y[:, r·out/W .. (r+1)·out/W]` from the
+/// whole input `[m, in_features]`.
+///
+/// ```
+/// use tpfuse::shard::ColumnParallelSpec;
+/// # fn main() -> tpfuse::Result<()> {
+/// let spec = ColumnParallelSpec::new("lm_head", 4, 6, 3)?; // [out 6, in 4] on 3 ranks
+/// assert_eq!(spec.out_per_rank(), 2);
+/// assert_eq!(spec.rows(1)?, 2..4);
+/// let full: Vec<u32> = (0..24).collect();
+/// assert_eq!(spec.shard_weight(1, &full)?, (8..16).collect::<Vec<_>>());
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ColumnParallelSpec {
+    name: String,
+    in_features: usize,
+    out_features: usize,
+    world: usize,
+}
+
+impl ColumnParallelSpec {
+    /// Checks and describes a layer `name` with a full weight `[out_features, in_features]`
+    /// on `world` ranks. Errors: a zero dimension or world, `out_features` not divisible by
+    /// `world`, a weight too large to address.
+    pub fn new(
+        name: impl Into<String>,
+        in_features: usize,
+        out_features: usize,
+        world: usize,
+    ) -> Result<Self> {
+        let name = name.into();
+        let label = describe(LayerKind::ColumnParallel, &name);
+        check_world(&label, world)?;
+        check_positive(&label, "in_features", in_features)?;
+        check_positive(&label, "out_features", out_features)?;
+        check_divisible(&label, "out_features", out_features, world)?;
+        elements(&label, out_features, in_features)?;
+        Ok(ColumnParallelSpec {
+            name,
+            in_features,
+            out_features,
+            world,
+        })
+    }
+
+    /// The layer's name, e.g. `lm_head`.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The layer's description, e.g. `column-parallel 'lm_head'` (the `arg` of its errors).
+    pub fn label(&self) -> String {
+        describe(LayerKind::ColumnParallel, &self.name)
+    }
+
+    /// Input features (every rank reads all of them).
+    pub fn in_features(&self) -> usize {
+        self.in_features
+    }
+
+    /// Output features of the full layer.
+    pub fn out_features(&self) -> usize {
+        self.out_features
+    }
+
+    /// Ranks.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// Output features of one rank, `out_features / world`.
+    pub fn out_per_rank(&self) -> usize {
+        self.out_features / self.world
+    }
+
+    /// The weight rows (= output columns) rank `rank` holds.
+    pub fn rows(&self, rank: usize) -> Result<Range<usize>> {
+        check_rank(&self.label(), rank, self.world)?;
+        let n = self.out_per_rank();
+        Ok(rank * n..(rank + 1) * n)
+    }
+
+    /// Rank `rank`'s weight `[out / W, in]`, cut from the full host weight `full`
+    /// `[out_features, in_features]`.
+    pub fn shard_weight<T: Copy>(&self, rank: usize, full: &[T]) -> Result<Vec<T>> {
+        let label = self.label();
+        let rows = self.rows(rank)?;
+        check_len(
+            &label,
+            "the host weight",
+            full.len(),
+            self.out_features * self.in_features,
+            &format!(
+                "[out_features, in_features] = [{}, {}]",
+                self.out_features, self.in_features
+            ),
+        )?;
+        Ok(take_rows(full, self.in_features, &[rows]))
+    }
+
+    /// Rank `rank`'s bias `[out / W]`, cut from the full host bias `full` `[out_features]`.
+    pub fn shard_bias<T: Copy>(&self, rank: usize, full: &[T]) -> Result<Vec<T>> {
+        let rows = self.rows(rank)?;
+        check_len(
+            &self.label(),
+            "the host bias",
+            full.len(),
+            self.out_features,
+            "out_features",
+        )?;
+        Ok(full[rows].to_vec())
+    }
+
+    /// What the GEMM needs of a rank's shard `[out / W, in]`: both positive multiples of 8.
+    pub fn check_gemm_dims(&self) -> Result<()> {
+        check_gemm(
+            &self.label(),
+            ("out_features / world", self.out_per_rank()),
+            ("in_features", self.in_features),
+        )
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Row-parallel.
+// ---------------------------------------------------------------------------------------
+
+/// The shape of a row-parallel layer: a full weight `[out_features, in_features]` whose
+/// columns are split evenly across `world` ranks. Rank `r` holds the weight columns
+/// `r·in/W .. (r+1)·in/W`, reads the same columns of the input, and computes a partial
+/// `[m, out_features]`; the sum over the ranks plus the bias (all of it, on every rank, added
+/// once after the reduction) is the layer's output.
+///
+/// ```
+/// use tpfuse::shard::RowParallelSpec;
+/// # fn main() -> tpfuse::Result<()> {
+/// let spec = RowParallelSpec::new("down_proj", 4, 2, 2)?; // [out 2, in 4] on 2 ranks
+/// assert_eq!(spec.columns(1)?, 2..4);
+/// let full = [0, 1, 2, 3, 10, 11, 12, 13];
+/// assert_eq!(spec.shard_weight(1, &full)?, vec![2, 3, 12, 13]);
+/// let err = RowParallelSpec::new("layers.0.mlp.down_proj", 14336, 4096, 6).unwrap_err();
+/// assert_eq!(
+///     err.to_string(),
+///     "invalid argument `row-parallel 'layers.0.mlp.down_proj'`: in_features 14336 is not \
+///      divisible by world 6"
+/// );
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct RowParallelSpec {
+    name: String,
+    in_features: usize,
+    out_features: usize,
+    world: usize,
+}
+
+impl RowParallelSpec {
+    /// Checks and describes a layer `name` with a full weight `[out_features, in_features]`
+    /// on `world` ranks. Errors: a zero dimension or world, `in_features` not divisible by
+    /// `world`, a weight too large to address.
+    pub fn new(
+        name: impl Into<String>,
+        in_features: usize,
+        out_features: usize,
+        world: usize,
+    ) -> Result<Self> {
+        let name = name.into();
+        let label = describe(LayerKind::RowParallel, &name);
+        check_world(&label, world)?;
+        check_positive(&label, "in_features", in_features)?;
+        check_positive(&label, "out_features", out_features)?;
+        check_divisible(&label, "in_features", in_features, world)?;
+        elements(&label, out_features, in_features)?;
+        Ok(RowParallelSpec {
+            name,
+            in_features,
+            out_features,
+            world,
+        })
+    }
+
+    /// The layer's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The layer's description, e.g. `row-parallel 'layers.0.mlp.down_proj'`.
+    pub fn label(&self) -> String {
+        describe(LayerKind::RowParallel, &self.name)
+    }
+
+    /// Input features of the full layer.
+    pub fn in_features(&self) -> usize {
+        self.in_features
+    }
+
+    /// Output features (every rank produces a partial of all of them).
+    pub fn out_features(&self) -> usize {
+        self.out_features
+    }
+
+    /// Ranks.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// Input features of one rank, `in_features / world`.
+    pub fn in_per_rank(&self) -> usize {
+        self.in_features / self.world
+    }
+
+    /// The weight columns (= input columns) rank `rank` holds.
+    pub fn columns(&self, rank: usize) -> Result<Range<usize>> {
+        check_rank(&self.label(), rank, self.world)?;
+        let k = self.in_per_rank();
+        Ok(rank * k..(rank + 1) * k)
+    }
+
+    /// Rank `rank`'s weight `[out, in / W]`, cut from the full host weight `full`
+    /// `[out_features, in_features]`.
+    pub fn shard_weight<T: Copy>(&self, rank: usize, full: &[T]) -> Result<Vec<T>> {
+        let cols = self.columns(rank)?;
+        check_len(
+            &self.label(),
+            "the host weight",
+            full.len(),
+            self.out_features * self.in_features,
+            &format!(
+                "[out_features, in_features] = [{}, {}]",
+                self.out_features, self.in_features
+            ),
+        )?;
+        let mut out = Vec::with_capacity(self.out_features * cols.len());
+        for row in full.chunks_exact(self.in_features) {
+            out.extend_from_slice(&row[cols.clone()]);
+        }
+        Ok(out)
+    }
+
+    /// Errors unless `full` is a bias of `out_features` elements. A row-parallel bias is not
+    /// sharded: every rank holds all of it, and the all-reduce adds it once.
+    pub fn check_bias<T>(&self, full: &[T]) -> Result<()> {
+        check_len(
+            &self.label(),
+            "the host bias",
+            full.len(),
+            self.out_features,
+            "out_features (a row-parallel bias is whole on every rank)",
+        )
+    }
+
+    /// What the GEMM needs of a rank's shard `[out, in / W]`: both positive multiples of 8.
+    pub fn check_gemm_dims(&self) -> Result<()> {
+        check_gemm(
+            &self.label(),
+            ("out_features", self.out_features),
+            ("in_features / world", self.in_per_rank()),
+        )
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Merged column-parallel: QKV and gate_up.
+// ---------------------------------------------------------------------------------------
+
+/// One section of a merged column-parallel weight: `heads · head_dim` consecutive rows of the
+/// full weight, split across the ranks by whole heads.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Section {
+    /// Its name in errors and splits, e.g. `"q"`, `"k"`, `"gate"`.
+    pub name: String,
+    /// Heads in the full weight (for gate_up, rows: `head_dim` 1).
+    pub heads: usize,
+    /// Rows per head.
+    pub head_dim: usize,
+    /// Whether a section with fewer heads than ranks is replicated (KV heads of
+    /// grouped-query attention): rank `r` then holds head `r / (world / heads)`, and
+    /// `world` must be a multiple of `heads`. Without it, `heads` must be a multiple of
+    /// `world`.
+    pub replicate: bool,
+}
+
+impl Section {
+    /// Rows of this section in the full weight, `heads · head_dim`.
+    pub fn rows(&self) -> usize {
+        self.heads * self.head_dim
+    }
+
+    /// Heads one rank holds of this section on `world` ranks.
+    fn heads_per_rank(&self, world: usize) -> usize {
+        (self.heads / world).max(1)
+    }
+
+    /// The heads rank `rank` holds.
+    fn heads_of(&self, rank: usize, world: usize) -> Range<usize> {
+        if self.heads >= world {
+            let per = self.heads / world;
+            rank * per..(rank + 1) * per
+        } else {
+            let h = rank / (world / self.heads);
+            h..h + 1
+        }
+    }
+}
+
+/// What a merged weight holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Merged {
+    Qkv,
+    GateUp,
+    Sections,
+}
+
+/// Where the sections of a QKV layer's output lie in one rank's output row, and how many
+/// heads of each the rank holds. A rank's output is `[m, q + k + v]` row-major, so for
+/// `m = 1` each section is a contiguous range of the output; for `m > 1` section `s` of row
+/// `i` is `i·width + s.start .. i·width + s.end`, `width` = [`QkvSplit::width`].
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct QkvSplit {
+    /// Columns of the query heads.
+    pub q: Range<usize>,
+    /// Columns of the key heads.
+    pub k: Range<usize>,
+    /// Columns of the value heads.
+    pub v: Range<usize>,
+    /// Elements per head.
+    pub head_dim: usize,
+    /// Query heads of this rank, `q_heads / world`.
+    pub q_heads: usize,
+    /// KV heads of this rank: `kv_heads / world`, or 1 where KV heads are replicated.
+    pub kv_heads: usize,
+}
+
+impl QkvSplit {
+    /// Columns of one output row, `q + k + v`.
+    pub fn width(&self) -> usize {
+        self.v.end
+    }
+}
+
+/// Where gate and up lie in one rank's output row `[gate_r | up_r]` of a gate_up layer
+/// (`m > 1`: row `i` starts at `i·width`, `width` = `up.end`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct GateUpSplit {
+    /// Columns of the gate projection.
+    pub gate: Range<usize>,
+    /// Columns of the up projection.
+    pub up: Range<usize>,
+}
+
+/// The shape of a merged column-parallel layer: sections stacked along the rows of a full
+/// weight `[Σ rows of the sections, in_features]`, each split across the ranks by whole heads
+/// (see [`Section`]); rank `r`'s weight is its part of each section, in section order.
+///
+/// ```
+/// use tpfuse::shard::MergedColumnSpec;
+/// # fn main() -> tpfuse::Result<()> {
+/// // 8 query heads, 2 KV heads of 128 on 4 ranks: KV heads replicated on 2 ranks each.
+/// let spec = MergedColumnSpec::qkv("qkv_proj", 1024, 128, 8, 2, 4)?;
+/// let split = spec.qkv_split().unwrap();
+/// assert_eq!((split.q, split.k, split.v), (0..256, 256..384, 384..512));
+/// assert_eq!(spec.heads_of(1, 3)?, 1..2); // rank 3 holds k head 3 / (4 / 2) = 1
+/// // Rows of the full weight [q 1024 | k 256 | v 256, 1024] that rank 3 takes:
+/// assert_eq!(spec.rows(3)?, vec![768..1024, 1152..1280, 1408..1536]);
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct MergedColumnSpec {
+    name: String,
+    in_features: usize,
+    sections: Vec<Section>,
+    world: usize,
+    merged: Merged,
+}
+
+impl MergedColumnSpec {
+    /// The QKV projection of grouped-query attention: a full weight
+    /// `[(q_heads + 2·kv_heads)·head_dim, hidden]`, the query, key and value projections
+    /// stacked in that order (vLLM's `qkv_proj`; Hugging Face's separate `q_proj`, `k_proj`
+    /// and `v_proj` weights concatenated along the rows, see
+    /// [`shard_weight_parts`](Self::shard_weight_parts)).
+    ///
+    /// Errors: a zero dimension or world; `q_heads` not divisible by `world`; `q_heads` not a
+    /// multiple of `kv_heads`; `kv_heads` neither a multiple nor a divisor of `world`.
+    pub fn qkv(
+        name: impl Into<String>,
+        hidden: usize,
+        head_dim: usize,
+        q_heads: usize,
+        kv_heads: usize,
+        world: usize,
+    ) -> Result<Self> {
+        let name = name.into();
+        let label = describe(LayerKind::MergedColumnParallel, &name);
+        check_world(&label, world)?;
+        check_positive(&label, "hidden", hidden)?;
+        check_positive(&label, "head_dim", head_dim)?;
+        check_positive(&label, "q_heads", q_heads)?;
+        check_positive(&label, "kv_heads", kv_heads)?;
+        check_divisible(&label, "q_heads", q_heads, world)?;
+        if q_heads % kv_heads != 0 {
+            return Err(Error::invalid(
+                &label,
+                format!(
+                    "q_heads {q_heads} is not a multiple of kv_heads {kv_heads} (grouped-query \
+                     attention shares each KV head among a whole group of query heads)"
+                ),
+            ));
+        }
+        if kv_heads % world != 0 && world % kv_heads != 0 {
+            return Err(Error::invalid(
+                &label,
+                format!(
+                    "kv_heads {kv_heads} neither is divisible by world {world} (split) nor \
+                     divides it (replicated)"
+                ),
+            ));
+        }
+        let section = |name: &str, heads| Section {
+            name: name.to_string(),
+            heads,
+            head_dim,
+            replicate: true,
+        };
+        let sections = vec![
+            Section {
+                replicate: false,
+                ..section("q", q_heads)
+            },
+            section("k", kv_heads),
+            section("v", kv_heads),
+        ];
+        Self::build(name, hidden, sections, world, Merged::Qkv)
+    }
+
+    /// The gate and up projections of a gated MLP: a full weight
+    /// `[2·intermediate_size, hidden]`, gate rows first (vLLM's `gate_up_proj`; Hugging
+    /// Face's `gate_proj` and `up_proj` concatenated). Rank `r`'s output row is
+    /// `[gate_r | up_r]`, `intermediate_size / world` each.
+    ///
+    /// Errors: a zero dimension or world; `intermediate_size` not divisible by `world`.
+    pub fn gate_up(
+        name: impl Into<String>,
+        hidden: usize,
+        intermediate_size: usize,
+        world: usize,
+    ) -> Result<Self> {
+        let name = name.into();
+        let label = describe(LayerKind::MergedColumnParallel, &name);
+        check_world(&label, world)?;
+        check_positive(&label, "hidden", hidden)?;
+        check_positive(&label, "intermediate_size", intermediate_size)?;
+        check_divisible(&label, "intermediate_size", intermediate_size, world)?;
+        let section = |name: &str| Section {
+            name: name.to_string(),
+            heads: intermediate_size,
+            head_dim: 1,
+            replicate: false,
+        };
+        Self::build(
+            name,
+            hidden,
+            vec![section("gate"), section("up")],
+            world,
+            Merged::GateUp,
+        )
+    }
+
+    /// Any sections (at least one), each checked as [`Section`] says.
+    pub fn new(
+        name: impl Into<String>,
+        in_features: usize,
+        sections: Vec<Section>,
+        world: usize,
+    ) -> Result<Self> {
+        Self::build(name.into(), in_features, sections, world, Merged::Sections)
+    }
+
+    fn build(
+        name: String,
+        in_features: usize,
+        sections: Vec<Section>,
+        world: usize,
+        merged: Merged,
+    ) -> Result<Self> {
+        let label = describe(LayerKind::MergedColumnParallel, &name);
+        check_world(&label, world)?;
+        check_positive(&label, "in_features", in_features)?;
+        if sections.is_empty() {
+            return Err(Error::invalid(&label, "no sections"));
+        }
+        let mut rows = 0usize;
+        for s in &sections {
+            let what = format!("section '{}'", s.name);
+            check_positive(&label, &format!("{what}: heads"), s.heads)?;
+            check_positive(&label, &format!("{what}: head_dim"), s.head_dim)?;
+            let split = s.heads % world == 0;
+            let replicated = s.replicate && s.heads < world && world % s.heads == 0;
+            if !split && !replicated {
+                let reason = if s.replicate {
+                    format!(
+                        "{what}: {} heads neither are divisible by world {world} nor divide it",
+                        s.heads
+                    )
+                } else {
+                    format!(
+                        "{what}: {} heads are not divisible by world {world}",
+                        s.heads
+                    )
+                };
+                return Err(Error::invalid(&label, reason));
+            }
+            rows = elements(&label, s.heads, s.head_dim)?
+                .checked_add(rows)
+                .ok_or_else(|| Error::invalid(&label, "the sections' rows overflow"))?;
+        }
+        elements(&label, rows, in_features)?;
+        Ok(MergedColumnSpec {
+            name,
+            in_features,
+            sections,
+            world,
+            merged,
+        })
+    }
+
+    /// The layer's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The layer's description, e.g. `merged-column-parallel 'layers.0.self_attn.qkv_proj'`.
+    pub fn label(&self) -> String {
+        describe(LayerKind::MergedColumnParallel, &self.name)
+    }
+
+    /// Input features (every rank reads all of them).
+    pub fn in_features(&self) -> usize {
+        self.in_features
+    }
+
+    /// Rows of the full weight, the sum of the sections' rows.
+    pub fn out_features(&self) -> usize {
+        self.sections.iter().map(Section::rows).sum()
+    }
+
+    /// Ranks.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// The sections, in order.
+    pub fn sections(&self) -> &[Section] {
+        &self.sections
+    }
+
+    /// Output features of one rank (the same on every rank): the sum over the sections of
+    /// the heads a rank holds times `head_dim`.
+    pub fn out_per_rank(&self) -> usize {
+        self.sections
+            .iter()
+            .map(|s| s.heads_per_rank(self.world) * s.head_dim)
+            .sum()
+    }
+
+    /// The columns of section `section` in one rank's output row (the same on every rank).
+    ///
+    /// # Panics
+    ///
+    /// When `section` is not an index of [`sections`](Self::sections).
+    pub fn section_columns(&self, section: usize) -> Range<usize> {
+        let width = |s: &Section| s.heads_per_rank(self.world) * s.head_dim;
+        let start: usize = self.sections[..section].iter().map(width).sum();
+        start..start + width(&self.sections[section])
+    }
+
+    /// The heads of section `section` that rank `rank` holds (for a replicated section
+    /// with fewer heads than ranks, the one head `rank / (world / heads)`).
+    pub fn heads_of(&self, section: usize, rank: usize) -> Result<Range<usize>> {
+        let label = self.label();
+        check_rank(&label, rank, self.world)?;
+        let s = self.sections.get(section).ok_or_else(|| {
+            Error::invalid(
+                &label,
+                format!(
+                    "section {section} does not exist ({} sections)",
+                    self.sections.len()
+                ),
+            )
+        })?;
+        Ok(s.heads_of(rank, self.world))
+    }
+
+    /// The rows of the full weight that rank `rank` takes, one range per section, in order.
+    pub fn rows(&self, rank: usize) -> Result<Vec<Range<usize>>> {
+        check_rank(&self.label(), rank, self.world)?;
+        let mut offset = 0;
+        let mut out = Vec::with_capacity(self.sections.len());
+        for s in &self.sections {
+            let heads = s.heads_of(rank, self.world);
+            out.push(offset + heads.start * s.head_dim..offset + heads.end * s.head_dim);
+            offset += s.rows();
+        }
+        Ok(out)
+    }
+
+    /// Rank `rank`'s weight `[out_per_rank, in]`, cut from the full host weight `full`
+    /// `[out_features, in_features]` (the sections stacked along the rows).
+    pub fn shard_weight<T: Copy>(&self, rank: usize, full: &[T]) -> Result<Vec<T>> {
+        let rows = self.rows(rank)?;
+        check_len(
+            &self.label(),
+            "the host weight",
+            full.len(),
+            self.out_features() * self.in_features,
+            &format!(
+                "[out_features, in_features] = [{}, {}]",
+                self.out_features(),
+                self.in_features
+            ),
+        )?;
+        Ok(take_rows(full, self.in_features, &rows))
+    }
+
+    /// Rank `rank`'s weight from one host weight per section (`parts[s]` is
+    /// `[heads·head_dim, in_features]`, e.g. Hugging Face's `q_proj`, `k_proj`, `v_proj`):
+    /// the same as [`shard_weight`](Self::shard_weight) of the parts stacked.
+    pub fn shard_weight_parts<T: Copy>(&self, rank: usize, parts: &[&[T]]) -> Result<Vec<T>> {
+        self.take_parts(rank, parts, self.in_features, "weight")
+    }
+
+    /// Rank `rank`'s bias `[out_per_rank]`, cut from the full host bias `full`
+    /// `[out_features]` (the sections' biases stacked).
+    pub fn shard_bias<T: Copy>(&self, rank: usize, full: &[T]) -> Result<Vec<T>> {
+        let rows = self.rows(rank)?;
+        check_len(
+            &self.label(),
+            "the host bias",
+            full.len(),
+            self.out_features(),
+            "out_features",
+        )?;
+        Ok(take_rows(full, 1, &rows))
+    }
+
+    /// Rank `rank`'s bias from one host bias per section (`parts[s]` is `[heads·head_dim]`).
+    pub fn shard_bias_parts<T: Copy>(&self, rank: usize, parts: &[&[T]]) -> Result<Vec<T>> {
+        self.take_parts(rank, parts, 1, "bias")
+    }
+
+    fn take_parts<T: Copy>(
+        &self,
+        rank: usize,
+        parts: &[&[T]],
+        cols: usize,
+        what: &str,
+    ) -> Result<Vec<T>> {
+        let label = self.label();
+        check_rank(&label, rank, self.world)?;
+        if parts.len() != self.sections.len() {
+            return Err(Error::invalid(
+                &label,
+                format!(
+                    "{} host {what} parts given for {} sections",
+                    parts.len(),
+                    self.sections.len()
+                ),
+            ));
+        }
+        let mut out = Vec::with_capacity(self.out_per_rank() * cols);
+        for (s, part) in self.sections.iter().zip(parts) {
+            let shape = if cols == 1 {
+                format!("heads · head_dim = {} · {}", s.heads, s.head_dim)
+            } else {
+                format!(
+                    "[heads · head_dim, in_features] = [{} · {}, {cols}]",
+                    s.heads, s.head_dim
+                )
+            };
+            check_len(
+                &label,
+                &format!("the host {what} of section '{}'", s.name),
+                part.len(),
+                s.rows() * cols,
+                &shape,
+            )?;
+            let heads = s.heads_of(rank, self.world);
+            let rows = heads.start * s.head_dim..heads.end * s.head_dim;
+            out.extend_from_slice(&part[rows.start * cols..rows.end * cols]);
+        }
+        Ok(out)
+    }
+
+    /// For a layer built by [`qkv`](Self::qkv): where q, k and v lie in a rank's output row.
+    pub fn qkv_split(&self) -> Option<QkvSplit> {
+        if self.merged != Merged::Qkv {
+            return None;
+        }
+        let (q, k) = (&self.sections[0], &self.sections[1]);
+        Some(QkvSplit {
+            q: self.section_columns(0),
+            k: self.section_columns(1),
+            v: self.section_columns(2),
+            head_dim: q.head_dim,
+            q_heads: q.heads_per_rank(self.world),
+            kv_heads: k.heads_per_rank(self.world),
+        })
+    }
+
+    /// For a layer built by [`gate_up`](Self::gate_up): where gate and up lie in a rank's
+    /// output row.
+    pub fn gate_up_split(&self) -> Option<GateUpSplit> {
+        (self.merged == Merged::GateUp).then(|| GateUpSplit {
+            gate: self.section_columns(0),
+            up: self.section_columns(1),
+        })
+    }
+
+    /// How many ranks hold each head of section `section`: 1 where the heads are split,
+    /// `world / heads` where they are replicated.
+    ///
+    /// # Panics
+    ///
+    /// When `section` is not an index of [`sections`](Self::sections).
+    pub fn replicas(&self, section: usize) -> usize {
+        let s = &self.sections[section];
+        if s.heads >= self.world {
+            1
+        } else {
+            self.world / s.heads
+        }
+    }
+
+    /// What the GEMM needs of a rank's shard `[out_per_rank, in]`: both positive multiples
+    /// of 8.
+    pub fn check_gemm_dims(&self) -> Result<()> {
+        check_gemm(
+            &self.label(),
+            ("out_per_rank", self.out_per_rank()),
+            ("in_features", self.in_features),
+        )
+    }
+}

@@ -1,0 +1,856 @@
+//! GPU tests of the tensor-parallel linear layers ([`tpfuse::ops::linear`]; feature
+//! `gpu-tests`, without it every test here is listed as ignored), on virtual ranks
+//! ([`TpGroup::virtual_ranks`]) W = 2, 4, 8 of GPU 0.
+//!
+//! Every case builds each rank's layer from the full host weights (the shard cut on the host,
+//! as a loader does), uploads fresh random inputs (seeded per case from `TPFUSE_TEST_SEED`, a
+//! fixed default when unset), fills every output and workspace with NaN first (an element
+//! never written fails the bitwise checks), enqueues the op on rank 0, 1, .., W-1 from one
+//! thread, calls `check()` on every rank, and asserts
+//!
+//! - **a two-layer TP MLP** (merged column-parallel gate_up, SiLU·mul on the host between
+//!   the layers — tpfuse has no activation kernel and the tests add none — then row-parallel
+//!   down with a bias, plain or with the fused residual add + RMSNorm) equals the unsharded
+//!   f64 MLP ([`gated_mlp_f64`]) within the bound below, and every rank holds the same bits;
+//! - the row-parallel output is bit for bit the kernels' rank-ordered f32 sum of the ranks'
+//!   partials plus the bias, added once ([`all_reduce_epilogue_exact`] of the downloaded
+//!   partial workspaces), with one-shot, two-shot and `Auto`;
+//! - column-parallel with and without the gather, and QKV with grouped-query heads (KV heads
+//!   split and replicated), against the f64 reference of the full layer;
+//! - bad calls on real buffers are typed errors naming the layer, and nothing is written.
+//!
+//! # Tolerances
+//!
+//! One layer: the DESIGN bounds, relative Frobenius error below 1e-2 (bf16) and 2e-3 (f16).
+//!
+//! Two layers, bf16: below 2e-2. The inputs and weights are exact in both computations (the
+//! f64 reference reads the same bf16 values), so the error is the roundings in between. A
+//! bf16 rounding has unit roundoff u = 2^-8 ≈ 3.9e-3 and, on values spread over binades, a
+//! relative RMS error of about 2e-3. The device path rounds (1) gate and up (the GEMM output),
+//! (2) SiLU(gate)·up (the host activation; its sensitivity to gate is at most about 1.3
+//! where it matters, so with (1) about 4e-3), (3) each rank's partial of the down projection
+//! (W roundings of partials of size |y|/√W: about 2e-3 of |y| together) and (4) the
+//! all-reduce result (2e-3). The down GEMM carries the activation's relative error through
+//! (random weights neither amplify nor cancel it in the Frobenius norm), so the total is
+//! at most about √(4² + 2² + 2²)·1e-3 ≈ 5e-3. A CPU emulation of exactly these roundings
+//! (f32 accumulation, bf16 results, this test's shapes and value ranges, m = 64, W = 2, 4, 8)
+//! gives 3.0e-3, so 2e-2 leaves a margin of 4× over the estimate and 6× over the emulation,
+//! and still catches any real fault (a missing or doubled bias, a wrong shard or a lost
+//! rank moves the error to O(1e-1) or more). f16 has u = 2^-11, eight times smaller: the
+//! estimate is about 6e-4, the emulation 3.7e-4, the bound 4e-3. After the RMSNorm (one
+//! more rounding and `rsqrtf`) the same bounds hold.
+//!
+//! Run one test at a time on the GPU (a process-wide lock does that) with enough hardware
+//! queues for the virtual ranks (`CUDA_DEVICE_MAX_CONNECTIONS=32`, set by the first test
+//! before the first CUDA call when unset); see `tests/gpu_all_reduce.rs`.
+
+mod common;
+use common::{assert_same_bits, Bits};
+
+use cudarc::driver::{CudaContext, CudaSlice, DevicePtr};
+use half::{bf16, f16};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::sync::{Arc, Mutex, MutexGuard, Once};
+use tpfuse::ops::gemm::GemmElement;
+use tpfuse::ops::linear::{ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear};
+use tpfuse::ops::{Algorithm, RmsNorm};
+use tpfuse::reference::{
+    all_reduce_epilogue_exact, gated_mlp_f64, gemm_f64, relative_error, rms_norm_f64,
+};
+use tpfuse::shard::{ColumnParallelSpec, MergedColumnSpec, RowParallelSpec};
+use tpfuse::topology::AllReduceAlgo;
+use tpfuse::{Error, GroupOptions, NcclType, TpGroup};
+
+const WORLDS: [usize; 3] = [2, 4, 8];
+const EPS: f32 = 1e-5;
+
+trait TestElement: GemmElement + NcclType + Bits {
+    const ID: u64;
+    /// One layer against the f64 reference.
+    const TOLERANCE: f64;
+    /// Two layers (see the module docs).
+    const MLP_TOLERANCE: f64;
+}
+
+impl TestElement for bf16 {
+    const ID: u64 = 3;
+    const TOLERANCE: f64 = 1e-2;
+    const MLP_TOLERANCE: f64 = 2e-2;
+}
+
+impl TestElement for f16 {
+    const ID: u64 = 2;
+    const TOLERANCE: f64 = 2e-3;
+    const MLP_TOLERANCE: f64 = 4e-3;
+}
+
+// ---------------------------------------------------------------------------------------
+// Seeds, data, the GPU.
+// ---------------------------------------------------------------------------------------
+
+fn splitmix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+fn base_seed() -> u64 {
+    match std::env::var("TPFUSE_TEST_SEED") {
+        Ok(s) => s
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("TPFUSE_TEST_SEED={s:?} is not a u64")),
+        Err(_) => 0x7470_6675_7365_11a7,
+    }
+}
+
+fn case_seed<T: TestElement>(parts: &[u64]) -> u64 {
+    let mut s = splitmix64(base_seed() ^ T::ID);
+    for &p in parts {
+        s = splitmix64(s ^ p);
+    }
+    s
+}
+
+/// `n` values uniform in (-scale, scale).
+fn random<T: TestElement>(seed: u64, n: usize, scale: f32) -> Vec<T> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    (0..n)
+        .map(|_| T::from_f32(rng.random_range(-scale..scale)))
+        .collect()
+}
+
+/// A weight `[out, in]` scaled like a trained layer (outputs of order 1 for inputs of order 1).
+fn weight<T: TestElement>(seed: u64, out: usize, k: usize) -> Vec<T> {
+    random(seed, out * k, 2.0 / (k as f32).sqrt())
+}
+
+static GPU_LOCK: Mutex<()> = Mutex::new(());
+static MAX_CONNECTIONS: Once = Once::new();
+
+/// GPU 0 for one test. Field order matters: the context drops before the lock is released.
+struct Gpu {
+    ctx: Arc<CudaContext>,
+    _lock: MutexGuard<'static, ()>,
+}
+
+/// GPU 0, with the lock held. A missing driver or GPU fails the test (it never skips).
+fn gpu() -> Gpu {
+    let lock = GPU_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    MAX_CONNECTIONS.call_once(|| {
+        if std::env::var_os("CUDA_DEVICE_MAX_CONNECTIONS").is_none() {
+            std::env::set_var("CUDA_DEVICE_MAX_CONNECTIONS", "32");
+        }
+    });
+    let ctx = tpfuse::device::open(0)
+        .unwrap_or_else(|e| panic!("this test needs a CUDA GPU and driver: {e}"));
+    Gpu { ctx, _lock: lock }
+}
+
+fn virtual_group(ctx: &Arc<CudaContext>, world: usize) -> Vec<TpGroup> {
+    TpGroup::virtual_ranks(ctx, world, GroupOptions::default())
+        .unwrap_or_else(|e| panic!("building {world} virtual ranks: {e}"))
+}
+
+fn upload<T: TestElement>(group: &TpGroup, host: &[T]) -> CudaSlice<T> {
+    group.stream().clone_htod(host).expect("uploading")
+}
+
+fn poisoned<T: TestElement>(group: &TpGroup, n: usize) -> CudaSlice<T> {
+    upload(group, &vec![T::poison(); n])
+}
+
+/// Copies `buf` to the host (call `check()` first: it bounds the wait).
+fn download<T: TestElement>(group: &TpGroup, buf: &impl DevicePtr<T>) -> Vec<T> {
+    group.stream().clone_dtoh(buf).expect("downloading")
+}
+
+fn check_all(groups: &[TpGroup], label: &str) {
+    for g in groups {
+        g.check()
+            .unwrap_or_else(|e| panic!("{label}: check() on rank {}: {e}", g.rank()));
+    }
+}
+
+/// `op(r)` for r = 0, 1, .., W-1, then `check()` on every rank.
+fn round<R>(
+    groups: &[TpGroup],
+    label: &str,
+    mut op: impl FnMut(usize) -> tpfuse::Result<R>,
+) -> Vec<R> {
+    let out: Vec<R> = (0..groups.len())
+        .map(|r| op(r).unwrap_or_else(|e| panic!("{label}: rank {r}: {e}")))
+        .collect();
+    check_all(groups, label);
+    out
+}
+
+fn assert_close<T: TestElement>(label: &str, got: &[T], want: &[f64], tolerance: f64) {
+    let err = relative_error(got, want);
+    assert!(
+        err < tolerance,
+        "{label}: relative error {err:e} vs the f64 reference exceeds {tolerance:e}"
+    );
+}
+
+/// Every rank's result has rank 0's bits.
+fn assert_ranks_agree<T: TestElement>(label: &str, per_rank: &[Vec<T>]) {
+    for (r, got) in per_rank.iter().enumerate().skip(1) {
+        assert_same_bits(&format!("{label}: rank {r} vs rank 0"), got, &per_rank[0]);
+    }
+}
+
+/// Columns `cols` of a row-major `[m, n]` matrix.
+fn columns<X: Copy>(y: &[X], n: usize, cols: std::ops::Range<usize>) -> Vec<X> {
+    y.chunks_exact(n)
+        .flat_map(|row| row[cols.clone()].to_vec())
+        .collect()
+}
+
+/// `SiLU(gate) · up` per row of `[m, gate | up]` (widths `inter`), in f32, rounded once: what
+/// an engine's activation kernel computes between the layers.
+fn silu_mul<T: TestElement>(gate_up: &[T], inter: usize) -> Vec<T> {
+    gate_up
+        .chunks_exact(2 * inter)
+        .flat_map(|row| {
+            let (gate, up) = row.split_at(inter);
+            gate.iter()
+                .zip(up)
+                .map(|(g, u)| {
+                    let g = g.to_f32();
+                    T::from_f32(g / (1.0 + (-g).exp()) * u.to_f32())
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------
+// The MLP.
+// ---------------------------------------------------------------------------------------
+
+/// The full host weights of an MLP.
+struct Mlp<T> {
+    hidden: usize,
+    inter: usize,
+    gate_up: Vec<T>,
+    down: Vec<T>,
+    bias: Vec<T>,
+}
+
+impl<T: TestElement> Mlp<T> {
+    fn new(seed: u64, hidden: usize, inter: usize) -> Self {
+        Mlp {
+            hidden,
+            inter,
+            gate_up: weight(splitmix64(seed ^ 1), 2 * inter, hidden),
+            down: weight(splitmix64(seed ^ 2), hidden, inter),
+            bias: random(splitmix64(seed ^ 3), hidden, 0.5),
+        }
+    }
+
+    fn layers(
+        &self,
+        groups: &[TpGroup],
+    ) -> Vec<(MergedColumnParallelLinear<T>, RowParallelLinear<T>)> {
+        groups
+            .iter()
+            .map(|g| {
+                let w = g.world();
+                let gu = MergedColumnSpec::gate_up("mlp.gate_up_proj", self.hidden, self.inter, w)
+                    .expect("gate_up spec");
+                let dn = RowParallelSpec::new("mlp.down_proj", self.inter, self.hidden, w)
+                    .expect("down spec");
+                (
+                    MergedColumnParallelLinear::from_host(g, gu, &self.gate_up, None)
+                        .expect("gate_up layer"),
+                    RowParallelLinear::from_host(g, dn, &self.down, Some(&self.bias))
+                        .expect("down layer"),
+                )
+            })
+            .collect()
+    }
+}
+
+/// What the first layer and the activation leave on every rank.
+struct FirstLayer<T> {
+    /// `[m, inter / W]` per rank, on the device.
+    act: Vec<CudaSlice<T>>,
+}
+
+/// gate_up on every rank, checked against the f64 reference of its columns; then SiLU·mul
+/// on the host and the activation uploaded.
+fn first_layer<T: TestElement>(
+    label: &str,
+    groups: &[TpGroup],
+    layers: &[(MergedColumnParallelLinear<T>, RowParallelLinear<T>)],
+    mlp: &Mlp<T>,
+    x: &[T],
+) -> FirstLayer<T> {
+    let world = groups.len();
+    let (hidden, inter) = (mlp.hidden, mlp.inter);
+    let m = x.len() / hidden;
+    let per = inter / world;
+    let full = gemm_f64(x, &mlp.gate_up, None, None, m, 2 * inter, hidden);
+    let xs: Vec<CudaSlice<T>> = groups.iter().map(|g| upload(g, x)).collect();
+    let mut hs: Vec<CudaSlice<T>> = groups.iter().map(|g| poisoned(g, m * 2 * per)).collect();
+    round(groups, &format!("{label} gate_up"), |r| {
+        layers[r].0.forward(&groups[r], &xs[r], &mut hs[r])
+    });
+    let mut act = Vec::new();
+    for (r, g) in groups.iter().enumerate() {
+        let h = download(g, &hs[r]);
+        let split = layers[r].0.gate_up_split().expect("a gate_up layer");
+        assert_eq!(split.gate, 0..per);
+        let want_gate = columns(&full, 2 * inter, r * per..(r + 1) * per);
+        let want_up = columns(&full, 2 * inter, inter + r * per..inter + (r + 1) * per);
+        assert_close(
+            &format!("{label} rank {r} gate"),
+            &columns(&h, 2 * per, split.gate),
+            &want_gate,
+            T::TOLERANCE,
+        );
+        assert_close(
+            &format!("{label} rank {r} up"),
+            &columns(&h, 2 * per, split.up),
+            &want_up,
+            T::TOLERANCE,
+        );
+        act.push(upload(g, &silu_mul(&h, per)));
+        g.stream().synchronize().expect("uploading the activation");
+    }
+    FirstLayer { act }
+}
+
+/// The MLP with the plain row-parallel forward: every algorithm, the same bits, the exact
+/// rank-ordered sum plus the bias once, and the f64 MLP.
+fn mlp_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usize) {
+    let (hidden, inter) = (512, 1536);
+    let seed = case_seed::<T>(&[1, world as u64, m as u64]);
+    let label = format!("MLP {} W={world} m={m} seed={seed:#x}", T::NAME);
+    let groups = virtual_group(ctx, world);
+    let mlp = Mlp::<T>::new(seed, hidden, inter);
+    let mut layers = mlp.layers(&groups);
+    let x = random::<T>(splitmix64(seed ^ 4), m * hidden, 1.0);
+    let want = gated_mlp_f64(
+        &x,
+        &mlp.gate_up,
+        &mlp.down,
+        Some(&mlp.bias),
+        m,
+        hidden,
+        inter,
+    );
+    let first = first_layer(&label, &groups, &layers, &mlp, &x);
+
+    let mut first_bits: Option<Vec<T>> = None;
+    for algo in [Algorithm::Auto, Algorithm::OneShot, Algorithm::TwoShot] {
+        layers = layers
+            .into_iter()
+            .map(|(gu, dn)| (gu, dn.with_algorithm(algo)))
+            .collect();
+        let label = format!("{label} {algo:?}");
+        let mut partials: Vec<CudaSlice<T>> =
+            groups.iter().map(|g| poisoned(g, m * hidden)).collect();
+        let mut outs: Vec<CudaSlice<T>> = groups.iter().map(|g| poisoned(g, m * hidden)).collect();
+        let ran = round(&groups, &label, |r| {
+            layers[r]
+                .1
+                .forward(&groups[r], &first.act[r], &mut partials[r], &mut outs[r])
+        });
+        assert!(ran.iter().all(|a| *a == ran[0]), "{label}: {ran:?}");
+        match algo {
+            Algorithm::OneShot => assert_eq!(ran[0], AllReduceAlgo::OneShot, "{label}"),
+            Algorithm::TwoShot => assert_eq!(ran[0], AllReduceAlgo::TwoShot, "{label}"),
+            _ => {}
+        }
+        let got: Vec<Vec<T>> = groups
+            .iter()
+            .zip(&outs)
+            .map(|(g, o)| download(g, o))
+            .collect();
+        assert_ranks_agree(&label, &got);
+        assert_close(&label, &got[0], &want, T::MLP_TOLERANCE);
+        // The bits: Σ partials in rank order in f32, + bias once, rounded once.
+        let parts: Vec<Vec<T>> = groups
+            .iter()
+            .zip(&partials)
+            .map(|(g, p)| download(g, p))
+            .collect();
+        let refs: Vec<&[T]> = parts.iter().map(|p| p.as_slice()).collect();
+        let exact = all_reduce_epilogue_exact(&refs, Some(&mlp.bias), None, hidden);
+        assert_same_bits(
+            &format!("{label}: vs Σ partials + bias once"),
+            &got[0],
+            &exact,
+        );
+        // Without the bias the bits differ: the check above sees the bias.
+        let unbiased = all_reduce_epilogue_exact(&refs, None, None, hidden);
+        assert!(unbiased
+            .iter()
+            .zip(&exact)
+            .any(|(a, b)| a.bits() != b.bits()));
+        match &first_bits {
+            None => first_bits = Some(got[0].clone()),
+            Some(bits) => assert_same_bits(&format!("{label} vs Auto"), &got[0], bits),
+        }
+    }
+}
+
+/// The MLP with the fused residual add + RMSNorm after the down projection.
+fn mlp_rmsnorm_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usize) {
+    let (hidden, inter) = (512, 1536);
+    let seed = case_seed::<T>(&[2, world as u64, m as u64]);
+    let label = format!("MLP+RMSNorm {} W={world} m={m} seed={seed:#x}", T::NAME);
+    let groups = virtual_group(ctx, world);
+    let mlp = Mlp::<T>::new(seed, hidden, inter);
+    let layers = mlp.layers(&groups);
+    let x = random::<T>(splitmix64(seed ^ 4), m * hidden, 1.0);
+    let residual_in = random::<T>(splitmix64(seed ^ 5), m * hidden, 1.0);
+    let gamma = random::<T>(splitmix64(seed ^ 6), hidden, 1.0);
+    let y = gated_mlp_f64(
+        &x,
+        &mlp.gate_up,
+        &mlp.down,
+        Some(&mlp.bias),
+        m,
+        hidden,
+        inter,
+    );
+    let h_want: Vec<f64> = y
+        .iter()
+        .zip(&residual_in)
+        .map(|(a, b)| a + b.to_f64())
+        .collect();
+    let out_want = rms_norm_f64(&h_want, &gamma, f64::from(EPS));
+    let first = first_layer(&label, &groups, &layers, &mlp, &x);
+
+    let gammas: Vec<CudaSlice<T>> = groups.iter().map(|g| upload(g, &gamma)).collect();
+    let mut residuals: Vec<CudaSlice<T>> = groups.iter().map(|g| upload(g, &residual_in)).collect();
+    let mut partials: Vec<CudaSlice<T>> = groups.iter().map(|g| poisoned(g, m * hidden)).collect();
+    let mut outs: Vec<CudaSlice<T>> = groups.iter().map(|g| poisoned(g, m * hidden)).collect();
+    for g in &groups {
+        g.stream().synchronize().expect("uploading");
+    }
+    round(&groups, &label, |r| {
+        layers[r].1.forward_residual_rmsnorm(
+            &groups[r],
+            &first.act[r],
+            &mut partials[r],
+            &mut residuals[r],
+            RmsNorm {
+                gamma: &gammas[r],
+                eps: EPS,
+            },
+            &mut outs[r],
+        )
+    });
+    let h: Vec<Vec<T>> = groups
+        .iter()
+        .zip(&residuals)
+        .map(|(g, b)| download(g, b))
+        .collect();
+    let out: Vec<Vec<T>> = groups
+        .iter()
+        .zip(&outs)
+        .map(|(g, b)| download(g, b))
+        .collect();
+    assert_ranks_agree(&format!("{label} residual"), &h);
+    assert_ranks_agree(&format!("{label} out"), &out);
+    assert_close(
+        &format!("{label} residual"),
+        &h[0],
+        &h_want,
+        T::MLP_TOLERANCE,
+    );
+    assert_close(
+        &format!("{label} out"),
+        &out[0],
+        &out_want,
+        T::MLP_TOLERANCE,
+    );
+    // The new residual: Σ partials + bias + old residual, in f32 in that order, rounded once.
+    let parts: Vec<Vec<T>> = groups
+        .iter()
+        .zip(&partials)
+        .map(|(g, p)| download(g, p))
+        .collect();
+    let refs: Vec<&[T]> = parts.iter().map(|p| p.as_slice()).collect();
+    let exact = all_reduce_epilogue_exact(&refs, Some(&mlp.bias), Some(&residual_in), hidden);
+    assert_same_bits(&format!("{label}: residual vs exact"), &h[0], &exact);
+}
+
+fn mlp_matrix<T: TestElement>() {
+    let gpu = gpu();
+    for world in WORLDS {
+        for m in [1, 7, 64] {
+            mlp_case::<T>(&gpu.ctx, world, m);
+            mlp_rmsnorm_case::<T>(&gpu.ctx, world, m);
+        }
+    }
+}
+
+#[test]
+#[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
+fn tp_mlp_equals_the_unsharded_mlp_bf16() {
+    mlp_matrix::<bf16>();
+}
+
+#[test]
+#[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
+fn tp_mlp_equals_the_unsharded_mlp_f16() {
+    mlp_matrix::<f16>();
+}
+
+// ---------------------------------------------------------------------------------------
+// Column-parallel, gathered or not.
+// ---------------------------------------------------------------------------------------
+
+fn column_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usize) {
+    let (k, n) = (256, 1024);
+    let seed = case_seed::<T>(&[3, world as u64, m as u64]);
+    let label = format!("column {} W={world} m={m} seed={seed:#x}", T::NAME);
+    let groups = virtual_group(ctx, world);
+    let w = weight::<T>(splitmix64(seed ^ 1), n, k);
+    let b = random::<T>(splitmix64(seed ^ 2), n, 0.5);
+    let x = random::<T>(splitmix64(seed ^ 3), m * k, 1.0);
+    let want = gemm_f64(&x, &w, Some(&b), None, m, n, k);
+    let per = n / world;
+    let layers: Vec<ColumnParallelLinear<T>> = groups
+        .iter()
+        .map(|g| {
+            let spec = ColumnParallelSpec::new("lm_head", k, n, world).expect("spec");
+            ColumnParallelLinear::from_host(g, spec, &w, Some(&b)).expect("layer")
+        })
+        .collect();
+    let xs: Vec<CudaSlice<T>> = groups.iter().map(|g| upload(g, &x)).collect();
+    let mut plain: Vec<CudaSlice<T>> = groups.iter().map(|g| poisoned(g, m * per)).collect();
+    let mut local: Vec<CudaSlice<T>> = groups.iter().map(|g| poisoned(g, m * per)).collect();
+    let mut gathered: Vec<CudaSlice<T>> = groups.iter().map(|g| poisoned(g, m * n)).collect();
+    let mut outs: Vec<CudaSlice<T>> = groups.iter().map(|g| poisoned(g, m * n)).collect();
+    for g in &groups {
+        g.stream().synchronize().expect("uploading");
+    }
+    round(&groups, &format!("{label} sharded"), |r| {
+        layers[r].forward(&groups[r], &xs[r], &mut plain[r])
+    });
+    round(&groups, &format!("{label} gathered"), |r| {
+        layers[r].forward_gather(
+            &groups[r],
+            &xs[r],
+            &mut local[r],
+            &mut gathered[r],
+            &mut outs[r],
+        )
+    });
+    let mut shards = Vec::new();
+    for (r, g) in groups.iter().enumerate() {
+        let p = download(g, &plain[r]);
+        assert_close(
+            &format!("{label} rank {r}"),
+            &p,
+            &columns(&want, n, r * per..(r + 1) * per),
+            T::TOLERANCE,
+        );
+        assert_same_bits(
+            &format!("{label} rank {r}: local vs forward"),
+            &download(g, &local[r]),
+            &p,
+        );
+        shards.push(p);
+    }
+    // The gathered output is the shards side by side, on every rank.
+    let mut side_by_side = Vec::with_capacity(m * n);
+    for i in 0..m {
+        for s in &shards {
+            side_by_side.extend_from_slice(&s[i * per..(i + 1) * per]);
+        }
+    }
+    let got: Vec<Vec<T>> = groups
+        .iter()
+        .zip(&outs)
+        .map(|(g, o)| download(g, o))
+        .collect();
+    assert_ranks_agree(&format!("{label} gathered"), &got);
+    assert_same_bits(
+        &format!("{label}: gathered vs shards"),
+        &got[0],
+        &side_by_side,
+    );
+    assert_close(&format!("{label} gathered"), &got[0], &want, T::TOLERANCE);
+}
+
+#[test]
+#[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
+fn column_parallel_gathers_the_full_output() {
+    let gpu = gpu();
+    for world in WORLDS {
+        for m in [1, 5, 64] {
+            column_case::<bf16>(&gpu.ctx, world, m);
+            column_case::<f16>(&gpu.ctx, world, m);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// QKV with grouped-query heads.
+// ---------------------------------------------------------------------------------------
+
+fn qkv_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, q_heads: usize, kv_heads: usize) {
+    let (hidden, head_dim, m) = (256, 64, 5);
+    let seed = case_seed::<T>(&[4, world as u64, q_heads as u64, kv_heads as u64]);
+    let label = format!(
+        "qkv {} {q_heads}/{kv_heads} W={world} seed={seed:#x}",
+        T::NAME
+    );
+    let groups = virtual_group(ctx, world);
+    let (q_rows, kv_rows) = (q_heads * head_dim, kv_heads * head_dim);
+    let out = q_rows + 2 * kv_rows;
+    let w = weight::<T>(splitmix64(seed ^ 1), out, hidden);
+    let b = random::<T>(splitmix64(seed ^ 2), out, 0.5);
+    let x = random::<T>(splitmix64(seed ^ 3), m * hidden, 1.0);
+    let want = gemm_f64(&x, &w, Some(&b), None, m, out, hidden);
+    let spec = |g: &TpGroup| {
+        MergedColumnSpec::qkv(
+            "attn.qkv_proj",
+            hidden,
+            head_dim,
+            q_heads,
+            kv_heads,
+            g.world(),
+        )
+        .expect("spec")
+    };
+    let (wq, rest) = w.split_at(q_rows * hidden);
+    let (wk, wv) = rest.split_at(kv_rows * hidden);
+    let (bq, rest) = b.split_at(q_rows);
+    let (bk, bv) = rest.split_at(kv_rows);
+    let merged: Vec<MergedColumnParallelLinear<T>> = groups
+        .iter()
+        .map(|g| MergedColumnParallelLinear::from_host(g, spec(g), &w, Some(&b)).expect("layer"))
+        .collect();
+    let parts: Vec<MergedColumnParallelLinear<T>> = groups
+        .iter()
+        .map(|g| {
+            MergedColumnParallelLinear::from_host_parts(
+                g,
+                spec(g),
+                &[wq, wk, wv],
+                Some(&[bq, bk, bv]),
+            )
+            .expect("layer from parts")
+        })
+        .collect();
+    let n = merged[0].spec().out_per_rank();
+    let xs: Vec<CudaSlice<T>> = groups.iter().map(|g| upload(g, &x)).collect();
+    let mut ys: Vec<CudaSlice<T>> = groups.iter().map(|g| poisoned(g, m * n)).collect();
+    let mut ys2: Vec<CudaSlice<T>> = groups.iter().map(|g| poisoned(g, m * n)).collect();
+    round(&groups, &label, |r| {
+        merged[r].forward(&groups[r], &xs[r], &mut ys[r])
+    });
+    round(&groups, &label, |r| {
+        parts[r].forward(&groups[r], &xs[r], &mut ys2[r])
+    });
+    let split = merged[0].qkv_split().expect("a QKV layer");
+    for (r, g) in groups.iter().enumerate() {
+        let y = download(g, &ys[r]);
+        assert_same_bits(
+            &format!("{label} rank {r}: parts vs merged"),
+            &download(g, &ys2[r]),
+            &y,
+        );
+        let spec = merged[r].spec();
+        for (s, cols, offset) in [
+            (0, split.q.clone(), 0),
+            (1, split.k.clone(), q_rows),
+            (2, split.v.clone(), q_rows + kv_rows),
+        ] {
+            let heads = spec.heads_of(s, r).expect("heads");
+            if s > 0 && kv_heads < world {
+                assert_eq!(heads.start, r / (world / kv_heads), "{label} rank {r}");
+            }
+            let want_cols = columns(
+                &want,
+                out,
+                offset + heads.start * head_dim..offset + heads.end * head_dim,
+            );
+            assert_close(
+                &format!("{label} rank {r} section {s}"),
+                &columns(&y, n, cols),
+                &want_cols,
+                T::TOLERANCE,
+            );
+        }
+    }
+}
+
+#[test]
+#[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
+fn qkv_sections_hold_the_ranks_heads() {
+    let gpu = gpu();
+    for world in WORLDS {
+        qkv_case::<bf16>(&gpu.ctx, world, 32, 8);
+        qkv_case::<f16>(&gpu.ctx, world, 32, 8);
+    }
+    for world in [4, 8] {
+        // Fewer KV heads than ranks: replicated.
+        qkv_case::<bf16>(&gpu.ctx, world, 8, 2);
+        qkv_case::<f16>(&gpu.ctx, world, 8, 2);
+    }
+    qkv_case::<bf16>(&gpu.ctx, 8, 64, 8);
+}
+
+// ---------------------------------------------------------------------------------------
+// Validation on real buffers.
+// ---------------------------------------------------------------------------------------
+
+fn expect_layer_error<R: std::fmt::Debug>(
+    label: &str,
+    result: tpfuse::Result<R>,
+    layer: &str,
+    words: &[&str],
+) {
+    match result {
+        Err(Error::InvalidArgument { arg, reason }) => {
+            assert_eq!(arg, layer, "{label}: wrong layer named ({reason})");
+            for w in words {
+                assert!(reason.contains(w), "{label}: `{w}` missing from: {reason}");
+            }
+        }
+        other => panic!("{label}: expected InvalidArgument({layer}), got {other:?}"),
+    }
+}
+
+fn assert_poisoned<T: TestElement>(label: &str, got: &[T]) {
+    if let Some(i) = got.iter().position(|x| x.bits() != T::poison().bits()) {
+        panic!("{label}: element {i} was written although nothing should have run");
+    }
+}
+
+#[test]
+#[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
+fn bad_calls_are_refused_before_anything_runs() {
+    type T = bf16;
+    let gpu = gpu();
+    let groups = virtual_group(&gpu.ctx, 2);
+    let (hidden, inter, m) = (64, 128, 3);
+    let seed = case_seed::<T>(&[5]);
+    let mlp = Mlp::<T>::new(seed, hidden, inter);
+    let layers = mlp.layers(&groups);
+    let (g0, g1) = (&groups[0], &groups[1]);
+    let down = "row-parallel 'mlp.down_proj'";
+    let gate_up = "merged-column-parallel 'mlp.gate_up_proj'";
+
+    // Construction: a spec for another world; a shard of the wrong length; a host weight of
+    // the wrong length; a shard the GEMM cannot take.
+    let spec4 = RowParallelSpec::new("mlp.down_proj", inter, hidden, 4).unwrap();
+    expect_layer_error(
+        "spec of world 4",
+        RowParallelLinear::from_host(g0, spec4, &mlp.down, None),
+        down,
+        &["world 4", "2 ranks"],
+    );
+    let spec = RowParallelSpec::new("mlp.down_proj", inter, hidden, 2).unwrap();
+    expect_layer_error(
+        "short shard",
+        RowParallelLinear::<T>::from_shard(g0, spec.clone(), poisoned(g0, 8), None),
+        down,
+        &["the weight shard holds 8"],
+    );
+    expect_layer_error(
+        "short host weight",
+        RowParallelLinear::from_host(g0, spec.clone(), &mlp.down[1..], None),
+        down,
+        &["the host weight"],
+    );
+    expect_layer_error(
+        "sharded bias",
+        RowParallelLinear::from_host(g0, spec, &mlp.down, Some(&mlp.bias[..hidden / 2])),
+        down,
+        &["the host bias", "whole on every rank"],
+    );
+    let odd = ColumnParallelSpec::new("lm_head", hidden, 12, 2).unwrap();
+    expect_layer_error(
+        "6 rows a rank",
+        ColumnParallelLinear::from_host(g0, odd, &vec![T::ZERO; 12 * hidden], None),
+        "column-parallel 'lm_head'",
+        &["multiple of 8"],
+    );
+
+    // Calls: the wrong rank, and buffers of the wrong length. Nothing may be written.
+    let x = upload(g0, &random::<T>(seed, m * hidden, 1.0));
+    let act = upload(g0, &random::<T>(seed ^ 9, m * inter / 2, 1.0));
+    let mut h = poisoned::<T>(g0, m * inter);
+    let mut partial = poisoned::<T>(g0, m * hidden);
+    let mut out = poisoned::<T>(g0, m * hidden);
+    let x1 = upload(g1, &random::<T>(seed, m * hidden, 1.0));
+    let mut h1 = poisoned::<T>(g1, m * inter);
+    expect_layer_error(
+        "rank 0's layer on rank 1",
+        layers[0].0.forward(g1, &x1, &mut h1),
+        gate_up,
+        &["rank 0", "rank 1"],
+    );
+    {
+        let short = x.slice(0..m * hidden - 1);
+        expect_layer_error(
+            "x not whole rows",
+            layers[0].0.forward(g0, &short, &mut h),
+            gate_up,
+            &["x holds", "whole rows of 64"],
+        );
+        let mut short_out = h.slice_mut(0..m * inter - 8);
+        expect_layer_error(
+            "out too short",
+            layers[0].0.forward(g0, &x, &mut short_out),
+            gate_up,
+            &["out holds"],
+        );
+    }
+    {
+        let mut short = partial.slice_mut(0..(m - 1) * hidden);
+        expect_layer_error(
+            "partial too short",
+            layers[0].1.forward(g0, &act, &mut short, &mut out),
+            down,
+            &["partial holds"],
+        );
+    }
+    let gamma_short = upload(g0, &vec![T::ONE; hidden / 2]);
+    let mut residual = upload(g0, &vec![T::ONE; m * hidden]);
+    expect_layer_error(
+        "gamma of half the row",
+        layers[0].1.forward_residual_rmsnorm(
+            g0,
+            &act,
+            &mut partial,
+            &mut residual,
+            RmsNorm {
+                gamma: &gamma_short,
+                eps: EPS,
+            },
+            &mut out,
+        ),
+        down,
+        &["norm.gamma holds 32"],
+    );
+    // A misaligned input (one element off): the GEMM's check, renamed after the layer.
+    let wide = upload(g0, &random::<T>(seed, m * inter / 2 + 8, 1.0));
+    {
+        let off = wide.slice(1..1 + m * inter / 2);
+        expect_layer_error(
+            "misaligned x",
+            layers[0].1.forward(g0, &off, &mut partial, &mut out),
+            down,
+            &["x:", "16-byte aligned"],
+        );
+    }
+    g0.check().expect("rank 0 is healthy");
+    g1.check().expect("rank 1 is healthy");
+    assert_poisoned("h", &download(g0, &h));
+    assert_poisoned("h on rank 1", &download(g1, &h1));
+    assert_poisoned("partial", &download(g0, &partial));
+    assert_poisoned("out", &download(g0, &out));
+}
