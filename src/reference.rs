@@ -16,16 +16,25 @@ pub fn reduce_ranks_f64<T: Element>(inputs: &[&[T]]) -> Vec<f64> {
 /// The exact result of the `reduce_ranks` kernel: f32 accumulation in input order starting
 /// from `inputs[0][i]`, rounded once to `T`.
 pub fn reduce_ranks_exact<T: Element>(inputs: &[&[T]]) -> Vec<T> {
+    sums_f32(inputs).map(T::from_f32).collect()
+}
+
+/// `sum over r of inputs[r][i]` for every `i`, as the kernels accumulate it: in f32, in input
+/// order, starting from `inputs[0][i]`.
+fn sums_f32<'a, T: Element>(inputs: &'a [&'a [T]]) -> impl Iterator<Item = f32> + 'a {
     let n = inputs.first().map_or(0, |x| x.len());
-    (0..n)
-        .map(|i| {
-            let mut acc = inputs[0][i].to_f32();
-            for x in &inputs[1..] {
-                acc += x[i].to_f32();
-            }
-            T::from_f32(acc)
-        })
-        .collect()
+    (0..n).map(|i| {
+        let mut acc = inputs[0][i].to_f32();
+        for x in &inputs[1..] {
+            acc += x[i].to_f32();
+        }
+        acc
+    })
+}
+
+/// `v` widened to f64.
+fn to_f64<T: Element>(v: &[T]) -> Vec<f64> {
+    v.iter().map(|x| x.to_f64()).collect()
 }
 
 /// Relative Frobenius error `||got - want|| / ||want||` (absolute when `want` is zero;
@@ -57,13 +66,9 @@ pub fn all_reduce_epilogue_exact<T: Element>(
     residual: Option<&[T]>,
     hidden: usize,
 ) -> Vec<T> {
-    let n = partials.first().map_or(0, |x| x.len());
-    (0..n)
-        .map(|i| {
-            let mut acc = partials[0][i].to_f32();
-            for x in &partials[1..] {
-                acc += x[i].to_f32();
-            }
+    sums_f32(partials)
+        .enumerate()
+        .map(|(i, acc)| {
             let mut h = T::from_f32(acc).to_f32();
             if let Some(b) = bias {
                 h += b[i % hidden].to_f32();
@@ -87,10 +92,10 @@ pub fn all_reduce_fused_f64<T: Element>(
     eps: f64,
     hidden: usize,
 ) -> (Vec<f64>, Vec<f64>) {
-    let n = partials.first().map_or(0, |x| x.len());
-    let h: Vec<f64> = (0..n)
-        .map(|i| {
-            let sum: f64 = partials.iter().map(|x| x[i].to_f64()).sum();
+    let h: Vec<f64> = reduce_ranks_f64(partials)
+        .into_iter()
+        .enumerate()
+        .map(|(i, sum)| {
             sum + bias.map_or(0.0, |b| b[i % hidden].to_f64())
                 + residual.map_or(0.0, |r| r[i].to_f64())
         })
@@ -100,16 +105,22 @@ pub fn all_reduce_fused_f64<T: Element>(
     };
     let out = h
         .chunks(hidden.max(1))
-        .flat_map(|row| {
-            let ms = row.iter().map(|x| x * x).sum::<f64>() / row.len() as f64;
-            let rstd = 1.0 / (ms + eps).sqrt();
-            row.iter()
-                .zip(gamma)
-                .map(move |(x, g)| x * rstd * g.to_f64())
-                .collect::<Vec<_>>()
-        })
+        .flat_map(|row| rms_norm_row(row, gamma, eps))
         .collect();
     (h, out)
+}
+
+/// RMSNorm in f64 of one row: `row · (mean(row²) + eps)^-1/2 · gamma`.
+fn rms_norm_row<'a, T: Element>(
+    row: &'a [f64],
+    gamma: &'a [T],
+    eps: f64,
+) -> impl Iterator<Item = f64> + 'a {
+    let ms = row.iter().map(|x| x * x).sum::<f64>() / row.len() as f64;
+    let rstd = 1.0 / (ms + eps).sqrt();
+    row.iter()
+        .zip(gamma)
+        .map(move |(x, g)| x * rstd * g.to_f64())
 }
 
 /// `C = A · Bᵀ (+ bias) (+ residual)` in f64: `a` is `[m, k]`, `b` is `[n, k]` (a weight
@@ -128,26 +139,25 @@ pub fn gemm_f64<T: Element>(
     n: usize,
     k: usize,
 ) -> Vec<f64> {
-    assert_eq!(a.len(), m * k, "a must hold m * k elements");
-    assert_eq!(b.len(), n * k, "b must hold n * k elements");
-    if let Some(bias) = bias {
-        assert_eq!(bias.len(), n, "bias must hold n elements");
-    }
+    check_gemm_lens(a.len(), b.len(), bias.map(|b| b.len()), m, n, k);
     if let Some(residual) = residual {
         assert_eq!(residual.len(), m * n, "residual must hold m * n elements");
     }
-    let a: Vec<f64> = a.iter().map(|x| x.to_f64()).collect();
-    let mut c = vec![0.0f64; m * n];
-    for j in 0..n {
-        let b_row: Vec<f64> = b[j * k..(j + 1) * k].iter().map(|x| x.to_f64()).collect();
-        let extra = bias.map_or(0.0, |bias| bias[j].to_f64());
-        for i in 0..m {
-            let a_row = &a[i * k..(i + 1) * k];
-            let dot: f64 = a_row.iter().zip(&b_row).map(|(x, y)| x * y).sum();
-            c[i * n + j] = dot + extra + residual.map_or(0.0, |r| r[i * n + j].to_f64());
-        }
+    let bias = bias.map(to_f64);
+    let mut c = gemm_f64_wide(&to_f64(a), &to_f64(b), bias.as_deref(), m, n, k);
+    for (i, c) in c.iter_mut().enumerate() {
+        *c += residual.map_or(0.0, |r| r[i].to_f64());
     }
     c
+}
+
+/// The length checks of the f64 GEMMs: `a` `[m, k]`, `b` `[n, k]`, `bias` `[n]`.
+fn check_gemm_lens(a: usize, b: usize, bias: Option<usize>, m: usize, n: usize, k: usize) {
+    assert_eq!(a, m * k, "a must hold m * k elements");
+    assert_eq!(b, n * k, "b must hold n * k elements");
+    if let Some(bias) = bias {
+        assert_eq!(bias, n, "bias must hold n elements");
+    }
 }
 
 /// `C = A · Bᵀ (+ bias)` in f64 on f64 inputs, to chain layers without rounding in between:
@@ -164,11 +174,7 @@ pub fn gemm_f64_wide(
     n: usize,
     k: usize,
 ) -> Vec<f64> {
-    assert_eq!(a.len(), m * k, "a must hold m * k elements");
-    assert_eq!(b.len(), n * k, "b must hold n * k elements");
-    if let Some(bias) = bias {
-        assert_eq!(bias.len(), n, "bias must hold n elements");
-    }
+    check_gemm_lens(a.len(), b.len(), bias.map(|b| b.len()), m, n, k);
     let mut c = vec![0.0f64; m * n];
     for i in 0..m {
         let a_row = &a[i * k..(i + 1) * k];
@@ -221,13 +227,7 @@ pub fn rms_norm_f64<T: Element>(h: &[f64], gamma: &[T], eps: f64) -> Vec<f64> {
         "h must be whole rows of gamma.len()"
     );
     h.chunks_exact(hidden)
-        .flat_map(|row| {
-            let ms = row.iter().map(|x| x * x).sum::<f64>() / hidden as f64;
-            let rstd = 1.0 / (ms + eps).sqrt();
-            row.iter()
-                .zip(gamma)
-                .map(move |(x, g)| x * rstd * g.to_f64())
-        })
+        .flat_map(|row| rms_norm_row(row, gamma, eps))
         .collect()
 }
 
@@ -255,7 +255,13 @@ pub fn gated_mlp_f64<T: Element>(
     );
     let h = gemm_f64(x, gate_up, None, None, m, 2 * intermediate, hidden);
     let act = silu_mul_f64(&h, intermediate);
-    let wide = |v: &[T]| v.iter().map(|x| x.to_f64()).collect::<Vec<f64>>();
-    let bias = down_bias.map(wide);
-    gemm_f64_wide(&act, &wide(down), bias.as_deref(), m, hidden, intermediate)
+    let bias = down_bias.map(to_f64);
+    gemm_f64_wide(
+        &act,
+        &to_f64(down),
+        bias.as_deref(),
+        m,
+        hidden,
+        intermediate,
+    )
 }

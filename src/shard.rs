@@ -165,6 +165,54 @@ fn check_gemm(label: &str, n: (&str, usize), k: (&str, usize)) -> Result<()> {
     Ok(())
 }
 
+/// The checks of a column- or row-parallel spec, errors naming layer `name` of kind `kind`:
+/// a positive world and dimensions, the dimension `split` (`(name, value)`) divisible by the
+/// world, a weight that can be addressed.
+fn check_dense(
+    kind: LayerKind,
+    name: &str,
+    in_features: usize,
+    out_features: usize,
+    world: usize,
+    split: (&str, usize),
+) -> Result<()> {
+    let label = &describe(kind, name);
+    check_world(label, world)?;
+    check_positive(label, "in_features", in_features)?;
+    check_positive(label, "out_features", out_features)?;
+    check_divisible(label, split.0, split.1, world)?;
+    elements(label, out_features, in_features)?;
+    Ok(())
+}
+
+/// Rank `rank`'s part `rank·per .. (rank+1)·per` of a dimension split evenly across `world`
+/// ranks.
+fn even_part(label: &str, rank: usize, world: usize, per: usize) -> Result<Range<usize>> {
+    check_rank(label, rank, world)?;
+    Ok(rank * per..(rank + 1) * per)
+}
+
+/// Errors unless a full host weight holds `[out_features, in_features]` elements.
+fn check_host_weight(
+    label: &str,
+    got: usize,
+    out_features: usize,
+    in_features: usize,
+) -> Result<()> {
+    check_len(
+        label,
+        "the host weight",
+        got,
+        out_features * in_features,
+        &format!("[out_features, in_features] = [{out_features}, {in_features}]"),
+    )
+}
+
+/// Errors unless a full host bias holds `out_features` elements; `shape` says so in the error.
+fn check_host_bias(label: &str, got: usize, out_features: usize, shape: &str) -> Result<()> {
+    check_len(label, "the host bias", got, out_features, shape)
+}
+
 /// The rows `rows` (each `cols` wide) of a row-major matrix, in order.
 fn take_rows<T: Copy>(full: &[T], cols: usize, rows: &[Range<usize>]) -> Vec<T> {
     let total: usize = rows.iter().map(|r| r.len()).sum();
@@ -213,12 +261,14 @@ impl ColumnParallelSpec {
         world: usize,
     ) -> Result<Self> {
         let name = name.into();
-        let label = describe(LayerKind::ColumnParallel, &name);
-        check_world(&label, world)?;
-        check_positive(&label, "in_features", in_features)?;
-        check_positive(&label, "out_features", out_features)?;
-        check_divisible(&label, "out_features", out_features, world)?;
-        elements(&label, out_features, in_features)?;
+        check_dense(
+            LayerKind::ColumnParallel,
+            &name,
+            in_features,
+            out_features,
+            world,
+            ("out_features", out_features),
+        )?;
         Ok(ColumnParallelSpec {
             name,
             in_features,
@@ -259,25 +309,18 @@ impl ColumnParallelSpec {
 
     /// The weight rows (= output columns) rank `rank` holds.
     pub fn rows(&self, rank: usize) -> Result<Range<usize>> {
-        check_rank(&self.label(), rank, self.world)?;
-        let n = self.out_per_rank();
-        Ok(rank * n..(rank + 1) * n)
+        even_part(&self.label(), rank, self.world, self.out_per_rank())
     }
 
     /// Rank `rank`'s weight `[out / W, in]`, cut from the full host weight `full`
     /// `[out_features, in_features]`.
     pub fn shard_weight<T: Copy>(&self, rank: usize, full: &[T]) -> Result<Vec<T>> {
-        let label = self.label();
         let rows = self.rows(rank)?;
-        check_len(
-            &label,
-            "the host weight",
+        check_host_weight(
+            &self.label(),
             full.len(),
-            self.out_features * self.in_features,
-            &format!(
-                "[out_features, in_features] = [{}, {}]",
-                self.out_features, self.in_features
-            ),
+            self.out_features,
+            self.in_features,
         )?;
         Ok(take_rows(full, self.in_features, &[rows]))
     }
@@ -285,13 +328,7 @@ impl ColumnParallelSpec {
     /// Rank `rank`'s bias `[out / W]`, cut from the full host bias `full` `[out_features]`.
     pub fn shard_bias<T: Copy>(&self, rank: usize, full: &[T]) -> Result<Vec<T>> {
         let rows = self.rows(rank)?;
-        check_len(
-            &self.label(),
-            "the host bias",
-            full.len(),
-            self.out_features,
-            "out_features",
-        )?;
+        check_host_bias(&self.label(), full.len(), self.out_features, "out_features")?;
         Ok(full[rows].to_vec())
     }
 
@@ -349,12 +386,14 @@ impl RowParallelSpec {
         world: usize,
     ) -> Result<Self> {
         let name = name.into();
-        let label = describe(LayerKind::RowParallel, &name);
-        check_world(&label, world)?;
-        check_positive(&label, "in_features", in_features)?;
-        check_positive(&label, "out_features", out_features)?;
-        check_divisible(&label, "in_features", in_features, world)?;
-        elements(&label, out_features, in_features)?;
+        check_dense(
+            LayerKind::RowParallel,
+            &name,
+            in_features,
+            out_features,
+            world,
+            ("in_features", in_features),
+        )?;
         Ok(RowParallelSpec {
             name,
             in_features,
@@ -395,24 +434,18 @@ impl RowParallelSpec {
 
     /// The weight columns (= input columns) rank `rank` holds.
     pub fn columns(&self, rank: usize) -> Result<Range<usize>> {
-        check_rank(&self.label(), rank, self.world)?;
-        let k = self.in_per_rank();
-        Ok(rank * k..(rank + 1) * k)
+        even_part(&self.label(), rank, self.world, self.in_per_rank())
     }
 
     /// Rank `rank`'s weight `[out, in / W]`, cut from the full host weight `full`
     /// `[out_features, in_features]`.
     pub fn shard_weight<T: Copy>(&self, rank: usize, full: &[T]) -> Result<Vec<T>> {
         let cols = self.columns(rank)?;
-        check_len(
+        check_host_weight(
             &self.label(),
-            "the host weight",
             full.len(),
-            self.out_features * self.in_features,
-            &format!(
-                "[out_features, in_features] = [{}, {}]",
-                self.out_features, self.in_features
-            ),
+            self.out_features,
+            self.in_features,
         )?;
         let mut out = Vec::with_capacity(self.out_features * cols.len());
         for row in full.chunks_exact(self.in_features) {
@@ -424,9 +457,8 @@ impl RowParallelSpec {
     /// Errors unless `full` is a bias of `out_features` elements. A row-parallel bias is not
     /// sharded: every rank holds all of it, and the all-reduce adds it once.
     pub fn check_bias<T>(&self, full: &[T]) -> Result<()> {
-        check_len(
+        check_host_bias(
             &self.label(),
-            "the host bias",
             full.len(),
             self.out_features,
             "out_features (a row-parallel bias is whole on every rank)",
@@ -473,6 +505,13 @@ impl Section {
     /// Heads one rank holds of this section on `world` ranks.
     fn heads_per_rank(&self, world: usize) -> usize {
         (self.heads / world).max(1)
+    }
+
+    /// The rows of this section (counted from its first) that rank `rank` holds: its heads
+    /// times `head_dim`.
+    fn rows_of(&self, rank: usize, world: usize) -> Range<usize> {
+        let heads = self.heads_of(rank, world);
+        heads.start * self.head_dim..heads.end * self.head_dim
     }
 
     /// The heads rank `rank` holds.
@@ -781,8 +820,8 @@ impl MergedColumnSpec {
         let mut offset = 0;
         let mut out = Vec::with_capacity(self.sections.len());
         for s in &self.sections {
-            let heads = s.heads_of(rank, self.world);
-            out.push(offset + heads.start * s.head_dim..offset + heads.end * s.head_dim);
+            let rows = s.rows_of(rank, self.world);
+            out.push(offset + rows.start..offset + rows.end);
             offset += s.rows();
         }
         Ok(out)
@@ -792,16 +831,11 @@ impl MergedColumnSpec {
     /// `[out_features, in_features]` (the sections stacked along the rows).
     pub fn shard_weight<T: Copy>(&self, rank: usize, full: &[T]) -> Result<Vec<T>> {
         let rows = self.rows(rank)?;
-        check_len(
+        check_host_weight(
             &self.label(),
-            "the host weight",
             full.len(),
-            self.out_features() * self.in_features,
-            &format!(
-                "[out_features, in_features] = [{}, {}]",
-                self.out_features(),
-                self.in_features
-            ),
+            self.out_features(),
+            self.in_features,
         )?;
         Ok(take_rows(full, self.in_features, &rows))
     }
@@ -817,9 +851,8 @@ impl MergedColumnSpec {
     /// `[out_features]` (the sections' biases stacked).
     pub fn shard_bias<T: Copy>(&self, rank: usize, full: &[T]) -> Result<Vec<T>> {
         let rows = self.rows(rank)?;
-        check_len(
+        check_host_bias(
             &self.label(),
-            "the host bias",
             full.len(),
             self.out_features(),
             "out_features",
@@ -868,8 +901,7 @@ impl MergedColumnSpec {
                 s.rows() * cols,
                 &shape,
             )?;
-            let heads = s.heads_of(rank, self.world);
-            let rows = heads.start * s.head_dim..heads.end * s.head_dim;
+            let rows = s.rows_of(rank, self.world);
             out.extend_from_slice(&part[rows.start * cols..rows.end * cols]);
         }
         Ok(out)

@@ -19,16 +19,7 @@ pub fn rms_norm<T: Element>(
     eps: f32,
     out: &mut impl DevicePtrMut<T>,
 ) -> Result<()> {
-    let device = stream.context().ordinal();
-    check(
-        device,
-        "x",
-        x.len(),
-        owner(x),
-        gamma.len(),
-        owner(gamma),
-        eps,
-    )?;
+    let device = check_rms(stream, x.len(), owner(x), gamma, eps)?;
     check_out(device, x.len(), out.len(), owner(&*out))?;
     let (xp, _g1) = x.device_ptr(stream);
     let (gp, _g2) = gamma.device_ptr(stream);
@@ -46,16 +37,7 @@ pub fn rms_norm_in_place<T: Element>(
     gamma: &impl DevicePtr<T>,
     eps: f32,
 ) -> Result<()> {
-    let device = stream.context().ordinal();
-    check(
-        device,
-        "x",
-        x.len(),
-        owner(&*x),
-        gamma.len(),
-        owner(gamma),
-        eps,
-    )?;
+    check_rms(stream, x.len(), owner(&*x), gamma, eps)?;
     let len = x.len();
     let (gp, _g2) = gamma.device_ptr(stream);
     let (xp, _g1) = x.device_ptr_mut(stream);
@@ -119,6 +101,20 @@ fn bind(stream: &CudaStream) -> Result<()> {
         .context()
         .bind_to_thread()
         .map_err(cuda("binding the context"))
+}
+
+/// The checks of both RMSNorm entry points: `x` (`x_len` elements on device `x_device`) and
+/// `gamma` on `stream`'s device, `x` whole rows of `gamma`, `eps`. Returns the device.
+fn check_rms<T>(
+    stream: &CudaStream,
+    x_len: usize,
+    x_device: usize,
+    gamma: &impl DevicePtr<T>,
+    eps: f32,
+) -> Result<usize> {
+    let device = stream.context().ordinal();
+    check(device, "x", x_len, x_device, gamma.len(), owner(gamma), eps)?;
+    Ok(device)
 }
 
 fn check(

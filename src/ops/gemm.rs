@@ -64,7 +64,7 @@ use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::ffi::kernels;
 use crate::validate::{check_disjoint, owner, BufferInfo};
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use half::{bf16, f16};
 use std::ffi::c_void;
 
@@ -327,7 +327,7 @@ pub fn gemm<T: GemmElement>(
     n: usize,
     k: usize,
 ) -> Result<()> {
-    let residual = residual.map_or(Residual::None, Residual::Separate);
+    let residual = Residual::separate(residual);
     launch(stream, a, b, bias, residual, c, GemmShape { m, n, k }, None)
 }
 
@@ -358,7 +358,7 @@ pub fn gemm_with_config<T: GemmElement>(
     shape: GemmShape,
     config: GemmConfig,
 ) -> Result<()> {
-    let residual = residual.map_or(Residual::None, Residual::Separate);
+    let residual = Residual::separate(residual);
     launch(stream, a, b, bias, residual, c, shape, Some(config))
 }
 
@@ -369,9 +369,11 @@ enum Residual<'a, T> {
     InPlace,
 }
 
-/// The CUDA ordinal of the device a buffer lives on (also for trait objects).
-fn device_of<T, B: DeviceSlice<T> + ?Sized>(buf: &B) -> usize {
-    buf.stream().context().ordinal()
+impl<'a, T> Residual<'a, T> {
+    /// A caller's optional separate residual.
+    fn separate(residual: Option<&'a dyn DevicePtr<T>>) -> Self {
+        residual.map_or(Residual::None, Residual::Separate)
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -392,10 +394,10 @@ fn launch<T: GemmElement>(
     let mut buffers = GemmBuffers {
         a: BufferInfo::new(0, a.len(), owner(a)),
         b: BufferInfo::new(0, b.len(), owner(b)),
-        bias: bias.map(|x| BufferInfo::new(0, x.len(), device_of(x))),
+        bias: bias.map(|x| BufferInfo::new(0, x.len(), owner(x))),
         residual: match residual {
             Residual::None => None,
-            Residual::Separate(x) => Some(BufferInfo::new(0, x.len(), device_of(x))),
+            Residual::Separate(x) => Some(BufferInfo::new(0, x.len(), owner(x))),
             Residual::InPlace => Some(c_info),
         },
         c: c_info,

@@ -71,6 +71,7 @@ use crate::shard::{ColumnParallelSpec, GateUpSplit, MergedColumnSpec, QkvSplit, 
 use crate::topology::AllReduceAlgo;
 use crate::validate::owner;
 use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use std::borrow::Cow;
 
 /// The names the GEMM's errors use for its arguments, and what a layer calls them.
 const GEMM_NAMES: [(&str, &str); 5] = [
@@ -145,6 +146,21 @@ fn check_len(label: &str, what: &str, len: usize, rows: usize, cols: usize) -> R
     Ok(())
 }
 
+/// Errors unless a buffer that lives on device `device` is on the group's device.
+fn check_device(label: &str, what: &str, device: usize, group: &TpGroup) -> Result<()> {
+    if device != group.device() {
+        return Err(Error::invalid(
+            label,
+            format!(
+                "{what} lives on device {device} but the group's rank {} is on device {}",
+                group.rank(),
+                group.device()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Errors unless a device shard holds `want` elements on the group's device.
 fn check_shard<T>(
     label: &str,
@@ -163,18 +179,7 @@ fn check_shard<T>(
             ),
         ));
     }
-    let device = owner(shard);
-    if device != group.device() {
-        return Err(Error::invalid(
-            label,
-            format!(
-                "{what} lives on device {device} but the group's rank {} is on device {}",
-                group.rank(),
-                group.device()
-            ),
-        ));
-    }
-    Ok(())
+    check_device(label, what, owner(shard), group)
 }
 
 fn upload<T: GemmElement>(group: &TpGroup, host: &[T]) -> Result<CudaSlice<T>> {
@@ -188,9 +193,132 @@ fn as_dyn<T>(bias: &Option<CudaSlice<T>>) -> Option<&dyn DevicePtr<T>> {
     bias.as_ref().map(|b| b as &dyn DevicePtr<T>)
 }
 
-/// A column-parallel shard on the device: `[n, k]` weight rows of the full weight and `[n]`
-/// bias, shared by [`ColumnParallelLinear`] and [`MergedColumnParallelLinear`].
-struct ColumnShard<T> {
+/// How a layer's shard errors name its dimensions: the weight shard is `[n, k]`, the bias
+/// `[n]`.
+struct ShardNames {
+    /// The weight's rows, e.g. `out_per_rank`.
+    n: &'static str,
+    /// The weight's columns, e.g. `in_features`.
+    k: &'static str,
+    /// The bias, e.g. `the bias shard`.
+    bias: &'static str,
+    /// Said after the bias's shape.
+    bias_note: &'static str,
+}
+
+/// What a layer needs of its spec (from [`crate::shard`]); each method is the spec's own.
+trait LayerSpec {
+    /// How the layer's shard errors name its dimensions.
+    const NAMES: ShardNames;
+    fn label(&self) -> String;
+    fn world(&self) -> usize;
+    fn check_gemm_dims(&self) -> Result<()>;
+    /// A rank's weight shard is `[n, k]`.
+    fn shard_dims(&self) -> (usize, usize);
+    /// Rank `rank`'s weight, cut from the full host weight.
+    fn shard_weight<T: Copy>(&self, rank: usize, full: &[T]) -> Result<Vec<T>>;
+    /// Rank `rank`'s bias from the full host bias: cut, or (row-parallel) checked and whole.
+    fn shard_bias<'a, T: Copy>(&self, rank: usize, full: &'a [T]) -> Result<Cow<'a, [T]>>;
+}
+
+/// [`LayerSpec`] for the column-parallel specs: `[out_per_rank, in_features]` shards, and a
+/// bias cut like the weight's rows.
+macro_rules! column_layer_spec {
+    ($($spec:ty),*) => {$(
+        impl LayerSpec for $spec {
+            const NAMES: ShardNames = ShardNames {
+                n: "out_per_rank",
+                k: "in_features",
+                bias: "the bias shard",
+                bias_note: "",
+            };
+            fn label(&self) -> String {
+                <$spec>::label(self)
+            }
+            fn world(&self) -> usize {
+                <$spec>::world(self)
+            }
+            fn check_gemm_dims(&self) -> Result<()> {
+                <$spec>::check_gemm_dims(self)
+            }
+            fn shard_dims(&self) -> (usize, usize) {
+                (self.out_per_rank(), self.in_features())
+            }
+            fn shard_weight<T: Copy>(&self, rank: usize, full: &[T]) -> Result<Vec<T>> {
+                <$spec>::shard_weight(self, rank, full)
+            }
+            fn shard_bias<'a, T: Copy>(&self, rank: usize, full: &'a [T]) -> Result<Cow<'a, [T]>> {
+                <$spec>::shard_bias(self, rank, full).map(Cow::Owned)
+            }
+        }
+    )*};
+}
+
+column_layer_spec!(ColumnParallelSpec, MergedColumnSpec);
+
+impl LayerSpec for RowParallelSpec {
+    const NAMES: ShardNames = ShardNames {
+        n: "out_features",
+        k: "in_features / world",
+        bias: "the bias",
+        bias_note: " (a row-parallel bias is whole on every rank)",
+    };
+    fn label(&self) -> String {
+        RowParallelSpec::label(self)
+    }
+    fn world(&self) -> usize {
+        RowParallelSpec::world(self)
+    }
+    fn check_gemm_dims(&self) -> Result<()> {
+        RowParallelSpec::check_gemm_dims(self)
+    }
+    fn shard_dims(&self) -> (usize, usize) {
+        (self.out_features(), self.in_per_rank())
+    }
+    fn shard_weight<T: Copy>(&self, rank: usize, full: &[T]) -> Result<Vec<T>> {
+        RowParallelSpec::shard_weight(self, rank, full)
+    }
+    fn shard_bias<'a, T: Copy>(&self, _rank: usize, full: &'a [T]) -> Result<Cow<'a, [T]>> {
+        self.check_bias(full)?;
+        Ok(Cow::Borrowed(full))
+    }
+}
+
+/// What every constructor checks first: the spec is for the group's world size, and the GEMM
+/// can take its shard.
+fn check_spec(group: &TpGroup, spec: &impl LayerSpec) -> Result<()> {
+    check_group(&spec.label(), group, group.rank(), spec.world())?;
+    spec.check_gemm_dims()
+}
+
+/// Uploads a rank's host weight, then its bias, on the group's stream.
+fn upload_shard<T: GemmElement>(
+    group: &TpGroup,
+    weight: &[T],
+    bias: Option<&[T]>,
+) -> Result<(CudaSlice<T>, Option<CudaSlice<T>>)> {
+    let w = upload(group, weight)?;
+    let b = bias.map(|b| upload(group, b)).transpose()?;
+    Ok((w, b))
+}
+
+/// What a `from_host` does before `from_shard`: [`check_spec`], this rank's weight and bias
+/// from the full host ones ([`LayerSpec::shard_weight`], [`LayerSpec::shard_bias`]), uploaded.
+fn host_shard<T: GemmElement>(
+    group: &TpGroup,
+    spec: &impl LayerSpec,
+    weight: &[T],
+    bias: Option<&[T]>,
+) -> Result<(CudaSlice<T>, Option<CudaSlice<T>>)> {
+    check_spec(group, spec)?;
+    let w = spec.shard_weight(group.rank(), weight)?;
+    let b = bias.map(|b| spec.shard_bias(group.rank(), b)).transpose()?;
+    upload_shard(group, &w, b.as_deref())
+}
+
+/// A rank's shard of a layer on the device, `[n, k]` weight and `[n]` bias, with what its
+/// calls are checked against; shared by the three layers.
+struct Shard<T> {
     label: String,
     rank: usize,
     world: usize,
@@ -200,39 +328,40 @@ struct ColumnShard<T> {
     bias: Option<CudaSlice<T>>,
 }
 
-impl<T: GemmElement + NcclType> ColumnShard<T> {
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        label: String,
+impl<T: GemmElement + NcclType> Shard<T> {
+    /// A layer's `from_shard`: [`check_spec`], then the shards' lengths and devices.
+    fn new<S: LayerSpec>(
         group: &TpGroup,
-        world: usize,
-        n: usize,
-        k: usize,
+        spec: &S,
         weight: CudaSlice<T>,
         bias: Option<CudaSlice<T>>,
     ) -> Result<Self> {
+        check_spec(group, spec)?;
+        let label = spec.label();
+        let (n, k) = spec.shard_dims();
+        let names = &S::NAMES;
         check_shard(
             &label,
             "the weight shard",
             &weight,
             n * k,
-            &format!("[out_per_rank, in_features] = [{n}, {k}]"),
+            &format!("[{}, {}] = [{n}, {k}]", names.n, names.k),
             group,
         )?;
         if let Some(b) = &bias {
             check_shard(
                 &label,
-                "the bias shard",
+                names.bias,
                 b,
                 n,
-                &format!("[out_per_rank] = [{n}]"),
+                &format!("[{}] = [{n}]{}", names.n, names.bias_note),
                 group,
             )?;
         }
-        Ok(ColumnShard {
+        Ok(Shard {
             label,
             rank: group.rank(),
-            world,
+            world: spec.world(),
             n,
             k,
             weight,
@@ -240,48 +369,66 @@ impl<T: GemmElement + NcclType> ColumnShard<T> {
         })
     }
 
-    /// `out [m, n] = x [m, k] · weightᵀ (+ bias)`; returns `m`.
-    fn forward(
+    /// Errors unless `group` is the layer's; `m` from the length of `x`, `[m, k]`.
+    fn rows(&self, group: &TpGroup, x: usize) -> Result<usize> {
+        check_group(&self.label, group, self.rank, self.world)?;
+        rows_of(&self.label, "x", x, self.k)
+    }
+
+    /// `out [m, n] = x [m, k] · weightᵀ (+ bias)`, the GEMM's errors renamed by `names`.
+    fn gemm(
         &self,
         group: &TpGroup,
         x: &impl DevicePtr<T>,
+        bias: Option<&dyn DevicePtr<T>>,
         out: &mut impl DevicePtrMut<T>,
-    ) -> Result<usize> {
-        let label = self.label.as_str();
-        check_group(label, group, self.rank, self.world)?;
-        let m = rows_of(label, "x", x.len(), self.k)?;
-        check_len(label, "out", out.len(), m, self.n)?;
+        m: usize,
+        names: &[(&str, &str)],
+    ) -> Result<()> {
         gemm(
             group.stream(),
             x,
             &self.weight,
-            as_dyn(&self.bias),
+            bias,
             None,
             out,
             m,
             self.n,
             self.k,
         )
-        .map_err(in_layer(label, &GEMM_NAMES))?;
+        .map_err(in_layer(&self.label, names))
+    }
+
+    /// A column-parallel `forward`: `out [m, n] = x [m, k] · weightᵀ (+ bias)`; returns `m`.
+    fn forward(
+        &self,
+        group: &TpGroup,
+        x: &impl DevicePtr<T>,
+        out: &mut impl DevicePtrMut<T>,
+    ) -> Result<usize> {
+        let m = self.rows(group, x.len())?;
+        check_len(&self.label, "out", out.len(), m, self.n)?;
+        self.gemm(group, x, as_dyn(&self.bias), out, m, &GEMM_NAMES)?;
         Ok(m)
     }
 }
 
-/// What a layer's `Debug` shows: its shape, rank and shard lengths (not the device buffers).
-fn debug_layer<T>(
-    f: &mut std::fmt::Formatter<'_>,
-    kind: &str,
-    spec: &dyn std::fmt::Debug,
-    rank: usize,
-    weight: &CudaSlice<T>,
-    bias: Option<&CudaSlice<T>>,
-) -> std::fmt::Result {
-    f.debug_struct(kind)
-        .field("spec", spec)
-        .field("rank", &rank)
-        .field("weight_len", &weight.len())
-        .field("bias_len", &bias.map(|b| b.len()))
-        .finish()
+impl<T> Shard<T> {
+    /// What a layer's `Debug` shows: its shape, rank and shard lengths (not the device
+    /// buffers).
+    fn debug(
+        &self,
+        f: &mut std::fmt::Formatter<'_>,
+        kind: &str,
+        spec: &dyn std::fmt::Debug,
+    ) -> std::fmt::Result {
+        f.debug_struct(kind)
+            .field("spec", spec)
+            .field("rank", &self.rank)
+            .field("weight_len", &self.weight.len())
+            .field("bias_len", &self.bias.as_ref().map(|b| b.len()))
+            .finish()
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -295,20 +442,12 @@ fn debug_layer<T>(
 /// ([`forward_gather`](Self::forward_gather)).
 pub struct ColumnParallelLinear<T> {
     spec: ColumnParallelSpec,
-    shard: ColumnShard<T>,
+    shard: Shard<T>,
 }
 
 impl<T> std::fmt::Debug for ColumnParallelLinear<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let s = &self.shard;
-        debug_layer(
-            f,
-            "ColumnParallelLinear",
-            &self.spec,
-            s.rank,
-            &s.weight,
-            s.bias.as_ref(),
-        )
+        self.shard.debug(f, "ColumnParallelLinear", &self.spec)
     }
 }
 
@@ -323,18 +462,7 @@ impl<T: GemmElement + NcclType> ColumnParallelLinear<T> {
         weight: CudaSlice<T>,
         bias: Option<CudaSlice<T>>,
     ) -> Result<Self> {
-        let label = spec.label();
-        check_group(&label, group, group.rank(), spec.world())?;
-        spec.check_gemm_dims()?;
-        let shard = ColumnShard::new(
-            label,
-            group,
-            spec.world(),
-            spec.out_per_rank(),
-            spec.in_features(),
-            weight,
-            bias,
-        )?;
+        let shard = Shard::new(group, &spec, weight, bias)?;
         Ok(ColumnParallelLinear { spec, shard })
     }
 
@@ -348,12 +476,7 @@ impl<T: GemmElement + NcclType> ColumnParallelLinear<T> {
         weight: &[T],
         bias: Option<&[T]>,
     ) -> Result<Self> {
-        check_group(&spec.label(), group, group.rank(), spec.world())?;
-        spec.check_gemm_dims()?;
-        let w = spec.shard_weight(group.rank(), weight)?;
-        let b = bias.map(|b| spec.shard_bias(group.rank(), b)).transpose()?;
-        let w = upload(group, &w)?;
-        let b = b.map(|b| upload(group, &b)).transpose()?;
+        let (w, b) = host_shard(group, &spec, weight, bias)?;
         Self::from_shard(group, spec, w, b)
     }
 
@@ -408,23 +531,12 @@ impl<T: GemmElement + NcclType> ColumnParallelLinear<T> {
         out: &mut impl DevicePtrMut<T>,
     ) -> Result<()> {
         let label = self.shard.label.as_str();
-        check_group(label, group, self.shard.rank, self.shard.world)?;
+        let m = self.shard.rows(group, x.len())?;
         let (n, world) = (self.shard.n, self.shard.world);
-        let m = rows_of(label, "x", x.len(), self.shard.k)?;
         check_len(label, "local", local.len(), m, n)?;
         check_len(label, "gathered", gathered.len(), world * m, n)?;
         check_len(label, "out", out.len(), m, self.spec.out_features())?;
-        let device = owner(&*out);
-        if device != group.device() {
-            return Err(Error::invalid(
-                label,
-                format!(
-                    "out lives on device {device} but the group's rank {} is on device {}",
-                    group.rank(),
-                    group.device()
-                ),
-            ));
-        }
+        check_device(label, "out", owner(&*out), group)?;
         self.shard.forward(group, x, local)?;
         if m == 0 {
             return Ok(());
@@ -497,20 +609,13 @@ fn rank_major_to_rows<T>(
 /// [`qkv_split`](Self::qkv_split) and [`gate_up_split`](Self::gate_up_split) say where.
 pub struct MergedColumnParallelLinear<T> {
     spec: MergedColumnSpec,
-    shard: ColumnShard<T>,
+    shard: Shard<T>,
 }
 
 impl<T> std::fmt::Debug for MergedColumnParallelLinear<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let s = &self.shard;
-        debug_layer(
-            f,
-            "MergedColumnParallelLinear",
-            &self.spec,
-            s.rank,
-            &s.weight,
-            s.bias.as_ref(),
-        )
+        self.shard
+            .debug(f, "MergedColumnParallelLinear", &self.spec)
     }
 }
 
@@ -526,18 +631,7 @@ impl<T: GemmElement + NcclType> MergedColumnParallelLinear<T> {
         weight: CudaSlice<T>,
         bias: Option<CudaSlice<T>>,
     ) -> Result<Self> {
-        let label = spec.label();
-        check_group(&label, group, group.rank(), spec.world())?;
-        spec.check_gemm_dims()?;
-        let shard = ColumnShard::new(
-            label,
-            group,
-            spec.world(),
-            spec.out_per_rank(),
-            spec.in_features(),
-            weight,
-            bias,
-        )?;
+        let shard = Shard::new(group, &spec, weight, bias)?;
         Ok(MergedColumnParallelLinear { spec, shard })
     }
 
@@ -550,12 +644,7 @@ impl<T: GemmElement + NcclType> MergedColumnParallelLinear<T> {
         weight: &[T],
         bias: Option<&[T]>,
     ) -> Result<Self> {
-        check_group(&spec.label(), group, group.rank(), spec.world())?;
-        spec.check_gemm_dims()?;
-        let w = spec.shard_weight(group.rank(), weight)?;
-        let b = bias.map(|b| spec.shard_bias(group.rank(), b)).transpose()?;
-        let w = upload(group, &w)?;
-        let b = b.map(|b| upload(group, &b)).transpose()?;
+        let (w, b) = host_shard(group, &spec, weight, bias)?;
         Self::from_shard(group, spec, w, b)
     }
 
@@ -568,14 +657,12 @@ impl<T: GemmElement + NcclType> MergedColumnParallelLinear<T> {
         weights: &[&[T]],
         biases: Option<&[&[T]]>,
     ) -> Result<Self> {
-        check_group(&spec.label(), group, group.rank(), spec.world())?;
-        spec.check_gemm_dims()?;
+        check_spec(group, &spec)?;
         let w = spec.shard_weight_parts(group.rank(), weights)?;
         let b = biases
             .map(|b| spec.shard_bias_parts(group.rank(), b))
             .transpose()?;
-        let w = upload(group, &w)?;
-        let b = b.map(|b| upload(group, &b)).transpose()?;
+        let (w, b) = upload_shard(group, &w, b.as_deref())?;
         Self::from_shard(group, spec, w, b)
     }
 
@@ -649,22 +736,13 @@ const ALL_REDUCE_NAMES: [(&str, &str); 7] = [
 /// rank-ordered f32 sum, before the single rounding. Every rank ends with the same bits.
 pub struct RowParallelLinear<T> {
     spec: RowParallelSpec,
-    rank: usize,
-    weight: CudaSlice<T>,
-    bias: Option<CudaSlice<T>>,
+    shard: Shard<T>,
     algorithm: Algorithm,
 }
 
 impl<T> std::fmt::Debug for RowParallelLinear<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        debug_layer(
-            f,
-            "RowParallelLinear",
-            &self.spec,
-            self.rank,
-            &self.weight,
-            self.bias.as_ref(),
-        )
+        self.shard.debug(f, "RowParallelLinear", &self.spec)
     }
 }
 
@@ -681,33 +759,10 @@ impl<T: GemmElement + NcclType> RowParallelLinear<T> {
         weight: CudaSlice<T>,
         bias: Option<CudaSlice<T>>,
     ) -> Result<Self> {
-        let label = spec.label();
-        check_group(&label, group, group.rank(), spec.world())?;
-        spec.check_gemm_dims()?;
-        let (n, k) = (spec.out_features(), spec.in_per_rank());
-        check_shard(
-            &label,
-            "the weight shard",
-            &weight,
-            n * k,
-            &format!("[out_features, in_features / world] = [{n}, {k}]"),
-            group,
-        )?;
-        if let Some(b) = &bias {
-            check_shard(
-                &label,
-                "the bias",
-                b,
-                n,
-                &format!("[out_features] = [{n}] (a row-parallel bias is whole on every rank)"),
-                group,
-            )?;
-        }
+        let shard = Shard::new(group, &spec, weight, bias)?;
         Ok(RowParallelLinear {
             spec,
-            rank: group.rank(),
-            weight,
-            bias,
+            shard,
             algorithm: Algorithm::Auto,
         })
     }
@@ -721,14 +776,7 @@ impl<T: GemmElement + NcclType> RowParallelLinear<T> {
         weight: &[T],
         bias: Option<&[T]>,
     ) -> Result<Self> {
-        check_group(&spec.label(), group, group.rank(), spec.world())?;
-        spec.check_gemm_dims()?;
-        let w = spec.shard_weight(group.rank(), weight)?;
-        if let Some(b) = bias {
-            spec.check_bias(b)?;
-        }
-        let w = upload(group, &w)?;
-        let b = bias.map(|b| upload(group, b)).transpose()?;
+        let (w, b) = host_shard(group, &spec, weight, bias)?;
         Self::from_shard(group, spec, w, b)
     }
 
@@ -755,59 +803,51 @@ impl<T: GemmElement + NcclType> RowParallelLinear<T> {
 
     /// The rank whose shard the layer holds.
     pub fn rank(&self) -> usize {
-        self.rank
+        self.shard.rank
     }
 
     /// The weight shard, `[out, in/W]`.
     pub fn weight(&self) -> &CudaSlice<T> {
-        &self.weight
+        &self.shard.weight
     }
 
     /// The bias, `[out]`, whole.
     pub fn bias(&self) -> Option<&CudaSlice<T>> {
-        self.bias.as_ref()
+        self.shard.bias.as_ref()
     }
 
     /// `m` from `x`, and the lengths of `partial` and `out` (`[m, out]`).
-    fn check_call(
-        &self,
-        group: &TpGroup,
-        x: usize,
-        partial: usize,
-        out: usize,
-    ) -> Result<(String, usize)> {
-        let label = self.spec.label();
-        check_group(&label, group, self.rank, self.spec.world())?;
-        let (n, k) = (self.spec.out_features(), self.spec.in_per_rank());
-        let m = rows_of(&label, "x", x, k)?;
-        check_len(&label, "partial", partial, m, n)?;
-        check_len(&label, "out", out, m, n)?;
-        Ok((label, m))
+    fn check_call(&self, group: &TpGroup, x: usize, partial: usize, out: usize) -> Result<usize> {
+        let (label, n) = (self.shard.label.as_str(), self.shard.n);
+        let m = self.shard.rows(group, x)?;
+        check_len(label, "partial", partial, m, n)?;
+        check_len(label, "out", out, m, n)?;
+        Ok(m)
     }
 
-    /// The partial product into the caller's workspace: `partial = x · W_rᵀ`, no bias.
-    fn partial_gemm(
-        &self,
-        label: &str,
+    /// What both forwards enqueue once their buffers are checked: the partial product into
+    /// the caller's workspace, `partial = x · W_rᵀ` (no bias), then [`all_reduce_fused`] of
+    /// the partials with the bias and the given residual and norm as its epilogue.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_all_reduce<'e>(
+        &'e self,
         group: &TpGroup,
         x: &impl DevicePtr<T>,
-        partial: &mut impl DevicePtrMut<T>,
+        partial: &mut (impl DevicePtr<T> + DevicePtrMut<T>),
         m: usize,
-    ) -> Result<()> {
+        residual: Option<&'e mut dyn DevicePtrMut<T>>,
+        norm: Option<RmsNorm<'e, T>>,
+        out: &mut impl DevicePtrMut<T>,
+    ) -> Result<AllReduceAlgo> {
         let names = [("a", "x"), ("b", "the weight shard"), ("c", "partial")];
-        let (n, k) = (self.spec.out_features(), self.spec.in_per_rank());
-        gemm(
-            group.stream(),
-            x,
-            &self.weight,
-            None,
-            None,
-            partial,
-            m,
-            n,
-            k,
-        )
-        .map_err(in_layer(label, &names))
+        self.shard.gemm(group, x, None, partial, m, &names)?;
+        let epilogue = Epilogue {
+            bias: as_dyn(&self.shard.bias),
+            residual,
+            norm,
+        };
+        all_reduce_fused(group, &*partial, epilogue, out, self.algorithm)
+            .map_err(in_layer(&self.shard.label, &ALL_REDUCE_NAMES))
     }
 
     /// `out` `[m, out]` = `Σ_r x_r · W_rᵀ + b` on every rank: the GEMM of this rank's input
@@ -822,15 +862,8 @@ impl<T: GemmElement + NcclType> RowParallelLinear<T> {
         partial: &mut (impl DevicePtr<T> + DevicePtrMut<T>),
         out: &mut impl DevicePtrMut<T>,
     ) -> Result<AllReduceAlgo> {
-        let (label, m) = self.check_call(group, x.len(), partial.len(), out.len())?;
-        self.partial_gemm(&label, group, x, partial, m)?;
-        let epilogue = Epilogue {
-            bias: as_dyn(&self.bias),
-            residual: None,
-            norm: None,
-        };
-        all_reduce_fused(group, &*partial, epilogue, out, self.algorithm)
-            .map_err(in_layer(&label, &ALL_REDUCE_NAMES))
+        let m = self.check_call(group, x.len(), partial.len(), out.len())?;
+        self.gemm_all_reduce(group, x, partial, m, None, None, out)
     }
 
     /// The decode hot path of a transformer block: `h = Σ_r x_r · W_rᵀ + b + residual`,
@@ -853,25 +886,18 @@ impl<T: GemmElement + NcclType> RowParallelLinear<T> {
         norm: RmsNorm<'_, T>,
         out: &mut impl DevicePtrMut<T>,
     ) -> Result<AllReduceAlgo> {
-        let (label, m) = self.check_call(group, x.len(), partial.len(), out.len())?;
-        let n = self.spec.out_features();
-        check_len(&label, "residual", residual.len(), m, n)?;
+        let m = self.check_call(group, x.len(), partial.len(), out.len())?;
+        let (label, n) = (self.shard.label.as_str(), self.shard.n);
+        check_len(label, "residual", residual.len(), m, n)?;
         if norm.gamma.len() != n {
             return Err(Error::invalid(
-                &label,
+                label,
                 format!(
                     "norm.gamma holds {} elements but a row of out_features needs {n}",
                     norm.gamma.len()
                 ),
             ));
         }
-        self.partial_gemm(&label, group, x, partial, m)?;
-        let epilogue = Epilogue {
-            bias: as_dyn(&self.bias),
-            residual: Some(residual),
-            norm: Some(norm),
-        };
-        all_reduce_fused(group, &*partial, epilogue, out, self.algorithm)
-            .map_err(in_layer(&label, &ALL_REDUCE_NAMES))
+        self.gemm_all_reduce(group, x, partial, m, Some(residual), Some(norm), out)
     }
 }
