@@ -39,12 +39,14 @@
 //! `cargo bench --bench all_reduce -- --warm-up-time 0.5 --measurement-time 1`; one group:
 //! `cargo bench --bench all_reduce -- fused`.
 
+#[path = "common/mod.rs"]
+mod common;
+use common::{human, random_device, time_rounds, KB, MB};
+
 use criterion::{BenchmarkGroup, BenchmarkId, Criterion, SamplingMode, Throughput};
-use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaContext, CudaGraph, CudaSlice, CudaStream, CudaView, CudaViewMut};
 use half::bf16;
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 use std::sync::Arc;
 use std::time::Duration;
 use tpfuse::comm::Comm;
@@ -54,8 +56,6 @@ use tpfuse::{GroupOptions, TpGroup};
 type T = bf16;
 
 const WORLDS: [usize; 3] = [2, 4, 8];
-const KB: usize = 1 << 10;
-const MB: usize = 1 << 20;
 /// Bytes per rank.
 const SIZES: [usize; 7] = [8 * KB, 64 * KB, 512 * KB, 4 * MB, 8 * MB, 64 * MB, 256 * MB];
 /// The largest size, and the capacity of the groups.
@@ -86,10 +86,7 @@ enum Row {
 }
 
 fn main() {
-    if !tpfuse::device::driver_present() {
-        println!(
-            "all_reduce benches need a CUDA GPU and driver (libcuda.so not found): nothing run"
-        );
+    if !common::driver_present("all_reduce") {
         return;
     }
     // Read when the context is created: before the first CUDA call.
@@ -135,34 +132,6 @@ fn main() {
 // ---------------------------------------------------------------------------------------
 // Timing.
 // ---------------------------------------------------------------------------------------
-
-/// GPU time of `rounds` calls of `round` (which enqueues one op on every stream): rank 0
-/// records the start, the others wait for it; at the end rank 0 waits for the others and
-/// records the end. The streams may live on several devices.
-fn time_rounds(streams: &[Arc<CudaStream>], rounds: u64, mut round: impl FnMut()) -> Duration {
-    let s0 = &streams[0];
-    let ctx = s0.context();
-    let start = ctx
-        .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-        .expect("creating an event");
-    let end = ctx
-        .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-        .expect("creating an event");
-    start.record(s0).expect("recording an event");
-    for s in &streams[1..] {
-        s.wait(&start).expect("waiting for the start");
-    }
-    for _ in 0..rounds {
-        round();
-    }
-    for s in &streams[1..] {
-        let done = s.record_event(None).expect("recording an event");
-        s0.wait(&done).expect("joining the streams");
-    }
-    end.record(s0).expect("recording an event");
-    let ms = start.elapsed_ms(&end).expect("reading the event timer");
-    Duration::from_secs_f64(f64::from(ms) * 1e-3)
-}
 
 /// GPU time per round of `rounds` rounds replayed from `graphs` (one per stream, each
 /// holding [`ROUNDS`] rounds): whole graphs are launched, the time is scaled to `rounds`.
@@ -224,33 +193,11 @@ fn check_all(groups: &[TpGroup], what: &str) {
 // Data.
 // ---------------------------------------------------------------------------------------
 
-/// Fills `n` elements on the device with random values in (-4, 4) by uploading one random
-/// host block (at most 1M elements) repeatedly at shifting offsets.
-fn random_device(stream: &Arc<CudaStream>, n: usize, seed: u64) -> CudaSlice<T> {
-    let block = n.clamp(1, 1 << 20);
-    let mut rng = StdRng::seed_from_u64(seed);
-    let host: Vec<T> = (0..block + 997)
-        .map(|_| T::from_f32(rng.random_range(-4.0f32..4.0)))
-        .collect();
-    let mut dev = stream.alloc_zeros::<T>(n).expect("allocating an input");
-    let (mut start, mut shift) = (0, 0);
-    while start < n {
-        let len = block.min(n - start);
-        let mut view = dev.slice_mut(start..start + len);
-        stream
-            .memcpy_htod(&host[shift..shift + len], &mut view)
-            .expect("uploading an input");
-        start += len;
-        shift = (shift + 331) % 997;
-    }
-    dev
-}
-
 /// Random inputs and zeroed outputs of `n` elements, one of each per group, on its stream.
 fn rank_buffers(groups: &[TpGroup], n: usize, seed: u64) -> (Vec<CudaSlice<T>>, Vec<CudaSlice<T>>) {
     let inputs = groups
         .iter()
-        .map(|g| random_device(g.stream(), n, seed ^ ((g.rank() as u64 + 1) << 24)))
+        .map(|g| random_device(g.stream(), n, 4.0, seed ^ ((g.rank() as u64 + 1) << 24)))
         .collect();
     let outs = groups
         .iter()
@@ -269,14 +216,6 @@ fn rank_buffers(groups: &[TpGroup], n: usize, seed: u64) -> (Vec<CudaSlice<T>>, 
 /// nccl-tests' bus bandwidth numerator: `bytes * 2 (W-1) / W`.
 fn busbw_bytes(bytes: usize, world: usize) -> u64 {
     (bytes as u64) * 2 * (world as u64 - 1) / world as u64
-}
-
-fn human(bytes: usize) -> String {
-    if bytes >= MB {
-        format!("{}MB", bytes / MB)
-    } else {
-        format!("{}KB", bytes / KB)
-    }
 }
 
 fn set_sampling(group: &mut BenchmarkGroup<'_, criterion::measurement::WallTime>, bytes: usize) {
@@ -365,7 +304,7 @@ fn bench_virtual(c: &mut Criterion, ctx: &Arc<CudaContext>, world: usize, rows: 
 fn bench_copy(c: &mut Criterion, ctx: &Arc<CudaContext>, rows: &mut Vec<Row>) {
     let stream = ctx.new_stream().expect("creating a stream");
     let elem = std::mem::size_of::<T>();
-    let src = random_device(&stream, MAX_SIZE / elem, 0xc0b1);
+    let src = random_device::<T>(&stream, MAX_SIZE / elem, 4.0, 0xc0b1);
     let mut dst = stream
         .alloc_zeros::<T>(MAX_SIZE / elem)
         .expect("allocating the copy target");

@@ -14,13 +14,15 @@
 //! `bf16`). cuBLASLt runs when libcublasLt can be loaded (put the nvidia-cublas wheel's lib/
 //! on LD_LIBRARY_PATH), else only tpfuse is measured. Without a CUDA driver nothing runs.
 
+#[path = "common/mod.rs"]
+mod common;
+use common::{event_time, random_device};
+
 use criterion::{BenchmarkId, Criterion, Throughput};
 use cudarc::cublaslt::{CudaBlasLT, Matmul, MatmulConfig};
-use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use half::{bf16, f16};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 use std::sync::Arc;
 use std::time::Duration;
 use tpfuse::ops::gemm::{gemm, select_config, GemmElement, GemmShape};
@@ -38,20 +40,15 @@ const ROTATE_BYTES: usize = 256 << 20;
 const TABLE_SAMPLES: usize = 30;
 
 fn main() {
-    if !tpfuse::device::driver_present() {
-        println!("gemm benches need a CUDA GPU and driver (libcuda.so not found): nothing run");
+    if !common::driver_present("gemm") {
         return;
     }
     let mut c = Criterion::default()
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(2))
         .configure_from_args();
-    let ctx = tpfuse::device::open(0).unwrap_or_else(|e| panic!("opening GPU 0: {e}"));
-    let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
-    println!("gemm benches on GPU 0: {name}");
-    // SAFETY: every buffer below is allocated, used and freed on the one stream.
-    unsafe { ctx.disable_event_tracking() };
-    let stream = ctx.new_stream().expect("creating a stream");
+    // Every buffer below is allocated, used and freed on this one stream.
+    let (name, stream) = common::one_stream("gemm");
     // SAFETY: only tries to load the library.
     let blas = if unsafe { cudarc::cublaslt::sys::is_culib_present() } {
         Some(CudaBlasLT::new(stream.clone()).expect("creating a cuBLASLt handle"))
@@ -98,33 +95,6 @@ struct Row {
     theirs: Option<Duration>,
 }
 
-/// Fills `len` elements with values uniform in (-scale, scale) by uploading one random host
-/// block (at most 1M elements) repeatedly at shifting offsets.
-fn random_device<T: GemmElement + ValidAsZeroBits>(
-    stream: &Arc<CudaStream>,
-    len: usize,
-    scale: f32,
-    seed: u64,
-) -> CudaSlice<T> {
-    let block = len.clamp(1, 1 << 20);
-    let mut rng = StdRng::seed_from_u64(seed);
-    let host: Vec<T> = (0..block + 997)
-        .map(|_| T::from_f32(rng.random_range(-scale..scale)))
-        .collect();
-    let mut dev = stream.alloc_zeros::<T>(len).expect("allocating an input");
-    let (mut start, mut shift) = (0, 0);
-    while start < len {
-        let n = block.min(len - start);
-        let mut view = dev.slice_mut(start..start + n);
-        stream
-            .memcpy_htod(&host[shift..shift + n], &mut view)
-            .expect("uploading an input");
-        start += n;
-        shift = (shift + 331) % 997;
-    }
-    dev
-}
-
 /// Captures `calls` enqueues of `f(i)` (i = 0..calls) into one CUDA graph.
 fn capture(stream: &Arc<CudaStream>, calls: usize, mut f: impl FnMut(usize)) -> CudaGraph {
     stream
@@ -143,20 +113,9 @@ fn capture(stream: &Arc<CudaStream>, calls: usize, mut f: impl FnMut(usize)) -> 
 
 /// GPU time of `launches` launches of `graph`, from events on `stream`.
 fn time_graph(stream: &Arc<CudaStream>, graph: &CudaGraph, launches: u64) -> Duration {
-    let ctx = stream.context();
-    let start = ctx
-        .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-        .expect("creating an event");
-    let end = ctx
-        .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-        .expect("creating an event");
-    start.record(stream).expect("recording an event");
-    for _ in 0..launches {
+    event_time(stream, launches, || {
         graph.launch().expect("launching the graph");
-    }
-    end.record(stream).expect("recording an event");
-    let ms = start.elapsed_ms(&end).expect("reading the event timer");
-    Duration::from_secs_f64(f64::from(ms) * 1e-3)
+    })
 }
 
 /// Median time of one call: `samples` single launches of a graph of `calls` calls.

@@ -22,20 +22,18 @@
 //! Quick run: `cargo bench --bench reduce_ranks -- --warm-up-time 1 --measurement-time 3`;
 //! one dtype: `cargo bench --bench reduce_ranks -- bf16`.
 
+#[path = "common/mod.rs"]
+mod common;
+use common::{event_time, human, random_device, KB, MB};
+
 use criterion::{BenchmarkId, Criterion, Throughput};
-use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::{CudaSlice, CudaStream, CudaView, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, ValidAsZeroBits};
 use half::bf16;
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 use std::sync::Arc;
-use std::time::Duration;
 use tpfuse::ops::reduce_ranks;
 use tpfuse::Element;
 
 const WORLDS: [usize; 3] = [2, 4, 8];
-const KB: usize = 1 << 10;
-const MB: usize = 1 << 20;
 /// Bytes per input buffer.
 const SIZES: [usize; 8] = [
     8 * KB,
@@ -52,21 +50,12 @@ const SIZES: [usize; 8] = [
 const LARGE: usize = 32 * MB;
 
 fn main() {
-    if !tpfuse::device::driver_present() {
-        println!(
-            "reduce_ranks benches need a CUDA GPU and driver (libcuda.so not found): nothing run"
-        );
+    if !common::driver_present("reduce_ranks") {
         return;
     }
     let mut c = Criterion::default().configure_from_args();
-    let ctx = tpfuse::device::open(0).unwrap_or_else(|e| panic!("opening GPU 0: {e}"));
-    let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
-    println!("reduce_ranks benches on GPU 0: {name}");
-    // One stream carries everything, so cudarc's cross-stream event tracking is not needed;
-    // turning it off keeps its event records out of the enqueue path.
-    // SAFETY: every buffer below is allocated, used and freed on the one stream.
-    unsafe { ctx.disable_event_tracking() };
-    let stream = ctx.new_stream().expect("creating a stream");
+    // Every buffer below is allocated, used and freed on this one stream.
+    let (_, stream) = common::one_stream("reduce_ranks");
     for &world in &WORLDS {
         bench_group::<bf16>(&mut c, &stream, world);
     }
@@ -76,52 +65,7 @@ fn main() {
     c.final_summary();
 }
 
-/// Fills `n` elements on the device with random values in (-4, 4) by uploading one random
-/// host block (at most 1M elements) repeatedly at shifting offsets.
-fn random_device<T: Element + DeviceRepr + ValidAsZeroBits>(
-    stream: &Arc<CudaStream>,
-    n: usize,
-    seed: u64,
-) -> CudaSlice<T> {
-    let block = n.clamp(1, 1 << 20);
-    let mut rng = StdRng::seed_from_u64(seed);
-    let host: Vec<T> = (0..block + 997)
-        .map(|_| T::from_f32(rng.random_range(-4.0f32..4.0)))
-        .collect();
-    let mut dev = stream.alloc_zeros::<T>(n).expect("allocating an input");
-    let mut start = 0;
-    let mut shift = 0;
-    while start < n {
-        let len = block.min(n - start);
-        let mut view = dev.slice_mut(start..start + len);
-        stream
-            .memcpy_htod(&host[shift..shift + len], &mut view)
-            .expect("uploading an input");
-        start += len;
-        shift = (shift + 331) % 997;
-    }
-    dev
-}
-
-/// GPU time of `iters` runs of `f`, from events recorded on `stream`.
-fn event_time(stream: &Arc<CudaStream>, iters: u64, mut f: impl FnMut()) -> Duration {
-    let ctx = stream.context();
-    let start = ctx
-        .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-        .expect("creating an event");
-    let end = ctx
-        .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-        .expect("creating an event");
-    start.record(stream).expect("recording an event");
-    for _ in 0..iters {
-        f();
-    }
-    end.record(stream).expect("recording an event");
-    let ms = start.elapsed_ms(&end).expect("reading the event timer");
-    Duration::from_secs_f64(f64::from(ms) * 1e-3)
-}
-
-fn bench_group<T: Element + DeviceRepr + ValidAsZeroBits>(
+fn bench_group<T: Element + ValidAsZeroBits>(
     c: &mut Criterion,
     stream: &Arc<CudaStream>,
     world: usize,
@@ -129,12 +73,19 @@ fn bench_group<T: Element + DeviceRepr + ValidAsZeroBits>(
     let elem = std::mem::size_of::<T>();
     let max_n = SIZES[SIZES.len() - 1] / elem;
     let inputs: Vec<CudaSlice<T>> = (0..world)
-        .map(|r| random_device::<T>(stream, max_n, 0x5eed ^ ((r as u64) << 20) ^ elem as u64))
+        .map(|r| {
+            random_device::<T>(
+                stream,
+                max_n,
+                4.0,
+                0x5eed ^ ((r as u64) << 20) ^ elem as u64,
+            )
+        })
         .collect();
     let mut out = stream
         .alloc_zeros::<T>(max_n)
         .expect("allocating the output");
-    let copy_src = random_device::<T>(stream, world * max_n, 0xc0b1 ^ world as u64);
+    let copy_src = random_device::<T>(stream, world * max_n, 4.0, 0xc0b1 ^ world as u64);
     let mut copy_dst = stream
         .alloc_zeros::<T>(world * max_n)
         .expect("allocating the copy target");
@@ -177,12 +128,4 @@ fn bench_group<T: Element + DeviceRepr + ValidAsZeroBits>(
         });
     }
     group.finish();
-}
-
-fn human(bytes: usize) -> String {
-    if bytes >= MB {
-        format!("{}MB", bytes / MB)
-    } else {
-        format!("{}KB", bytes / KB)
-    }
 }

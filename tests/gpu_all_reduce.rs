@@ -46,29 +46,30 @@
 //! the first test of this binary to take the GPU sets it (when unset) before it opens the
 //! device. Run these tests as `cargo test --features gpu-tests --release --test
 //! gpu_all_reduce`, or from the GPU bundle.
+//!
+//! [`reduce_ranks_f64`]: tpfuse::reference::reduce_ranks_f64
 
 mod common;
+use common::children::{small_int, ChildEnv, Children, Spawn};
+use common::gpu::{
+    self, assert_close, assert_poisoned, base_seed, expect_invalid_saying, mix_seed, par_chunks,
+    random_vec, slices, splitmix64, sum_references, TestElement as _,
+};
+use common::ranks::{
+    check_all, download, gpu, gpu_lock, poisoned, poisoned_ranks, refill, round, upload,
+    upload_ranks,
+};
 use common::{assert_same_bits, Bits};
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaContext, CudaGraph, CudaSlice, DevicePtr, DevicePtrMut};
 use half::{bf16, f16};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
-use std::io::Write as _;
-use std::ops::Range;
-use std::path::PathBuf;
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::{Arc, Mutex, MutexGuard, Once};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tpfuse::comm::{Comm, CommOptions, UniqueId};
 use tpfuse::ops::{self, Algorithm, Epilogue, RmsNorm};
-use tpfuse::reference::{
-    all_reduce_epilogue_exact, all_reduce_fused_f64, reduce_ranks_exact, reduce_ranks_f64,
-    relative_error,
-};
+use tpfuse::reference::{all_reduce_epilogue_exact, all_reduce_fused_f64, reduce_ranks_exact};
 use tpfuse::topology::AllReduceAlgo;
-use tpfuse::{Element, Error, GroupOptions, NcclType, TpGroup};
+use tpfuse::{Error, GroupOptions, NcclType, TpGroup};
 
 /// World sizes of the virtual-rank tests.
 const WORLDS: [usize; 3] = [2, 4, 8];
@@ -80,38 +81,29 @@ const LENGTHS: [usize; 8] = [1, 7, 8, 9, 4095, 4096 * 3 + 5, 1 << 16, 1 << 20];
 const ALGORITHMS: [Algorithm; 3] = [Algorithm::OneShot, Algorithm::TwoShot, Algorithm::Auto];
 /// RMSNorm epsilon of the fused tests.
 const EPS: f32 = 1e-5;
-/// Host work on more elements than this is spread over threads.
-const PARALLEL_FROM: usize = 1 << 16;
+/// The base seed when `TPFUSE_TEST_SEED` is unset.
+const DEFAULT_SEED: u64 = 0x7470_6675_7365_0a11;
 
 // ---------------------------------------------------------------------------------------
 // Elements, seeds, random data.
 // ---------------------------------------------------------------------------------------
 
-/// What the tests need of an element type beyond [`Element`].
-trait TestElement: Element + NcclType + Bits {
-    /// Distinguishes the dtypes in seeds.
-    const ID: u64;
-    /// Bound on the relative Frobenius error of a sum against the f64 reference.
-    const TOLERANCE: f64;
+/// What the tests need of an element type beyond [`gpu::TestElement`] (whose `TOLERANCE`
+/// bounds the relative Frobenius error of a sum against the f64 reference).
+trait TestElement: gpu::TestElement + NcclType {
     /// The same bound for an RMSNorm output (one more rounding, and `rsqrtf`).
     const NORM_TOLERANCE: f64;
 }
 
 impl TestElement for f32 {
-    const ID: u64 = 1;
-    const TOLERANCE: f64 = 1e-6;
     const NORM_TOLERANCE: f64 = 2e-6;
 }
 
 impl TestElement for f16 {
-    const ID: u64 = 2;
-    const TOLERANCE: f64 = 2e-3;
     const NORM_TOLERANCE: f64 = 2e-3;
 }
 
 impl TestElement for bf16 {
-    const ID: u64 = 3;
-    const TOLERANCE: f64 = 1e-2;
     const NORM_TOLERANCE: f64 = 1e-2;
 }
 
@@ -128,31 +120,13 @@ enum Variant {
     Validation = 8,
 }
 
-fn splitmix64(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
-
-/// The run's base seed: `TPFUSE_TEST_SEED` if set, else a fixed value.
-fn base_seed() -> u64 {
-    match std::env::var("TPFUSE_TEST_SEED") {
-        Ok(s) => s
-            .trim()
-            .parse()
-            .unwrap_or_else(|_| panic!("TPFUSE_TEST_SEED={s:?} is not a u64")),
-        Err(_) => 0x7470_6675_7365_0a11,
-    }
-}
-
 /// One seed per (dtype, variant, parts of the case): different for every case.
 fn case_seed<T: TestElement>(variant: Variant, parts: &[u64]) -> u64 {
-    let mut s = splitmix64(base_seed());
-    for p in [T::ID, variant as u64].iter().chain(parts) {
-        s = splitmix64(s ^ p);
-    }
-    s
+    let s = mix_seed(
+        splitmix64(base_seed(DEFAULT_SEED)),
+        &[T::ID, variant as u64],
+    );
+    mix_seed(s, parts)
 }
 
 /// The seed of rank `r`'s data in a case.
@@ -160,163 +134,19 @@ fn rank_seed(seed: u64, r: usize) -> u64 {
     splitmix64(seed ^ (r as u64 + 1).wrapping_mul(0x51_7cc1_b727_220a))
 }
 
-/// `n` values uniform in `[lo, hi)`.
-fn random_vec<T: TestElement>(seed: u64, n: usize, lo: f32, hi: f32) -> Vec<T> {
-    let mut rng = StdRng::seed_from_u64(seed);
-    (0..n)
-        .map(|_| T::from_f32(rng.random_range(lo..hi)))
-        .collect()
-}
-
 /// `world` buffers of `n` values uniform in (-4, 4), rank r seeded from (seed, r).
 fn random_ranks<T: TestElement>(seed: u64, world: usize, n: usize) -> Vec<Vec<T>> {
-    if n < PARALLEL_FROM {
-        return (0..world)
-            .map(|r| random_vec(rank_seed(seed, r), n, -4.0, 4.0))
-            .collect();
-    }
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..world)
-            .map(|r| s.spawn(move || random_vec::<T>(rank_seed(seed, r), n, -4.0, 4.0)))
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("input generator thread panicked"))
-            .collect()
-    })
-}
-
-/// `f` over `0..n` in contiguous chunks, the results concatenated in order; spread over
-/// threads when the work (`n` items of `weight` elements each) reaches [`PARALLEL_FROM`].
-fn par_chunks<O: Send>(
-    n: usize,
-    weight: usize,
-    f: impl Fn(Range<usize>) -> Vec<O> + Sync,
-) -> Vec<O> {
-    if n.saturating_mul(weight) < PARALLEL_FROM || n < 2 {
-        return f(0..n);
-    }
-    let threads = std::thread::available_parallelism().map_or(4, |t| t.get());
-    let chunk = n.div_ceil(threads);
-    std::thread::scope(|s| {
-        let f = &f;
-        let handles: Vec<_> = (0..threads)
-            .map(|t| s.spawn(move || f((t * chunk).min(n)..((t + 1) * chunk).min(n))))
-            .collect();
-        handles
-            .into_iter()
-            .flat_map(|h| h.join().expect("reference thread panicked"))
-            .collect()
-    })
-}
-
-fn slices<'a, T>(inputs: &'a [Vec<T>], r: &Range<usize>) -> Vec<&'a [T]> {
-    inputs.iter().map(|x| &x[r.clone()]).collect()
-}
-
-/// The exact result of the kernels' sum (rank order, f32, rounded once) and the f64 sum.
-fn sum_references<T: TestElement>(inputs: &[Vec<T>]) -> (Vec<T>, Vec<f64>) {
-    let n = inputs[0].len();
-    let exact = par_chunks(n, 1, |r| reduce_ranks_exact(&slices(inputs, &r)));
-    let wide = par_chunks(n, 1, |r| reduce_ranks_f64(&slices(inputs, &r)));
-    (exact, wide)
-}
-
-fn assert_close<T: TestElement>(label: &str, got: &[T], want: &[f64], tolerance: f64) {
-    let err = relative_error(got, want);
-    assert!(
-        err < tolerance,
-        "{label}: relative error {err:e} vs the f64 reference exceeds {tolerance:e}"
-    );
+    gpu::random_ranks(world, n, |r| rank_seed(seed, r))
 }
 
 // ---------------------------------------------------------------------------------------
-// The GPU, groups, buffers.
+// Groups and algorithms.
 // ---------------------------------------------------------------------------------------
-
-/// One test at a time on the GPU (see the module docs).
-static GPU_LOCK: Mutex<()> = Mutex::new(());
-static MAX_CONNECTIONS: Once = Once::new();
-
-/// GPU 0 for one test. Field order matters: the context drops before the lock is released.
-struct Gpu {
-    ctx: Arc<CudaContext>,
-    _lock: MutexGuard<'static, ()>,
-}
-
-fn gpu_lock() -> MutexGuard<'static, ()> {
-    let lock = GPU_LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    MAX_CONNECTIONS.call_once(|| {
-        // Before the first CUDA call of this process (every test takes this lock before it
-        // touches the driver), so that the context gets one hardware queue per stream.
-        if std::env::var_os("CUDA_DEVICE_MAX_CONNECTIONS").is_none() {
-            std::env::set_var("CUDA_DEVICE_MAX_CONNECTIONS", "32");
-        }
-    });
-    lock
-}
-
-/// GPU 0, with the lock held. A missing driver or GPU fails the test (it never skips).
-fn gpu() -> Gpu {
-    let lock = gpu_lock();
-    let ctx = tpfuse::device::open(0)
-        .unwrap_or_else(|e| panic!("this test needs a CUDA GPU and driver: {e}"));
-    Gpu { ctx, _lock: lock }
-}
 
 fn virtual_group(ctx: &Arc<CudaContext>, world: usize, options: GroupOptions) -> Vec<TpGroup> {
-    let groups = TpGroup::virtual_ranks(ctx, world, options)
-        .unwrap_or_else(|e| panic!("building {world} virtual ranks: {e}"));
+    let groups = common::ranks::virtual_group(ctx, world, options);
     assert_eq!(groups.len(), world);
     groups
-}
-
-fn upload<T: TestElement>(group: &TpGroup, host: &[T]) -> CudaSlice<T> {
-    group
-        .stream()
-        .clone_htod(host)
-        .expect("uploading to the GPU")
-}
-
-fn poisoned<T: TestElement>(group: &TpGroup, n: usize) -> CudaSlice<T> {
-    upload(group, &vec![T::poison(); n])
-}
-
-fn refill<T: TestElement>(group: &TpGroup, buf: &mut CudaSlice<T>, host: &[T]) {
-    group
-        .stream()
-        .memcpy_htod(host, buf)
-        .expect("uploading to the GPU");
-}
-
-/// Copies `buf` to the host on the group's stream. Call `check()` first: it bounds the wait
-/// for kernels that might wait on a peer.
-fn download<T: TestElement>(group: &TpGroup, buf: &impl DevicePtr<T>) -> Vec<T> {
-    group
-        .stream()
-        .clone_dtoh(buf)
-        .expect("downloading from the GPU")
-}
-
-fn check_all(groups: &[TpGroup], label: &str) {
-    for g in groups {
-        g.check()
-            .unwrap_or_else(|e| panic!("{label}: check() on rank {}: {e}", g.rank()));
-    }
-}
-
-/// One virtual-rank round: `op(r)` enqueued for r = 0, 1, .., W-1 from this thread, then
-/// `check()` on every rank. Returns what each rank's op returned.
-fn round<R>(
-    groups: &[TpGroup],
-    label: &str,
-    mut op: impl FnMut(usize) -> tpfuse::Result<R>,
-) -> Vec<R> {
-    let results: Vec<R> = (0..groups.len())
-        .map(|r| op(r).unwrap_or_else(|e| panic!("{label}: rank {r}: {e}")))
-        .collect();
-    check_all(groups, label);
-    results
 }
 
 /// What `Algorithm::Auto` runs on a virtual group for a message of `bytes` (that fits):
@@ -350,33 +180,6 @@ fn assert_algorithm(
     }
 }
 
-fn expect_invalid<R: std::fmt::Debug>(
-    label: &str,
-    result: tpfuse::Result<R>,
-    arg: &str,
-    words: &[&str],
-) {
-    match result {
-        Err(Error::InvalidArgument { arg: got, reason }) => {
-            assert_eq!(got, arg, "{label}: wrong argument named ({reason})");
-            for w in words {
-                assert!(reason.contains(w), "{label}: `{w}` missing from: {reason}");
-            }
-        }
-        other => panic!("{label}: expected InvalidArgument({arg}), got {other:?}"),
-    }
-}
-
-fn assert_poisoned<T: TestElement>(label: &str, got: &[T]) {
-    if let Some(i) = got.iter().position(|x| x.bits() != T::poison().bits()) {
-        panic!(
-            "{label}: element {i} of {} was written ({:?}) although nothing should have run",
-            got.len(),
-            got[i]
-        );
-    }
-}
-
 // ---------------------------------------------------------------------------------------
 // All-reduce: every world size, dtype, length and algorithm; in place.
 // ---------------------------------------------------------------------------------------
@@ -397,12 +200,8 @@ fn all_reduce_case<T: TestElement>(groups: &[TpGroup], n: usize) {
     let seed = case_seed::<T>(Variant::AllReduce, &[world as u64, n as u64]);
     let inputs = random_ranks::<T>(seed, world, n);
     let (exact, wide) = sum_references(&inputs);
-    let dev_in: Vec<CudaSlice<T>> = groups
-        .iter()
-        .zip(&inputs)
-        .map(|(g, x)| upload(g, x))
-        .collect();
-    let mut outs: Vec<CudaSlice<T>> = groups.iter().map(|g| poisoned(g, n)).collect();
+    let dev_in: Vec<CudaSlice<T>> = upload_ranks(groups, &inputs);
+    let mut outs: Vec<CudaSlice<T>> = poisoned_ranks(groups, n);
     let poison = vec![T::poison(); n];
     let want_auto = expected_auto(&groups[0], bytes);
 
@@ -448,11 +247,7 @@ fn all_reduce_case<T: TestElement>(groups: &[TpGroup], n: usize) {
 
     for algo in ALGORITHMS {
         let l = format!("{label} in place {algo:?}");
-        let mut bufs: Vec<CudaSlice<T>> = groups
-            .iter()
-            .zip(&inputs)
-            .map(|(g, x)| upload(g, x))
-            .collect();
+        let mut bufs: Vec<CudaSlice<T>> = upload_ranks(groups, &inputs);
         let ran = round(groups, &l, |r| {
             ops::all_reduce_in_place(&groups[r], &mut bufs[r], algo)
         });
@@ -474,22 +269,10 @@ fn all_reduce_matrix<T: TestElement>() {
     }
 }
 
-#[test]
-#[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
-fn all_reduce_f32_every_world_length_and_algorithm() {
-    all_reduce_matrix::<f32>();
-}
-
-#[test]
-#[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
-fn all_reduce_f16_every_world_length_and_algorithm() {
-    all_reduce_matrix::<f16>();
-}
-
-#[test]
-#[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
-fn all_reduce_bf16_every_world_length_and_algorithm() {
-    all_reduce_matrix::<bf16>();
+gpu_tests! {
+    all_reduce_f32_every_world_length_and_algorithm => all_reduce_matrix::<f32>();
+    all_reduce_f16_every_world_length_and_algorithm => all_reduce_matrix::<f16>();
+    all_reduce_bf16_every_world_length_and_algorithm => all_reduce_matrix::<bf16>();
 }
 
 /// A group of 64 MiB capacity: a bf16 message of exactly the capacity, and an f32 one of the
@@ -791,22 +574,10 @@ fn fused_matrix<T: TestElement>() {
     }
 }
 
-#[test]
-#[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
-fn fused_epilogue_f32() {
-    fused_matrix::<f32>();
-}
-
-#[test]
-#[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
-fn fused_epilogue_f16() {
-    fused_matrix::<f16>();
-}
-
-#[test]
-#[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
-fn fused_epilogue_bf16() {
-    fused_matrix::<bf16>();
+gpu_tests! {
+    fused_epilogue_f32 => fused_matrix::<f32>();
+    fused_epilogue_f16 => fused_matrix::<f16>();
+    fused_epilogue_bf16 => fused_matrix::<bf16>();
 }
 
 // ---------------------------------------------------------------------------------------
@@ -822,12 +593,8 @@ fn all_gather_case<T: TestElement>(groups: &[TpGroup], n: usize) {
     let seed = case_seed::<T>(Variant::Gather, &[world as u64, n as u64]);
     let inputs = random_ranks::<T>(seed, world, n);
     let want: Vec<T> = inputs.concat();
-    let dev_in: Vec<CudaSlice<T>> = groups
-        .iter()
-        .zip(&inputs)
-        .map(|(g, x)| upload(g, x))
-        .collect();
-    let mut outs: Vec<CudaSlice<T>> = groups.iter().map(|g| poisoned(g, world * n)).collect();
+    let dev_in: Vec<CudaSlice<T>> = upload_ranks(groups, &inputs);
+    let mut outs: Vec<CudaSlice<T>> = poisoned_ranks(groups, world * n);
     round(groups, &label, |r| {
         ops::all_gather(&groups[r], &dev_in[r], &mut outs[r])
     });
@@ -846,12 +613,8 @@ fn reduce_scatter_case<T: TestElement>(groups: &[TpGroup], n: usize) {
     let seed = case_seed::<T>(Variant::Scatter, &[world as u64, n as u64]);
     let inputs = random_ranks::<T>(seed, world, world * n);
     let (exact, wide) = sum_references(&inputs);
-    let dev_in: Vec<CudaSlice<T>> = groups
-        .iter()
-        .zip(&inputs)
-        .map(|(g, x)| upload(g, x))
-        .collect();
-    let mut outs: Vec<CudaSlice<T>> = groups.iter().map(|g| poisoned(g, n)).collect();
+    let dev_in: Vec<CudaSlice<T>> = upload_ranks(groups, &inputs);
+    let mut outs: Vec<CudaSlice<T>> = poisoned_ranks(groups, n);
     round(groups, &label, |r| {
         ops::reduce_scatter(&groups[r], &dev_in[r], &mut outs[r])
     });
@@ -958,12 +721,8 @@ fn graph_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, algo: Algori
         .map(|k| random_ranks::<T>(splitmix64(seed ^ k), world, n))
         .collect();
     let poison = vec![T::poison(); n];
-    let mut ins: Vec<CudaSlice<T>> = groups
-        .iter()
-        .zip(&sets[0])
-        .map(|(g, x)| upload(g, x))
-        .collect();
-    let mut outs: Vec<CudaSlice<T>> = groups.iter().map(|g| poisoned(g, n)).collect();
+    let mut ins: Vec<CudaSlice<T>> = upload_ranks(&groups, &sets[0]);
+    let mut outs: Vec<CudaSlice<T>> = poisoned_ranks(&groups, n);
     let verify = |set: &[Vec<T>], outs: &[CudaSlice<T>], when: &str| {
         let (exact, wide) = sum_references(set);
         for r in 0..world {
@@ -1207,12 +966,8 @@ fn a_missing_peer_is_a_bounded_peer_timeout_that_poisons_the_group() {
         let groups = virtual_group(&gpu.ctx, world, options.clone());
         let seed = case_seed::<T>(Variant::Timeout, &[world as u64, algo as u64]);
         let inputs = random_ranks::<T>(seed, world, n);
-        let ins: Vec<CudaSlice<T>> = groups
-            .iter()
-            .zip(&inputs)
-            .map(|(g, x)| upload(g, x))
-            .collect();
-        let mut outs: Vec<CudaSlice<T>> = groups.iter().map(|g| poisoned(g, n)).collect();
+        let ins: Vec<CudaSlice<T>> = upload_ranks(&groups, &inputs);
+        let mut outs: Vec<CudaSlice<T>> = poisoned_ranks(&groups, n);
         for g in &groups {
             g.stream().synchronize().expect("uploading the inputs");
         }
@@ -1284,12 +1039,8 @@ fn a_missing_peer_is_a_bounded_peer_timeout_that_poisons_the_group() {
 
         // A rebuilt group works.
         let groups = virtual_group(&gpu.ctx, world, options.clone());
-        let ins: Vec<CudaSlice<T>> = groups
-            .iter()
-            .zip(&inputs)
-            .map(|(g, x)| upload(g, x))
-            .collect();
-        let mut outs: Vec<CudaSlice<T>> = groups.iter().map(|g| poisoned(g, n)).collect();
+        let ins: Vec<CudaSlice<T>> = upload_ranks(&groups, &inputs);
+        let mut outs: Vec<CudaSlice<T>> = poisoned_ranks(&groups, n);
         let l = format!("{label}: rebuilt group");
         round(&groups, &l, |r| {
             ops::all_reduce(&groups[r], &ins[r], &mut outs[r], algo)
@@ -1343,16 +1094,16 @@ fn invalid_arguments_are_refused_before_anything_runs() {
         &mut out.slice_mut(0..n),
         one_shot,
     );
-    expect_invalid("misaligned partial", r, "partial", &["16-byte aligned"]);
+    expect_invalid_saying("misaligned partial", r, "partial", &["16-byte aligned"]);
     let r = ops::all_reduce(
         g,
         &input.slice(0..n),
         &mut out.slice_mut(1..n + 1),
         one_shot,
     );
-    expect_invalid("misaligned out", r, "out", &["16-byte aligned"]);
+    expect_invalid_saying("misaligned out", r, "out", &["16-byte aligned"]);
     let r = ops::all_reduce_in_place(g, &mut out.slice_mut(1..n + 1), one_shot);
-    expect_invalid(
+    expect_invalid_saying(
         "misaligned in-place buffer",
         r,
         "partial",
@@ -1365,7 +1116,7 @@ fn invalid_arguments_are_refused_before_anything_runs() {
             ..Epilogue::default()
         };
         let r = ops::all_reduce_fused(g, &input.slice(0..n), e, &mut out.slice_mut(0..n), one_shot);
-        expect_invalid("misaligned residual", r, "residual", &["16-byte aligned"]);
+        expect_invalid_saying("misaligned residual", r, "residual", &["16-byte aligned"]);
     }
     {
         let b = bias.slice(1..hidden + 1);
@@ -1374,7 +1125,7 @@ fn invalid_arguments_are_refused_before_anything_runs() {
             ..Epilogue::default()
         };
         let r = ops::all_reduce_fused(g, &input.slice(0..n), e, &mut out.slice_mut(0..n), one_shot);
-        expect_invalid("misaligned bias", r, "bias", &["16-byte aligned"]);
+        expect_invalid_saying("misaligned bias", r, "bias", &["16-byte aligned"]);
     }
     {
         let gm = gamma.slice(1..hidden + 1);
@@ -1386,7 +1137,7 @@ fn invalid_arguments_are_refused_before_anything_runs() {
             EPS,
             &mut out.slice_mut(0..n),
         );
-        expect_invalid("misaligned gamma", r, "gamma", &["16-byte aligned"]);
+        expect_invalid_saying("misaligned gamma", r, "gamma", &["16-byte aligned"]);
     }
 
     // Lengths and shapes.
@@ -1396,7 +1147,7 @@ fn invalid_arguments_are_refused_before_anything_runs() {
         &mut out.slice_mut(0..n + 8),
         one_shot,
     );
-    expect_invalid("out longer than partial", r, "out", &["holds"]);
+    expect_invalid_saying("out longer than partial", r, "out", &["holds"]);
     {
         let mut res = residual.slice_mut(0..n - 8);
         let e = Epilogue {
@@ -1404,7 +1155,7 @@ fn invalid_arguments_are_refused_before_anything_runs() {
             ..Epilogue::default()
         };
         let r = ops::all_reduce_fused(g, &input.slice(0..n), e, &mut out.slice_mut(0..n), one_shot);
-        expect_invalid("short residual", r, "residual", &["holds"]);
+        expect_invalid_saying("short residual", r, "residual", &["holds"]);
     }
     {
         let b = bias.slice(0..12); // not a multiple of 8 bf16 elements
@@ -1413,7 +1164,7 @@ fn invalid_arguments_are_refused_before_anything_runs() {
             ..Epilogue::default()
         };
         let r = ops::all_reduce_fused(g, &input.slice(0..n), e, &mut out.slice_mut(0..n), one_shot);
-        expect_invalid("bias of 12 elements", r, "bias", &["multiple"]);
+        expect_invalid_saying("bias of 12 elements", r, "bias", &["multiple"]);
     }
     {
         let gm = gamma.slice(0..48); // 1024 is not a whole number of rows of 48
@@ -1425,7 +1176,7 @@ fn invalid_arguments_are_refused_before_anything_runs() {
             EPS,
             &mut out.slice_mut(0..n),
         );
-        expect_invalid("rows of 48", r, "partial", &["rows"]);
+        expect_invalid_saying("rows of 48", r, "partial", &["rows"]);
     }
     {
         let b = bias.slice(0..hidden);
@@ -1439,7 +1190,7 @@ fn invalid_arguments_are_refused_before_anything_runs() {
             ..Epilogue::default()
         };
         let r = ops::all_reduce_fused(g, &input.slice(0..n), e, &mut out.slice_mut(0..n), one_shot);
-        expect_invalid("bias and gamma of different lengths", r, "bias", &["gamma"]);
+        expect_invalid_saying("bias and gamma of different lengths", r, "bias", &["gamma"]);
     }
     for eps in [f32::NAN, -1.0, f32::INFINITY] {
         let r = ops::all_reduce_residual_rmsnorm(
@@ -1450,7 +1201,7 @@ fn invalid_arguments_are_refused_before_anything_runs() {
             eps,
             &mut out.slice_mut(0..n),
         );
-        expect_invalid(&format!("eps {eps}"), r, "eps", &[]);
+        expect_invalid_saying(&format!("eps {eps}"), r, "eps", &[]);
     }
 
     // Capacity and algorithm.
@@ -1459,7 +1210,7 @@ fn invalid_arguments_are_refused_before_anything_runs() {
     let mut big_out = poisoned::<T>(g, big_n);
     for algo in ALGORITHMS {
         let r = ops::all_reduce(g, &big, &mut big_out, algo);
-        expect_invalid(
+        expect_invalid_saying(
             &format!("{algo:?} above the capacity"),
             r,
             "partial",
@@ -1472,42 +1223,42 @@ fn invalid_arguments_are_refused_before_anything_runs() {
         &mut out.slice_mut(0..n),
         Algorithm::Nccl,
     );
-    expect_invalid("NCCL on virtual ranks", r, "algorithm", &["communicator"]);
+    expect_invalid_saying("NCCL on virtual ranks", r, "algorithm", &["communicator"]);
 
     // All-gather and reduce-scatter.
     let mut gathered = poisoned::<T>(g, 2 * n + 16);
     let r = ops::all_gather(g, &input.slice(0..n), &mut gathered.slice_mut(0..2 * n + 8));
-    expect_invalid("all_gather out of the wrong length", r, "out", &["world"]);
+    expect_invalid_saying("all_gather out of the wrong length", r, "out", &["world"]);
     let r = ops::all_gather(g, &input.slice(0..7), &mut gathered.slice_mut(0..14));
-    expect_invalid("all_gather of 14 bytes", r, "input", &["16"]);
+    expect_invalid_saying("all_gather of 14 bytes", r, "input", &["16"]);
     let r = ops::all_gather(g, &input.slice(0..n), &mut gathered.slice_mut(1..2 * n + 1));
-    expect_invalid("all_gather misaligned out", r, "out", &["16-byte aligned"]);
+    expect_invalid_saying("all_gather misaligned out", r, "out", &["16-byte aligned"]);
     let mut big_gathered = poisoned::<T>(g, 2 * big_n);
     let r = ops::all_gather(g, &big, &mut big_gathered);
-    expect_invalid("all_gather above the capacity", r, "input", &["capacity"]);
+    expect_invalid_saying("all_gather above the capacity", r, "input", &["capacity"]);
     let r = ops::reduce_scatter(g, &input.slice(0..n), &mut out.slice_mut(0..n / 2 + 8));
-    expect_invalid(
+    expect_invalid_saying(
         "reduce_scatter input of the wrong length",
         r,
         "input",
         &["world"],
     );
     let r = ops::reduce_scatter(g, &input.slice(0..2 * 12), &mut out.slice_mut(0..12));
-    expect_invalid(
+    expect_invalid_saying(
         "reduce_scatter of 12 elements per rank",
         r,
         "out",
         &["multiple"],
     );
     let r = ops::reduce_scatter(g, &input.slice(1..n + 1), &mut out.slice_mut(0..n / 2));
-    expect_invalid(
+    expect_invalid_saying(
         "reduce_scatter misaligned input",
         r,
         "input",
         &["16-byte aligned"],
     );
     let r = ops::reduce_scatter(g, &big_gathered, &mut big_out);
-    expect_invalid(
+    expect_invalid_saying(
         "reduce_scatter above the capacity",
         r,
         "input",
@@ -1521,7 +1272,7 @@ fn invalid_arguments_are_refused_before_anything_runs() {
             let stream = other.new_stream().expect("a stream on GPU 1");
             let elsewhere = stream.clone_htod(&host[..n]).expect("uploading to GPU 1");
             let r = ops::all_reduce(g, &elsewhere, &mut out.slice_mut(0..n), one_shot);
-            expect_invalid("partial on GPU 1", r, "partial", &["device 1"]);
+            expect_invalid_saying("partial on GPU 1", r, "partial", &["device 1"]);
         }
         _ => eprintln!("one GPU: the other-device check is skipped"),
     }
@@ -1551,12 +1302,8 @@ fn invalid_arguments_are_refused_before_anything_runs() {
 
     // And the group still works.
     let inputs = random_ranks::<T>(splitmix64(seed ^ 0x600d), 2, n);
-    let ins: Vec<CudaSlice<T>> = groups
-        .iter()
-        .zip(&inputs)
-        .map(|(g, x)| upload(g, x))
-        .collect();
-    let mut outs: Vec<CudaSlice<T>> = groups.iter().map(|g| poisoned(g, n)).collect();
+    let ins: Vec<CudaSlice<T>> = upload_ranks(&groups, &inputs);
+    let mut outs: Vec<CudaSlice<T>> = poisoned_ranks(&groups, n);
     round(&groups, "a valid call afterwards", |r| {
         ops::all_reduce(&groups[r], &ins[r], &mut outs[r], one_shot)
     });
@@ -1574,215 +1321,11 @@ fn invalid_arguments_are_refused_before_anything_runs() {
 // Two processes on one GPU: TpGroup::from_comm over CUDA IPC, or the NCCL fallback.
 // ---------------------------------------------------------------------------------------
 
-const ENV_ROLE: &str = "TPFUSE_TEST_CHILD_ROLE";
-const ENV_RANK: &str = "TPFUSE_TEST_CHILD_RANK";
-const ENV_WORLD: &str = "TPFUSE_TEST_CHILD_WORLD";
-const ENV_ID: &str = "TPFUSE_TEST_CHILD_ID";
-const ENV_DIR: &str = "TPFUSE_TEST_CHILD_DIR";
-const ENV_SEED: &str = "TPFUSE_TEST_CHILD_SEED";
 const ROLE: &str = "ipc_all_reduce";
 const CHILD_TEST: &str = "child_ipc_all_reduce";
 /// Bound on the whole multi-process test (children started to all exited). Two processes
 /// on one GPU without MPS are time-sliced: every barrier may cost a scheduling slice.
 const IPC_BOUND: Duration = Duration::from_secs(300);
-
-/// What a child learns from its environment.
-struct ChildEnv {
-    rank: usize,
-    world: usize,
-    id: UniqueId,
-    dir: PathBuf,
-    seed: u64,
-}
-
-impl ChildEnv {
-    /// `None` when this process was not started as a child of this test.
-    fn from_env() -> Option<ChildEnv> {
-        if std::env::var(ENV_ROLE).ok()? != ROLE {
-            return None;
-        }
-        let var = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("child without {k}"));
-        let num = |k: &str| -> u64 {
-            var(k)
-                .parse()
-                .unwrap_or_else(|_| panic!("{k}={:?} is not a number", var(k)))
-        };
-        Some(ChildEnv {
-            rank: num(ENV_RANK) as usize,
-            world: num(ENV_WORLD) as usize,
-            id: UniqueId::from_hex(&var(ENV_ID))
-                .unwrap_or_else(|e| panic!("{ENV_ID} does not parse: {e}")),
-            dir: PathBuf::from(var(ENV_DIR)),
-            seed: num(ENV_SEED),
-        })
-    }
-
-    /// Tells the parent that every check of this rank passed, with `note`.
-    fn mark_ok(&self, note: &str) {
-        std::fs::write(self.dir.join(format!("rank{}.ok", self.rank)), note)
-            .expect("writing the marker file");
-        println!("rank {}/{}: ok: {note}", self.rank, self.world);
-        let _ = std::io::stdout().flush();
-    }
-}
-
-/// The children of the multi-process test. Dropping it kills (through each child's own
-/// handle) and reaps every child still running, whatever path the test takes.
-struct Children {
-    dir: PathBuf,
-    procs: Vec<Child>,
-    started: Instant,
-}
-
-impl Children {
-    fn spawn(world: usize) -> Self {
-        let exe = std::env::current_exe().expect("the path of this test binary");
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos());
-        let dir = std::env::temp_dir().join(format!(
-            "tpfuse-gpu-all-reduce-{}-{nanos}",
-            std::process::id()
-        ));
-        std::fs::create_dir_all(&dir).expect("creating the children's directory");
-        let id = UniqueId::new().unwrap_or_else(|e| panic!("ncclGetUniqueId: {e}"));
-        let seed = splitmix64(base_seed() ^ 0x1bc);
-        let mut children = Children {
-            dir,
-            procs: Vec::new(),
-            started: Instant::now(),
-        };
-        for rank in 0..world {
-            let log = std::fs::File::create(children.log_path(rank)).expect("creating a log");
-            let mut cmd = Command::new(&exe);
-            cmd.args([
-                "--exact",
-                CHILD_TEST,
-                "--nocapture",
-                "--test-threads=1",
-                "--include-ignored",
-            ])
-            .env(ENV_ROLE, ROLE)
-            .env(ENV_RANK, rank.to_string())
-            .env(ENV_WORLD, world.to_string())
-            .env(ENV_ID, id.to_hex())
-            .env(ENV_DIR, &children.dir)
-            .env(ENV_SEED, seed.to_string())
-            // Separate "hosts" for NCCL, so that two ranks may share the GPU.
-            .env(
-                "NCCL_HOSTID",
-                format!("tpfuse-ar-test-{}-rank{rank}", std::process::id()),
-            )
-            .env("NCCL_SOCKET_IFNAME", "lo")
-            .env("NCCL_IB_DISABLE", "1")
-            .env("RUST_BACKTRACE", "1")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("duplicating a log handle"))
-            .stderr(log);
-            if std::env::var_os("NCCL_DEBUG").is_none() {
-                cmd.env("NCCL_DEBUG", "WARN");
-            }
-            let child = cmd
-                .spawn()
-                .unwrap_or_else(|e| panic!("starting rank {rank} ({}): {e}", exe.display()));
-            children.procs.push(child);
-        }
-        children
-    }
-
-    fn log_path(&self, rank: usize) -> PathBuf {
-        self.dir.join(format!("rank{rank}.log"))
-    }
-
-    fn logs(&self) -> String {
-        let mut s = String::new();
-        for rank in 0..self.procs.len() {
-            let log = std::fs::read_to_string(self.log_path(rank))
-                .unwrap_or_else(|e| format!("(no log: {e})"));
-            s += &format!("\n----- {CHILD_TEST} rank {rank} -----\n{log}");
-        }
-        s
-    }
-
-    fn kill_all(&mut self) {
-        for c in &mut self.procs {
-            if let Ok(None) = c.try_wait() {
-                let _ = c.kill();
-            }
-            let _ = c.wait();
-        }
-    }
-
-    /// Waits until every child has exited, at most `bound` after the start; a failing child
-    /// or the bound kills the rest and fails the test with every log.
-    fn wait_all(&mut self, bound: Duration) -> Vec<ExitStatus> {
-        let mut status: Vec<Option<ExitStatus>> = vec![None; self.procs.len()];
-        loop {
-            for (s, c) in status.iter_mut().zip(&mut self.procs) {
-                if s.is_none() {
-                    *s = c.try_wait().expect("polling a child");
-                }
-            }
-            if let Some((rank, s)) = status
-                .iter()
-                .enumerate()
-                .find_map(|(r, s)| s.filter(|s| !s.success()).map(|s| (r, s)))
-            {
-                self.kill_all();
-                panic!(
-                    "rank {rank} failed ({s}) after {:?}; the others were killed{}",
-                    self.started.elapsed(),
-                    self.logs()
-                );
-            }
-            if status.iter().all(Option::is_some) {
-                return status.into_iter().flatten().collect();
-            }
-            if self.started.elapsed() > bound {
-                self.kill_all();
-                panic!(
-                    "children still running after {bound:?} (a hang); killed{}",
-                    self.logs()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    /// Every rank's marker note (a child that exited 0 without one fails the test).
-    fn notes(&self) -> Vec<String> {
-        (0..self.procs.len())
-            .map(|rank| {
-                std::fs::read_to_string(self.dir.join(format!("rank{rank}.ok"))).unwrap_or_else(
-                    |_| {
-                        panic!(
-                            "rank {rank} exited 0 but never wrote its marker (did the child \
-                             test run at all?){}",
-                            self.logs()
-                        )
-                    },
-                )
-            })
-            .collect()
-    }
-}
-
-impl Drop for Children {
-    fn drop(&mut self) {
-        self.kill_all();
-        if std::thread::panicking() {
-            eprintln!("children's logs kept in {}", self.dir.display());
-        } else {
-            let _ = std::fs::remove_dir_all(&self.dir);
-        }
-    }
-}
-
-/// A small integer in [-32, 31]: sums over two ranks are exact in any order and any dtype.
-fn small_int(seed: u64, rank: usize, i: usize) -> f32 {
-    let h = splitmix64(seed ^ ((rank as u64) << 48) ^ i as u64);
-    (h % 64) as f32 - 32.0
-}
 
 /// FNV-1a over the bits of `xs`, folded into `h`.
 fn digest<T: Bits>(h: &mut u64, xs: &[T]) {
@@ -1815,16 +1358,7 @@ fn child_all_reduce<T: TestElement>(
 
 fn child_check_ipc(env: &ChildEnv) {
     let (rank, world) = (env.rank, env.world);
-    let comm = Comm::init_rank_on_device(
-        &env.id,
-        rank,
-        world,
-        0,
-        CommOptions {
-            timeout: Duration::from_secs(60),
-        },
-    )
-    .unwrap_or_else(|e| panic!("rank {rank}/{world}: NCCL init: {e}"));
+    let comm = env.comm(Duration::from_secs(60));
     let options = GroupOptions {
         capacity_bytes: 1 << 20,
         timeout: Duration::from_secs(30),
@@ -1876,7 +1410,7 @@ fn child_check_ipc(env: &ChildEnv) {
                 bf16::TOLERANCE,
             );
             let r = ops::all_reduce(&group, &input, &mut out, Algorithm::OneShot);
-            expect_invalid(
+            expect_invalid_saying(
                 "one-shot without symmetric memory",
                 r,
                 "partial",
@@ -1985,7 +1519,7 @@ fn child_check_ipc(env: &ChildEnv) {
 #[test]
 #[ignore = "child process of the multi-process test (it runs it with --include-ignored)"]
 fn child_ipc_all_reduce() {
-    match ChildEnv::from_env() {
+    match ChildEnv::from_env(ROLE) {
         Some(env) => child_check_ipc(&env),
         None => println!("{CHILD_TEST}: not started by the multi-process test; nothing to do"),
     }
@@ -1996,7 +1530,15 @@ fn child_ipc_all_reduce() {
 fn two_processes_on_one_gpu_all_reduce_over_ipc_or_nccl() {
     // Held so that no test of this process shares the GPU meanwhile.
     let _lock = gpu_lock();
-    let mut children = Children::spawn(2);
+    let mut children = Children::spawn(Spawn {
+        test: CHILD_TEST,
+        role: ROLE,
+        world: 2,
+        seed: splitmix64(base_seed(DEFAULT_SEED) ^ 0x1bc),
+        dir_prefix: "tpfuse-gpu-all-reduce",
+        host_prefix: "tpfuse-ar-test",
+        env: &[],
+    });
     children.wait_all(IPC_BOUND);
     let notes = children.notes();
     println!(

@@ -14,19 +14,18 @@
 //! - A dead peer: rank 1 leaves after init; rank 0's all-reduce must return an error within
 //!   its timeout and a margin, never hang.
 
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::CudaSlice;
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use std::io::Write as _;
-use std::path::PathBuf;
-use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tpfuse::comm::{group, Comm, CommOptions, ReduceOp, UniqueId};
 use tpfuse::{Error, NcclType};
 
 mod common;
+use common::children::{clock_nanos, small_int, ChildEnv, Children, Spawn};
+use common::gpu::{open_gpu0, refill, splitmix64, upload};
 use common::{assert_same_bits, Bits};
 
 const OPS: [ReduceOp; 5] = [
@@ -67,13 +66,6 @@ val! {
     u8 => "u8", |rng| rng.random_range(0..=254);
 }
 
-fn splitmix64(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
-
 fn fresh_id() -> UniqueId {
     UniqueId::new().unwrap_or_else(|e| panic!("ncclGetUniqueId: {e}"))
 }
@@ -85,20 +77,12 @@ fn world_one(options: CommOptions) -> Comm {
         .unwrap_or_else(|e| panic!("a world-1 communicator on GPU 0: {e}"))
 }
 
-fn upload<T: Val>(stream: &Arc<CudaStream>, host: &[T]) -> CudaSlice<T> {
-    stream.clone_htod(host).expect("uploading to the GPU")
-}
-
 fn download<T: Val>(comm: &Comm, buf: &CudaSlice<T>) -> Vec<T> {
     comm.synchronize()
         .unwrap_or_else(|e| panic!("rank {}: synchronize: {e}", comm.rank()));
     comm.stream()
         .clone_dtoh(buf)
         .expect("downloading from the GPU")
-}
-
-fn refill<T: Val>(stream: &Arc<CudaStream>, buf: &mut CudaSlice<T>, host: &[T]) {
-    stream.memcpy_htod(host, buf).expect("uploading to the GPU");
 }
 
 /// Every collective on a world-1 communicator: each output must equal its input.
@@ -303,10 +287,7 @@ fn world_one_abort_makes_the_communicator_unusable() {
 #[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
 fn world_one_init_variants() {
     // On the engine's own stream: the communicator uses exactly that stream.
-    let stream = tpfuse::device::open(0)
-        .unwrap_or_else(|e| panic!("this test needs a CUDA GPU and driver: {e}"))
-        .new_stream()
-        .expect("creating a stream");
+    let stream = open_gpu0().new_stream().expect("creating a stream");
     let comm = Comm::init_rank(&fresh_id(), 0, 1, stream.clone(), CommOptions::default())
         .unwrap_or_else(|e| panic!("init_rank on the caller's stream: {e}"));
     assert!(Arc::ptr_eq(comm.stream(), &stream));
@@ -340,13 +321,6 @@ fn world_one_init_variants() {
 // Several processes on one GPU.
 // ---------------------------------------------------------------------------------------
 
-const ENV_ROLE: &str = "TPFUSE_TEST_CHILD_ROLE";
-const ENV_RANK: &str = "TPFUSE_TEST_CHILD_RANK";
-const ENV_WORLD: &str = "TPFUSE_TEST_CHILD_WORLD";
-const ENV_ID: &str = "TPFUSE_TEST_CHILD_ID";
-const ENV_DIR: &str = "TPFUSE_TEST_CHILD_DIR";
-const ENV_SEED: &str = "TPFUSE_TEST_CHILD_SEED";
-
 /// Bound on a whole multi-process collective test (children started to all exited).
 const COLLECTIVES_BOUND: Duration = Duration::from_secs(240);
 /// The dead-peer test: rank 0's communicator timeout, the slack allowed beyond it for the
@@ -359,215 +333,18 @@ const DEAD_PEER_BOUND: Duration = Duration::from_secs(120);
 /// dead-peer bound should not absorb another test's load.
 static MULTI_PROCESS: Mutex<()> = Mutex::new(());
 
-/// What a child learns from its environment.
-struct ChildEnv {
-    rank: usize,
-    world: usize,
-    id: UniqueId,
-    dir: PathBuf,
-    seed: u64,
-}
-
-impl ChildEnv {
-    /// `None` when this process was not started as a child with `role`.
-    fn from_env(role: &str) -> Option<ChildEnv> {
-        if std::env::var(ENV_ROLE).ok()? != role {
-            return None;
-        }
-        let var = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("child without {k}"));
-        let num = |k: &str| -> u64 {
-            var(k)
-                .parse()
-                .unwrap_or_else(|_| panic!("{k}={:?} is not a number", var(k)))
-        };
-        Some(ChildEnv {
-            rank: num(ENV_RANK) as usize,
-            world: num(ENV_WORLD) as usize,
-            id: UniqueId::from_hex(&var(ENV_ID))
-                .unwrap_or_else(|e| panic!("{ENV_ID} does not parse: {e}")),
-            dir: PathBuf::from(var(ENV_DIR)),
-            seed: num(ENV_SEED),
-        })
-    }
-
-    /// Tells the parent that every check of this rank passed, with `note` for its log.
-    fn mark_ok(&self, note: &str) {
-        std::fs::write(self.dir.join(format!("rank{}.ok", self.rank)), note)
-            .expect("writing the marker file");
-        println!("rank {}/{}: ok: {note}", self.rank, self.world);
-        let _ = std::io::stdout().flush();
-    }
-}
-
-/// The children of one multi-process test. Dropping it kills (by pid) and reaps every
-/// child still running, whatever path the test takes.
-struct Children {
-    test: &'static str,
-    dir: PathBuf,
-    procs: Vec<Child>,
-    started: Instant,
-}
-
-impl Children {
-    /// Starts `world` copies of this test binary running the test `child_test`.
-    fn spawn(child_test: &'static str, role: &str, world: usize, extra: &[(&str, &str)]) -> Self {
-        let exe = std::env::current_exe().expect("the path of this test binary");
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos());
-        let dir = std::env::temp_dir().join(format!(
-            "tpfuse-gpu-comm-{}-{role}-w{world}-{nanos}",
-            std::process::id()
-        ));
-        std::fs::create_dir_all(&dir).expect("creating the children's directory");
-        let id = fresh_id();
-        let seed = splitmix64(nanos as u64 ^ u64::from(std::process::id()));
-        let mut children = Children {
-            test: child_test,
-            dir,
-            procs: Vec::new(),
-            started: Instant::now(),
-        };
-        for rank in 0..world {
-            let log = std::fs::File::create(children.log_path(rank)).expect("creating a log");
-            let mut cmd = Command::new(&exe);
-            cmd.args([
-                "--exact",
-                child_test,
-                "--nocapture",
-                "--test-threads=1",
-                "--include-ignored",
-            ])
-            .env(ENV_ROLE, role)
-            .env(ENV_RANK, rank.to_string())
-            .env(ENV_WORLD, world.to_string())
-            .env(ENV_ID, id.to_hex())
-            .env(ENV_DIR, &children.dir)
-            .env(ENV_SEED, seed.to_string())
-            // Separate "hosts" for NCCL, so that ranks may share the GPU (socket transport).
-            .env(
-                "NCCL_HOSTID",
-                format!("tpfuse-test-{}-rank{rank}", std::process::id()),
-            )
-            .env("NCCL_SOCKET_IFNAME", "lo")
-            .env("NCCL_IB_DISABLE", "1")
-            .env("RUST_BACKTRACE", "1")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("duplicating a log handle"))
-            .stderr(log);
-            if std::env::var_os("NCCL_DEBUG").is_none() {
-                cmd.env("NCCL_DEBUG", "WARN");
-            }
-            for (k, v) in extra {
-                cmd.env(k, v);
-            }
-            let child = cmd
-                .spawn()
-                .unwrap_or_else(|e| panic!("starting rank {rank} ({}): {e}", exe.display()));
-            children.procs.push(child);
-        }
-        children
-    }
-
-    fn log_path(&self, rank: usize) -> PathBuf {
-        self.dir.join(format!("rank{rank}.log"))
-    }
-
-    fn marker(&self, rank: usize) -> Option<String> {
-        std::fs::read_to_string(self.dir.join(format!("rank{rank}.ok"))).ok()
-    }
-
-    /// Every child's log, for failure messages.
-    fn logs(&self) -> String {
-        let mut s = String::new();
-        for rank in 0..self.procs.len() {
-            let log = std::fs::read_to_string(self.log_path(rank))
-                .unwrap_or_else(|e| format!("(no log: {e})"));
-            s += &format!("\n----- {} rank {rank} -----\n{log}", self.test);
-        }
-        s
-    }
-
-    fn kill_all(&mut self) {
-        for c in &mut self.procs {
-            if let Ok(None) = c.try_wait() {
-                let _ = c.kill();
-            }
-            let _ = c.wait();
-        }
-    }
-
-    /// Waits until every child has exited, at most `bound` after the start; a child that
-    /// fails, or the bound expiring, kills the rest and fails the test with every log.
-    fn wait_all(&mut self, bound: Duration) -> Vec<ExitStatus> {
-        let mut status: Vec<Option<ExitStatus>> = vec![None; self.procs.len()];
-        loop {
-            for (s, c) in status.iter_mut().zip(&mut self.procs) {
-                if s.is_none() {
-                    *s = c.try_wait().expect("polling a child");
-                }
-            }
-            if let Some((rank, s)) = status
-                .iter()
-                .enumerate()
-                .find_map(|(r, s)| s.filter(|s| !s.success()).map(|s| (r, s)))
-            {
-                self.kill_all();
-                panic!(
-                    "{}: rank {rank} failed ({s}) after {:?}; the others were killed{}",
-                    self.test,
-                    self.started.elapsed(),
-                    self.logs()
-                );
-            }
-            if status.iter().all(Option::is_some) {
-                return status.into_iter().flatten().collect();
-            }
-            if self.started.elapsed() > bound {
-                self.kill_all();
-                panic!(
-                    "{}: children still running after {bound:?} (a hang); killed{}",
-                    self.test,
-                    self.logs()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    /// Asserts every rank wrote its marker (so a child that ran no test cannot pass).
-    fn assert_all_marked(&self) -> Vec<String> {
-        (0..self.procs.len())
-            .map(|rank| {
-                self.marker(rank).unwrap_or_else(|| {
-                    panic!(
-                        "{}: rank {rank} exited 0 but never wrote its marker (did the child \
-                         test run at all?){}",
-                        self.test,
-                        self.logs()
-                    )
-                })
-            })
-            .collect()
-    }
-}
-
-impl Drop for Children {
-    fn drop(&mut self) {
-        self.kill_all();
-        if std::thread::panicking() {
-            eprintln!("children's logs kept in {}", self.dir.display());
-        } else {
-            let _ = std::fs::remove_dir_all(&self.dir);
-        }
-    }
-}
-
-/// A small integer in [-32, 31] for (seed, rank, index): sums over up to 8 ranks stay exact
-/// in bf16 (8 significant bits) and f32, whatever the order of the additions.
-fn small_int(seed: u64, rank: usize, i: usize) -> f32 {
-    let h = splitmix64(seed ^ ((rank as u64) << 48) ^ i as u64);
-    (h % 64) as f32 - 32.0
+/// Starts `world` children running the test `child_test` as `role`, with a seed from the
+/// clock and `env` added to their environment.
+fn spawn(child_test: &'static str, role: &str, world: usize, env: &[(&str, &str)]) -> Children {
+    Children::spawn(Spawn {
+        test: child_test,
+        role,
+        world,
+        seed: splitmix64(clock_nanos() as u64 ^ u64::from(std::process::id())),
+        dir_prefix: "tpfuse-gpu-comm",
+        host_prefix: "tpfuse-test",
+        env,
+    })
 }
 
 /// Lengths of the multi-process checks.
@@ -575,16 +352,7 @@ const MULTI_LENGTHS: [usize; 3] = [1, 4099, 262_147];
 
 fn child_check_collectives(env: &ChildEnv) {
     let (rank, world) = (env.rank, env.world);
-    let comm = Comm::init_rank_on_device(
-        &env.id,
-        rank,
-        world,
-        0,
-        CommOptions {
-            timeout: Duration::from_secs(90),
-        },
-    )
-    .unwrap_or_else(|e| panic!("rank {rank}/{world}: init: {e}"));
+    let comm = env.comm(Duration::from_secs(90));
     comm.sanity_check()
         .unwrap_or_else(|e| panic!("rank {rank}/{world}: sanity_check: {e}"));
     let stream = comm.stream().clone();
@@ -668,25 +436,18 @@ fn child_collectives() {
 
 fn multi_process_collectives(world: usize) {
     let _one_at_a_time = MULTI_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
-    let mut children = Children::spawn("child_collectives", "collectives", world, &[]);
+    let mut children = spawn("child_collectives", "collectives", world, &[]);
     children.wait_all(COLLECTIVES_BOUND);
-    let notes = children.assert_all_marked();
+    let notes = children.notes();
     println!(
         "world {world}: every rank passed in {:?}: {notes:?}",
         children.started.elapsed()
     );
 }
 
-#[test]
-#[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
-fn multi_process_collectives_world_2() {
-    multi_process_collectives(2);
-}
-
-#[test]
-#[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
-fn multi_process_collectives_world_4() {
-    multi_process_collectives(4);
+gpu_tests! {
+    multi_process_collectives_world_2 => multi_process_collectives(2);
+    multi_process_collectives_world_4 => multi_process_collectives(4);
 }
 
 const ENV_DEAD_AFTER: &str = "TPFUSE_TEST_DEAD_PEER_AFTER";
@@ -697,16 +458,7 @@ fn child_check_dead_peer(env: &ChildEnv) {
     // "sanity": the peer joins one all-reduce (connections are up) and then leaves;
     // "init": the peer leaves right after init (rank 0's first collective must connect).
     let after = std::env::var(ENV_DEAD_AFTER).unwrap_or_else(|_| "sanity".into());
-    let comm = Comm::init_rank_on_device(
-        &env.id,
-        rank,
-        world,
-        0,
-        CommOptions {
-            timeout: DEAD_PEER_TIMEOUT,
-        },
-    )
-    .unwrap_or_else(|e| panic!("rank {rank}/{world}: init: {e}"));
+    let comm = env.comm(DEAD_PEER_TIMEOUT);
     if after == "sanity" {
         comm.sanity_check()
             .unwrap_or_else(|e| panic!("rank {rank}/{world}: sanity_check: {e}"));
@@ -767,14 +519,14 @@ fn child_dead_peer() {
 
 fn dead_peer(after: &str) {
     let _one_at_a_time = MULTI_PROCESS.lock().unwrap_or_else(|e| e.into_inner());
-    let mut children = Children::spawn(
+    let mut children = spawn(
         "child_dead_peer",
         "dead_peer",
         2,
         &[(ENV_DEAD_AFTER, after)],
     );
     children.wait_all(DEAD_PEER_BOUND);
-    let notes = children.assert_all_marked();
+    let notes = children.notes();
     println!(
         "dead peer ({after}): {notes:?}; whole test {:?}",
         children.started.elapsed()
@@ -788,14 +540,7 @@ fn dead_peer(after: &str) {
     );
 }
 
-#[test]
-#[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
-fn multi_process_dead_peer_after_first_collective_is_an_error_not_a_hang() {
-    dead_peer("sanity");
-}
-
-#[test]
-#[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
-fn multi_process_dead_peer_before_first_collective_is_an_error_not_a_hang() {
-    dead_peer("init");
+gpu_tests! {
+    multi_process_dead_peer_after_first_collective_is_an_error_not_a_hang => dead_peer("sanity");
+    multi_process_dead_peer_before_first_collective_is_an_error_not_a_hang => dead_peer("init");
 }

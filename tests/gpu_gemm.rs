@@ -15,7 +15,11 @@
 //! - agreement with cuBLASLt (when libcublasLt can be loaded) within the same tolerance.
 
 mod common;
-use common::{assert_same_bits, Bits};
+use common::assert_same_bits;
+use common::gpu::{
+    self, assert_close, base_seed, download, expect_invalid, gpu_stream, mix_seed, random_vec,
+    splitmix64, upload,
+};
 
 use cudarc::cublaslt::{CudaBlasLT, Matmul, MatmulConfig};
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, ValidAsZeroBits};
@@ -27,7 +31,6 @@ use tpfuse::ops::gemm::{
     gemm, gemm_accumulate, gemm_with_config, GemmConfig, GemmElement, GemmPath, GemmShape,
 };
 use tpfuse::reference::{gemm_f64, relative_error};
-use tpfuse::Error;
 
 /// The DESIGN reference shapes, Llama-3-70B at TP = 8: (name, n, k).
 const REFERENCE_SHAPES: [(&str, usize, usize); 4] = [
@@ -53,63 +56,23 @@ const CHECKED_ROWS: usize = 16;
 /// Poisoned elements after the end of every output.
 const GUARD: usize = 64;
 
-trait TestElement: GemmElement + Bits + ValidAsZeroBits {
-    const ID: u64;
-    const TOLERANCE: f64;
-}
+/// The GEMM's element types (f16 and bf16) with the tests' seeds and tolerances.
+trait TestElement: gpu::TestElement + GemmElement + ValidAsZeroBits {}
 
-impl TestElement for f16 {
-    const ID: u64 = 2;
-    const TOLERANCE: f64 = 2e-3;
-}
-
-impl TestElement for bf16 {
-    const ID: u64 = 3;
-    const TOLERANCE: f64 = 1e-2;
-}
-
-/// A stream on GPU 0. A missing driver or GPU fails the test (it never skips).
-fn gpu_stream() -> Arc<CudaStream> {
-    let ctx = tpfuse::device::open(0)
-        .unwrap_or_else(|e| panic!("this test needs a CUDA GPU and driver: {e}"));
-    ctx.new_stream().expect("creating a CUDA stream")
-}
-
-fn splitmix64(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
-
-fn base_seed() -> u64 {
-    match std::env::var("TPFUSE_TEST_SEED") {
-        Ok(s) => s
-            .trim()
-            .parse()
-            .unwrap_or_else(|_| panic!("TPFUSE_TEST_SEED={s:?} is not a u64")),
-        Err(_) => 0x7470_6675_7365_0005,
-    }
-}
+impl TestElement for f16 {}
+impl TestElement for bf16 {}
 
 /// One seed per case: the dtype and the given parts.
 fn case_seed<T: TestElement>(parts: &[u64]) -> u64 {
-    let mut s = splitmix64(base_seed() ^ T::ID);
-    for &p in parts {
-        s = splitmix64(s ^ p);
-    }
-    s
+    mix_seed(splitmix64(base_seed(0x7470_6675_7365_0005) ^ T::ID), parts)
 }
 
 /// `len` values uniform in (-scale, scale), generated in parallel chunks for large `len`.
 fn random<T: TestElement>(seed: u64, len: usize, scale: f32) -> Vec<T> {
     const CHUNK: usize = 1 << 20;
     let chunk = |c: usize| -> Vec<T> {
-        let mut rng = StdRng::seed_from_u64(splitmix64(seed ^ (c as u64).wrapping_mul(0x9e37)));
-        let n = CHUNK.min(len - c * CHUNK);
-        (0..n)
-            .map(|_| T::from_f32(rng.random_range(-scale..scale)))
-            .collect()
+        let seed = splitmix64(seed ^ (c as u64).wrapping_mul(0x9e37));
+        random_vec(seed, CHUNK.min(len - c * CHUNK), -scale, scale)
     };
     let chunks = len.div_ceil(CHUNK);
     if chunks <= 1 {
@@ -203,15 +166,6 @@ struct Device<T> {
     residual: Option<CudaSlice<T>>,
 }
 
-fn upload<T: TestElement>(stream: &Arc<CudaStream>, host: &[T]) -> CudaSlice<T> {
-    stream.clone_htod(host).expect("uploading to the GPU")
-}
-
-fn download<T: TestElement>(stream: &Arc<CudaStream>, buf: &CudaSlice<T>) -> Vec<T> {
-    stream.synchronize().expect("synchronizing the stream");
-    stream.clone_dtoh(buf).expect("downloading from the GPU")
-}
-
 impl<T: TestElement> Problem<T> {
     fn upload(&self, stream: &Arc<CudaStream>) -> Device<T> {
         Device {
@@ -295,12 +249,7 @@ fn check_accuracy<T: TestElement>(label: &str, problem: &Problem<T>, got: &[T], 
         .iter()
         .flat_map(|&r| got[r * n..(r + 1) * n].iter().copied())
         .collect();
-    let err = relative_error(&picked, &want);
-    assert!(
-        err < T::TOLERANCE,
-        "{label}: relative error {err:e} vs the f64 reference exceeds {:e}",
-        T::TOLERANCE
-    );
+    assert_close(label, &picked, &want, T::TOLERANCE);
 }
 
 fn reference_shapes<T: TestElement>() {
@@ -521,17 +470,6 @@ fn deterministic<T: TestElement>() {
     }
 }
 
-fn expect_invalid(label: &str, result: tpfuse::Result<()>, arg: &str) {
-    match result {
-        Err(Error::InvalidArgument { arg: got, reason }) => assert_eq!(
-            got, arg,
-            "{label}: InvalidArgument names `{got}` ({reason}), expected `{arg}`"
-        ),
-        Err(e) => panic!("{label}: expected InvalidArgument for `{arg}`, got {e:?}"),
-        Ok(()) => panic!("{label}: expected InvalidArgument for `{arg}`, got Ok"),
-    }
-}
-
 /// Bad calls on real buffers fail before the launch: the output keeps its poison.
 fn validation<T: TestElement>() {
     let stream = gpu_stream();
@@ -685,18 +623,6 @@ where
             );
         }
     }
-}
-
-macro_rules! gpu_tests {
-    ($($name:ident => $body:expr;)*) => {
-        $(
-            #[test]
-            #[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
-            fn $name() {
-                $body
-            }
-        )*
-    };
 }
 
 gpu_tests! {

@@ -42,157 +42,64 @@
 //!
 //! Run one test at a time on the GPU (a process-wide lock does that) with enough hardware
 //! queues for the virtual ranks (`CUDA_DEVICE_MAX_CONNECTIONS=32`, set by the first test
-//! before the first CUDA call when unset); see `tests/gpu_all_reduce.rs`.
+//! before the first CUDA call when unset); see `tests/common/ranks.rs`.
 
 mod common;
-use common::{assert_same_bits, Bits};
+use common::assert_same_bits;
+use common::gpu::{
+    self, assert_close, assert_poisoned, base_seed, expect_invalid_saying, mix_seed, random_vec,
+    splitmix64,
+};
+use common::ranks::{
+    download, download_ranks, gpu, poisoned, poisoned_ranks, round, upload, upload_copies,
+    virtual_group,
+};
 
-use cudarc::driver::{CudaContext, CudaSlice, DevicePtr};
+use cudarc::driver::{CudaContext, CudaSlice};
 use half::{bf16, f16};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
-use std::sync::{Arc, Mutex, MutexGuard, Once};
+use std::sync::Arc;
 use tpfuse::ops::gemm::GemmElement;
 use tpfuse::ops::linear::{ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear};
 use tpfuse::ops::{Algorithm, RmsNorm};
-use tpfuse::reference::{
-    all_reduce_epilogue_exact, gated_mlp_f64, gemm_f64, relative_error, rms_norm_f64,
-};
+use tpfuse::reference::{all_reduce_epilogue_exact, gated_mlp_f64, gemm_f64, rms_norm_f64};
 use tpfuse::shard::{ColumnParallelSpec, MergedColumnSpec, RowParallelSpec};
 use tpfuse::topology::AllReduceAlgo;
-use tpfuse::{Error, GroupOptions, NcclType, TpGroup};
+use tpfuse::{GroupOptions, NcclType, TpGroup};
 
 const WORLDS: [usize; 3] = [2, 4, 8];
 const EPS: f32 = 1e-5;
 
-trait TestElement: GemmElement + NcclType + Bits {
-    const ID: u64;
-    /// One layer against the f64 reference.
-    const TOLERANCE: f64;
+/// The layers' element types; `TOLERANCE` (one layer against the f64 reference) and the
+/// seeds' `ID` come from [`gpu::TestElement`].
+trait TestElement: gpu::TestElement + GemmElement + NcclType {
     /// Two layers (see the module docs).
     const MLP_TOLERANCE: f64;
 }
 
 impl TestElement for bf16 {
-    const ID: u64 = 3;
-    const TOLERANCE: f64 = 1e-2;
     const MLP_TOLERANCE: f64 = 2e-2;
 }
 
 impl TestElement for f16 {
-    const ID: u64 = 2;
-    const TOLERANCE: f64 = 2e-3;
     const MLP_TOLERANCE: f64 = 4e-3;
 }
 
 // ---------------------------------------------------------------------------------------
-// Seeds, data, the GPU.
+// Seeds, data, checks.
 // ---------------------------------------------------------------------------------------
 
-fn splitmix64(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
-
-fn base_seed() -> u64 {
-    match std::env::var("TPFUSE_TEST_SEED") {
-        Ok(s) => s
-            .trim()
-            .parse()
-            .unwrap_or_else(|_| panic!("TPFUSE_TEST_SEED={s:?} is not a u64")),
-        Err(_) => 0x7470_6675_7365_11a7,
-    }
-}
-
 fn case_seed<T: TestElement>(parts: &[u64]) -> u64 {
-    let mut s = splitmix64(base_seed() ^ T::ID);
-    for &p in parts {
-        s = splitmix64(s ^ p);
-    }
-    s
+    mix_seed(splitmix64(base_seed(0x7470_6675_7365_11a7) ^ T::ID), parts)
 }
 
 /// `n` values uniform in (-scale, scale).
 fn random<T: TestElement>(seed: u64, n: usize, scale: f32) -> Vec<T> {
-    let mut rng = StdRng::seed_from_u64(seed);
-    (0..n)
-        .map(|_| T::from_f32(rng.random_range(-scale..scale)))
-        .collect()
+    random_vec(seed, n, -scale, scale)
 }
 
 /// A weight `[out, in]` scaled like a trained layer (outputs of order 1 for inputs of order 1).
 fn weight<T: TestElement>(seed: u64, out: usize, k: usize) -> Vec<T> {
     random(seed, out * k, 2.0 / (k as f32).sqrt())
-}
-
-static GPU_LOCK: Mutex<()> = Mutex::new(());
-static MAX_CONNECTIONS: Once = Once::new();
-
-/// GPU 0 for one test. Field order matters: the context drops before the lock is released.
-struct Gpu {
-    ctx: Arc<CudaContext>,
-    _lock: MutexGuard<'static, ()>,
-}
-
-/// GPU 0, with the lock held. A missing driver or GPU fails the test (it never skips).
-fn gpu() -> Gpu {
-    let lock = GPU_LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    MAX_CONNECTIONS.call_once(|| {
-        if std::env::var_os("CUDA_DEVICE_MAX_CONNECTIONS").is_none() {
-            std::env::set_var("CUDA_DEVICE_MAX_CONNECTIONS", "32");
-        }
-    });
-    let ctx = tpfuse::device::open(0)
-        .unwrap_or_else(|e| panic!("this test needs a CUDA GPU and driver: {e}"));
-    Gpu { ctx, _lock: lock }
-}
-
-fn virtual_group(ctx: &Arc<CudaContext>, world: usize) -> Vec<TpGroup> {
-    TpGroup::virtual_ranks(ctx, world, GroupOptions::default())
-        .unwrap_or_else(|e| panic!("building {world} virtual ranks: {e}"))
-}
-
-fn upload<T: TestElement>(group: &TpGroup, host: &[T]) -> CudaSlice<T> {
-    group.stream().clone_htod(host).expect("uploading")
-}
-
-fn poisoned<T: TestElement>(group: &TpGroup, n: usize) -> CudaSlice<T> {
-    upload(group, &vec![T::poison(); n])
-}
-
-/// Copies `buf` to the host (call `check()` first: it bounds the wait).
-fn download<T: TestElement>(group: &TpGroup, buf: &impl DevicePtr<T>) -> Vec<T> {
-    group.stream().clone_dtoh(buf).expect("downloading")
-}
-
-fn check_all(groups: &[TpGroup], label: &str) {
-    for g in groups {
-        g.check()
-            .unwrap_or_else(|e| panic!("{label}: check() on rank {}: {e}", g.rank()));
-    }
-}
-
-/// `op(r)` for r = 0, 1, .., W-1, then `check()` on every rank.
-fn round<R>(
-    groups: &[TpGroup],
-    label: &str,
-    mut op: impl FnMut(usize) -> tpfuse::Result<R>,
-) -> Vec<R> {
-    let out: Vec<R> = (0..groups.len())
-        .map(|r| op(r).unwrap_or_else(|e| panic!("{label}: rank {r}: {e}")))
-        .collect();
-    check_all(groups, label);
-    out
-}
-
-fn assert_close<T: TestElement>(label: &str, got: &[T], want: &[f64], tolerance: f64) {
-    let err = relative_error(got, want);
-    assert!(
-        err < tolerance,
-        "{label}: relative error {err:e} vs the f64 reference exceeds {tolerance:e}"
-    );
 }
 
 /// Every rank's result has rank 0's bits.
@@ -272,6 +179,21 @@ impl<T: TestElement> Mlp<T> {
             })
             .collect()
     }
+
+    /// The unsharded f64 MLP of `x` (`[m, hidden]`).
+    fn reference(&self, x: &[T]) -> Vec<f64> {
+        let m = x.len() / self.hidden;
+        let bias = Some(&self.bias[..]);
+        gated_mlp_f64(
+            x,
+            &self.gate_up,
+            &self.down,
+            bias,
+            m,
+            self.hidden,
+            self.inter,
+        )
+    }
 }
 
 /// What the first layer and the activation leave on every rank.
@@ -294,8 +216,8 @@ fn first_layer<T: TestElement>(
     let m = x.len() / hidden;
     let per = inter / world;
     let full = gemm_f64(x, &mlp.gate_up, None, None, m, 2 * inter, hidden);
-    let xs: Vec<CudaSlice<T>> = groups.iter().map(|g| upload(g, x)).collect();
-    let mut hs: Vec<CudaSlice<T>> = groups.iter().map(|g| poisoned(g, m * 2 * per)).collect();
+    let xs: Vec<CudaSlice<T>> = upload_copies(groups, x);
+    let mut hs: Vec<CudaSlice<T>> = poisoned_ranks(groups, m * 2 * per);
     round(groups, &format!("{label} gate_up"), |r| {
         layers[r].0.forward(&groups[r], &xs[r], &mut hs[r])
     });
@@ -330,19 +252,11 @@ fn mlp_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usize) {
     let (hidden, inter) = (512, 1536);
     let seed = case_seed::<T>(&[1, world as u64, m as u64]);
     let label = format!("MLP {} W={world} m={m} seed={seed:#x}", T::NAME);
-    let groups = virtual_group(ctx, world);
+    let groups = virtual_group(ctx, world, GroupOptions::default());
     let mlp = Mlp::<T>::new(seed, hidden, inter);
     let mut layers = mlp.layers(&groups);
     let x = random::<T>(splitmix64(seed ^ 4), m * hidden, 1.0);
-    let want = gated_mlp_f64(
-        &x,
-        &mlp.gate_up,
-        &mlp.down,
-        Some(&mlp.bias),
-        m,
-        hidden,
-        inter,
-    );
+    let want = mlp.reference(&x);
     let first = first_layer(&label, &groups, &layers, &mlp, &x);
 
     let mut first_bits: Option<Vec<T>> = None;
@@ -352,9 +266,8 @@ fn mlp_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usize) {
             .map(|(gu, dn)| (gu, dn.with_algorithm(algo)))
             .collect();
         let label = format!("{label} {algo:?}");
-        let mut partials: Vec<CudaSlice<T>> =
-            groups.iter().map(|g| poisoned(g, m * hidden)).collect();
-        let mut outs: Vec<CudaSlice<T>> = groups.iter().map(|g| poisoned(g, m * hidden)).collect();
+        let mut partials: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * hidden);
+        let mut outs: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * hidden);
         let ran = round(&groups, &label, |r| {
             layers[r]
                 .1
@@ -366,19 +279,11 @@ fn mlp_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usize) {
             Algorithm::TwoShot => assert_eq!(ran[0], AllReduceAlgo::TwoShot, "{label}"),
             _ => {}
         }
-        let got: Vec<Vec<T>> = groups
-            .iter()
-            .zip(&outs)
-            .map(|(g, o)| download(g, o))
-            .collect();
+        let got: Vec<Vec<T>> = download_ranks(&groups, &outs);
         assert_ranks_agree(&label, &got);
         assert_close(&label, &got[0], &want, T::MLP_TOLERANCE);
         // The bits: Σ partials in rank order in f32, + bias once, rounded once.
-        let parts: Vec<Vec<T>> = groups
-            .iter()
-            .zip(&partials)
-            .map(|(g, p)| download(g, p))
-            .collect();
+        let parts: Vec<Vec<T>> = download_ranks(&groups, &partials);
         let refs: Vec<&[T]> = parts.iter().map(|p| p.as_slice()).collect();
         let exact = all_reduce_epilogue_exact(&refs, Some(&mlp.bias), None, hidden);
         assert_same_bits(
@@ -404,21 +309,13 @@ fn mlp_rmsnorm_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usi
     let (hidden, inter) = (512, 1536);
     let seed = case_seed::<T>(&[2, world as u64, m as u64]);
     let label = format!("MLP+RMSNorm {} W={world} m={m} seed={seed:#x}", T::NAME);
-    let groups = virtual_group(ctx, world);
+    let groups = virtual_group(ctx, world, GroupOptions::default());
     let mlp = Mlp::<T>::new(seed, hidden, inter);
     let layers = mlp.layers(&groups);
     let x = random::<T>(splitmix64(seed ^ 4), m * hidden, 1.0);
     let residual_in = random::<T>(splitmix64(seed ^ 5), m * hidden, 1.0);
     let gamma = random::<T>(splitmix64(seed ^ 6), hidden, 1.0);
-    let y = gated_mlp_f64(
-        &x,
-        &mlp.gate_up,
-        &mlp.down,
-        Some(&mlp.bias),
-        m,
-        hidden,
-        inter,
-    );
+    let y = mlp.reference(&x);
     let h_want: Vec<f64> = y
         .iter()
         .zip(&residual_in)
@@ -427,10 +324,10 @@ fn mlp_rmsnorm_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usi
     let out_want = rms_norm_f64(&h_want, &gamma, f64::from(EPS));
     let first = first_layer(&label, &groups, &layers, &mlp, &x);
 
-    let gammas: Vec<CudaSlice<T>> = groups.iter().map(|g| upload(g, &gamma)).collect();
-    let mut residuals: Vec<CudaSlice<T>> = groups.iter().map(|g| upload(g, &residual_in)).collect();
-    let mut partials: Vec<CudaSlice<T>> = groups.iter().map(|g| poisoned(g, m * hidden)).collect();
-    let mut outs: Vec<CudaSlice<T>> = groups.iter().map(|g| poisoned(g, m * hidden)).collect();
+    let gammas: Vec<CudaSlice<T>> = upload_copies(&groups, &gamma);
+    let mut residuals: Vec<CudaSlice<T>> = upload_copies(&groups, &residual_in);
+    let mut partials: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * hidden);
+    let mut outs: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * hidden);
     for g in &groups {
         g.stream().synchronize().expect("uploading");
     }
@@ -447,16 +344,8 @@ fn mlp_rmsnorm_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usi
             &mut outs[r],
         )
     });
-    let h: Vec<Vec<T>> = groups
-        .iter()
-        .zip(&residuals)
-        .map(|(g, b)| download(g, b))
-        .collect();
-    let out: Vec<Vec<T>> = groups
-        .iter()
-        .zip(&outs)
-        .map(|(g, b)| download(g, b))
-        .collect();
+    let h: Vec<Vec<T>> = download_ranks(&groups, &residuals);
+    let out: Vec<Vec<T>> = download_ranks(&groups, &outs);
     assert_ranks_agree(&format!("{label} residual"), &h);
     assert_ranks_agree(&format!("{label} out"), &out);
     assert_close(
@@ -472,11 +361,7 @@ fn mlp_rmsnorm_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usi
         T::MLP_TOLERANCE,
     );
     // The new residual: Σ partials + bias + old residual, in f32 in that order, rounded once.
-    let parts: Vec<Vec<T>> = groups
-        .iter()
-        .zip(&partials)
-        .map(|(g, p)| download(g, p))
-        .collect();
+    let parts: Vec<Vec<T>> = download_ranks(&groups, &partials);
     let refs: Vec<&[T]> = parts.iter().map(|p| p.as_slice()).collect();
     let exact = all_reduce_epilogue_exact(&refs, Some(&mlp.bias), Some(&residual_in), hidden);
     assert_same_bits(&format!("{label}: residual vs exact"), &h[0], &exact);
@@ -492,16 +377,9 @@ fn mlp_matrix<T: TestElement>() {
     }
 }
 
-#[test]
-#[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
-fn tp_mlp_equals_the_unsharded_mlp_bf16() {
-    mlp_matrix::<bf16>();
-}
-
-#[test]
-#[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
-fn tp_mlp_equals_the_unsharded_mlp_f16() {
-    mlp_matrix::<f16>();
+gpu_tests! {
+    tp_mlp_equals_the_unsharded_mlp_bf16 => mlp_matrix::<bf16>();
+    tp_mlp_equals_the_unsharded_mlp_f16 => mlp_matrix::<f16>();
 }
 
 // ---------------------------------------------------------------------------------------
@@ -512,7 +390,7 @@ fn column_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usize) {
     let (k, n) = (256, 1024);
     let seed = case_seed::<T>(&[3, world as u64, m as u64]);
     let label = format!("column {} W={world} m={m} seed={seed:#x}", T::NAME);
-    let groups = virtual_group(ctx, world);
+    let groups = virtual_group(ctx, world, GroupOptions::default());
     let w = weight::<T>(splitmix64(seed ^ 1), n, k);
     let b = random::<T>(splitmix64(seed ^ 2), n, 0.5);
     let x = random::<T>(splitmix64(seed ^ 3), m * k, 1.0);
@@ -525,11 +403,11 @@ fn column_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usize) {
             ColumnParallelLinear::from_host(g, spec, &w, Some(&b)).expect("layer")
         })
         .collect();
-    let xs: Vec<CudaSlice<T>> = groups.iter().map(|g| upload(g, &x)).collect();
-    let mut plain: Vec<CudaSlice<T>> = groups.iter().map(|g| poisoned(g, m * per)).collect();
-    let mut local: Vec<CudaSlice<T>> = groups.iter().map(|g| poisoned(g, m * per)).collect();
-    let mut gathered: Vec<CudaSlice<T>> = groups.iter().map(|g| poisoned(g, m * n)).collect();
-    let mut outs: Vec<CudaSlice<T>> = groups.iter().map(|g| poisoned(g, m * n)).collect();
+    let xs: Vec<CudaSlice<T>> = upload_copies(&groups, &x);
+    let mut plain: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * per);
+    let mut local: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * per);
+    let mut gathered: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * n);
+    let mut outs: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * n);
     for g in &groups {
         g.stream().synchronize().expect("uploading");
     }
@@ -568,11 +446,7 @@ fn column_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usize) {
             side_by_side.extend_from_slice(&s[i * per..(i + 1) * per]);
         }
     }
-    let got: Vec<Vec<T>> = groups
-        .iter()
-        .zip(&outs)
-        .map(|(g, o)| download(g, o))
-        .collect();
+    let got: Vec<Vec<T>> = download_ranks(&groups, &outs);
     assert_ranks_agree(&format!("{label} gathered"), &got);
     assert_same_bits(
         &format!("{label}: gathered vs shards"),
@@ -605,7 +479,7 @@ fn qkv_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, q_heads: usize
         "qkv {} {q_heads}/{kv_heads} W={world} seed={seed:#x}",
         T::NAME
     );
-    let groups = virtual_group(ctx, world);
+    let groups = virtual_group(ctx, world, GroupOptions::default());
     let (q_rows, kv_rows) = (q_heads * head_dim, kv_heads * head_dim);
     let out = q_rows + 2 * kv_rows;
     let w = weight::<T>(splitmix64(seed ^ 1), out, hidden);
@@ -644,9 +518,9 @@ fn qkv_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, q_heads: usize
         })
         .collect();
     let n = merged[0].spec().out_per_rank();
-    let xs: Vec<CudaSlice<T>> = groups.iter().map(|g| upload(g, &x)).collect();
-    let mut ys: Vec<CudaSlice<T>> = groups.iter().map(|g| poisoned(g, m * n)).collect();
-    let mut ys2: Vec<CudaSlice<T>> = groups.iter().map(|g| poisoned(g, m * n)).collect();
+    let xs: Vec<CudaSlice<T>> = upload_copies(&groups, &x);
+    let mut ys: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * n);
+    let mut ys2: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * n);
     round(&groups, &label, |r| {
         merged[r].forward(&groups[r], &xs[r], &mut ys[r])
     });
@@ -706,35 +580,12 @@ fn qkv_sections_hold_the_ranks_heads() {
 // Validation on real buffers.
 // ---------------------------------------------------------------------------------------
 
-fn expect_layer_error<R: std::fmt::Debug>(
-    label: &str,
-    result: tpfuse::Result<R>,
-    layer: &str,
-    words: &[&str],
-) {
-    match result {
-        Err(Error::InvalidArgument { arg, reason }) => {
-            assert_eq!(arg, layer, "{label}: wrong layer named ({reason})");
-            for w in words {
-                assert!(reason.contains(w), "{label}: `{w}` missing from: {reason}");
-            }
-        }
-        other => panic!("{label}: expected InvalidArgument({layer}), got {other:?}"),
-    }
-}
-
-fn assert_poisoned<T: TestElement>(label: &str, got: &[T]) {
-    if let Some(i) = got.iter().position(|x| x.bits() != T::poison().bits()) {
-        panic!("{label}: element {i} was written although nothing should have run");
-    }
-}
-
 #[test]
 #[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
 fn bad_calls_are_refused_before_anything_runs() {
     type T = bf16;
     let gpu = gpu();
-    let groups = virtual_group(&gpu.ctx, 2);
+    let groups = virtual_group(&gpu.ctx, 2, GroupOptions::default());
     let (hidden, inter, m) = (64, 128, 3);
     let seed = case_seed::<T>(&[5]);
     let mlp = Mlp::<T>::new(seed, hidden, inter);
@@ -746,33 +597,33 @@ fn bad_calls_are_refused_before_anything_runs() {
     // Construction: a spec for another world; a shard of the wrong length; a host weight of
     // the wrong length; a shard the GEMM cannot take.
     let spec4 = RowParallelSpec::new("mlp.down_proj", inter, hidden, 4).unwrap();
-    expect_layer_error(
+    expect_invalid_saying(
         "spec of world 4",
         RowParallelLinear::from_host(g0, spec4, &mlp.down, None),
         down,
         &["world 4", "2 ranks"],
     );
     let spec = RowParallelSpec::new("mlp.down_proj", inter, hidden, 2).unwrap();
-    expect_layer_error(
+    expect_invalid_saying(
         "short shard",
         RowParallelLinear::<T>::from_shard(g0, spec.clone(), poisoned(g0, 8), None),
         down,
         &["the weight shard holds 8"],
     );
-    expect_layer_error(
+    expect_invalid_saying(
         "short host weight",
         RowParallelLinear::from_host(g0, spec.clone(), &mlp.down[1..], None),
         down,
         &["the host weight"],
     );
-    expect_layer_error(
+    expect_invalid_saying(
         "sharded bias",
         RowParallelLinear::from_host(g0, spec, &mlp.down, Some(&mlp.bias[..hidden / 2])),
         down,
         &["the host bias", "whole on every rank"],
     );
     let odd = ColumnParallelSpec::new("lm_head", hidden, 12, 2).unwrap();
-    expect_layer_error(
+    expect_invalid_saying(
         "6 rows a rank",
         ColumnParallelLinear::from_host(g0, odd, &vec![T::ZERO; 12 * hidden], None),
         "column-parallel 'lm_head'",
@@ -787,7 +638,7 @@ fn bad_calls_are_refused_before_anything_runs() {
     let mut out = poisoned::<T>(g0, m * hidden);
     let x1 = upload(g1, &random::<T>(seed, m * hidden, 1.0));
     let mut h1 = poisoned::<T>(g1, m * inter);
-    expect_layer_error(
+    expect_invalid_saying(
         "rank 0's layer on rank 1",
         layers[0].0.forward(g1, &x1, &mut h1),
         gate_up,
@@ -795,14 +646,14 @@ fn bad_calls_are_refused_before_anything_runs() {
     );
     {
         let short = x.slice(0..m * hidden - 1);
-        expect_layer_error(
+        expect_invalid_saying(
             "x not whole rows",
             layers[0].0.forward(g0, &short, &mut h),
             gate_up,
             &["x holds", "whole rows of 64"],
         );
         let mut short_out = h.slice_mut(0..m * inter - 8);
-        expect_layer_error(
+        expect_invalid_saying(
             "out too short",
             layers[0].0.forward(g0, &x, &mut short_out),
             gate_up,
@@ -811,7 +662,7 @@ fn bad_calls_are_refused_before_anything_runs() {
     }
     {
         let mut short = partial.slice_mut(0..(m - 1) * hidden);
-        expect_layer_error(
+        expect_invalid_saying(
             "partial too short",
             layers[0].1.forward(g0, &act, &mut short, &mut out),
             down,
@@ -820,7 +671,7 @@ fn bad_calls_are_refused_before_anything_runs() {
     }
     let gamma_short = upload(g0, &vec![T::ONE; hidden / 2]);
     let mut residual = upload(g0, &vec![T::ONE; m * hidden]);
-    expect_layer_error(
+    expect_invalid_saying(
         "gamma of half the row",
         layers[0].1.forward_residual_rmsnorm(
             g0,
@@ -840,7 +691,7 @@ fn bad_calls_are_refused_before_anything_runs() {
     let wide = upload(g0, &random::<T>(seed, m * inter / 2 + 8, 1.0));
     {
         let off = wide.slice(1..1 + m * inter / 2);
-        expect_layer_error(
+        expect_invalid_saying(
             "misaligned x",
             layers[0].1.forward(g0, &off, &mut partial, &mut out),
             down,

@@ -11,19 +11,21 @@
 //!
 //! The seed of every case derives from `TPFUSE_TEST_SEED` (a fixed default when unset), so a
 //! failure names the seed that reproduces it.
+//!
+//! [`reduce_ranks_exact`]: tpfuse::reference::reduce_ranks_exact
+//! [`reduce_ranks_f64`]: tpfuse::reference::reduce_ranks_f64
 
 mod common;
-use common::{assert_same_bits, Bits};
+use common::assert_same_bits;
+use common::gpu::{
+    assert_close, base_seed, download, expect_invalid, gpu_stream, mix_seed, poisoned,
+    random_ranks, splitmix64, sum_references_of, upload, TestElement,
+};
 
 use cudarc::driver::{CudaSlice, CudaStream, CudaView};
 use half::{bf16, f16};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
-use std::ops::Range;
 use std::sync::Arc;
 use tpfuse::ops::reduce_ranks;
-use tpfuse::reference::{reduce_ranks_exact, reduce_ranks_f64, relative_error};
-use tpfuse::{Element, Error};
 
 /// World sizes (number of input buffers) of the main matrix.
 const WORLDS: [usize; 6] = [1, 2, 3, 4, 8, 16];
@@ -37,8 +39,6 @@ const HUGE_LEN: usize = (1 << 24) + 3;
 const HUGE_WORLDS: [usize; 4] = [1, 2, 3, 16];
 /// Lengths of the unaligned cases.
 const UNALIGNED_LENGTHS: [usize; 10] = [1, 2, 7, 8, 9, 16, 17, 1000, 4097, 65_537];
-/// Inputs per call beyond which the host work is spread over threads.
-const PARALLEL_FROM: usize = 1 << 16;
 
 /// Distinguishes the data of the different kinds of case.
 #[derive(Clone, Copy)]
@@ -50,140 +50,25 @@ enum Variant {
     ZeroLength = 5,
 }
 
-/// What the tests need of an element type beyond [`Element`].
-trait TestElement: Element + Bits {
-    /// Distinguishes the dtypes in seeds.
-    const ID: u64;
-    /// Bound on the relative Frobenius error against the f64 reference.
-    const TOLERANCE: f64;
-}
-
-impl TestElement for f32 {
-    const ID: u64 = 1;
-    const TOLERANCE: f64 = 1e-6;
-}
-
-impl TestElement for f16 {
-    const ID: u64 = 2;
-    const TOLERANCE: f64 = 2e-3;
-}
-
-impl TestElement for bf16 {
-    const ID: u64 = 3;
-    const TOLERANCE: f64 = 1e-2;
-}
-
-/// A stream on GPU 0. A missing driver or GPU fails the test (it never skips).
-fn gpu_stream() -> Arc<CudaStream> {
-    let ctx = tpfuse::device::open(0)
-        .unwrap_or_else(|e| panic!("this test needs a CUDA GPU and driver: {e}"));
-    ctx.new_stream().expect("creating a CUDA stream")
-}
-
-fn splitmix64(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
-
-/// The run's base seed: `TPFUSE_TEST_SEED` if set, else a fixed value.
-fn base_seed() -> u64 {
-    match std::env::var("TPFUSE_TEST_SEED") {
-        Ok(s) => s
-            .trim()
-            .parse()
-            .unwrap_or_else(|_| panic!("TPFUSE_TEST_SEED={s:?} is not a u64")),
-        Err(_) => 0x7470_6675_7365_0001,
-    }
-}
-
 /// One seed per (dtype, variant, world, length): different for every case.
 fn case_seed<T: TestElement>(variant: Variant, world: usize, n: usize) -> u64 {
-    let mut s = splitmix64(base_seed());
-    for part in [T::ID, variant as u64, world as u64, n as u64] {
-        s = splitmix64(s ^ part);
-    }
-    s
+    mix_seed(
+        splitmix64(base_seed(0x7470_6675_7365_0001)),
+        &[T::ID, variant as u64, world as u64, n as u64],
+    )
 }
 
 /// `world` buffers of `n` elements, uniform in (-4, 4), rank r seeded from (seed, r).
 fn random_inputs<T: TestElement>(seed: u64, world: usize, n: usize) -> Vec<Vec<T>> {
-    let one = |r: usize| -> Vec<T> {
-        let mut rng = StdRng::seed_from_u64(splitmix64(seed ^ (r as u64).wrapping_mul(0x51)));
-        (0..n)
-            .map(|_| T::from_f32(rng.random_range(-4.0f32..4.0)))
-            .collect()
-    };
-    if n < PARALLEL_FROM {
-        return (0..world).map(one).collect();
-    }
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..world).map(|r| s.spawn(move || one(r))).collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("input generator thread panicked"))
-            .collect()
+    random_ranks(world, n, |r| {
+        splitmix64(seed ^ (r as u64).wrapping_mul(0x51))
     })
-}
-
-/// The exact kernel result and the f64 sum of `inputs[r][range]`, computed on the host in
-/// chunks spread over threads for large inputs.
-fn references<T: TestElement>(inputs: &[Vec<T>], range: Range<usize>) -> (Vec<T>, Vec<f64>) {
-    let on = |r: Range<usize>| {
-        let slices: Vec<&[T]> = inputs.iter().map(|x| &x[r.clone()]).collect();
-        (reduce_ranks_exact(&slices), reduce_ranks_f64(&slices))
-    };
-    let n = range.len();
-    if n < PARALLEL_FROM {
-        return on(range);
-    }
-    let threads = std::thread::available_parallelism().map_or(4, |t| t.get());
-    let chunk = n.div_ceil(threads);
-    let parts: Vec<(Vec<T>, Vec<f64>)> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..threads)
-            .map(|t| {
-                let lo = range.start + (t * chunk).min(n);
-                let hi = range.start + ((t + 1) * chunk).min(n);
-                s.spawn(move || on(lo..hi))
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("reference thread panicked"))
-            .collect()
-    });
-    let mut exact = Vec::with_capacity(n);
-    let mut wide = Vec::with_capacity(n);
-    for (e, w) in parts {
-        exact.extend(e);
-        wide.extend(w);
-    }
-    (exact, wide)
 }
 
 /// Bitwise against the exact emulation, then the error bound against the f64 reference.
 fn check<T: TestElement>(label: &str, got: &[T], exact: &[T], wide: &[f64]) {
     assert_same_bits(label, got, exact);
-    let err = relative_error(got, wide);
-    assert!(
-        err < T::TOLERANCE,
-        "{label}: relative error {err:e} vs the f64 reference exceeds {:e}",
-        T::TOLERANCE
-    );
-}
-
-fn upload<T: TestElement>(stream: &Arc<CudaStream>, host: &[T]) -> CudaSlice<T> {
-    stream.clone_htod(host).expect("uploading to the GPU")
-}
-
-fn poisoned<T: TestElement>(stream: &Arc<CudaStream>, n: usize) -> CudaSlice<T> {
-    upload(stream, &vec![T::poison(); n])
-}
-
-fn download<T: TestElement>(stream: &Arc<CudaStream>, buf: &CudaSlice<T>) -> Vec<T> {
-    stream.synchronize().expect("synchronizing the stream");
-    stream.clone_dtoh(buf).expect("downloading from the GPU")
+    assert_close(label, got, wide, T::TOLERANCE);
 }
 
 /// Uploads `inputs`, runs reduce_ranks into a poisoned output, returns the output.
@@ -200,7 +85,7 @@ fn run_case<T: TestElement>(stream: &Arc<CudaStream>, variant: Variant, world: u
     let seed = case_seed::<T>(variant, world, n);
     let label = format!("reduce_ranks {} W={world} n={n} seed={seed:#x}", T::NAME);
     let inputs = random_inputs::<T>(seed, world, n);
-    let (exact, wide) = references(&inputs, 0..n);
+    let (exact, wide) = sum_references_of(&inputs, 0..n);
     let got = run_aligned(stream, &label, &inputs);
     check(&label, &got, &exact, &wide);
 }
@@ -232,7 +117,7 @@ fn unaligned<T: TestElement>() {
             let label = format!("reduce_ranks {} W={world} n={n} seed={seed:#x}", T::NAME);
             // One element more than needed: the sub-views start at element 1.
             let inputs = random_inputs::<T>(seed, world, n + 1);
-            let (exact, wide) = references(&inputs, 1..n + 1);
+            let (exact, wide) = sum_references_of(&inputs, 1..n + 1);
 
             // Aligned: fresh allocations of elements 1..=n (allocations are 256-byte aligned).
             let shifted: Vec<Vec<T>> = inputs.iter().map(|x| x[1..].to_vec()).collect();
@@ -309,18 +194,6 @@ fn zero_length<T: TestElement>() {
             &got,
             &[T::poison(); 8],
         );
-    }
-}
-
-/// Asserts `result` is `Error::InvalidArgument` naming `arg`.
-fn expect_invalid(label: &str, result: tpfuse::Result<()>, arg: &str) {
-    match result {
-        Err(Error::InvalidArgument { arg: got, reason }) => assert_eq!(
-            got, arg,
-            "{label}: InvalidArgument names `{got}` ({reason}), expected `{arg}`"
-        ),
-        Err(e) => panic!("{label}: expected InvalidArgument for `{arg}`, got {e:?}"),
-        Ok(()) => panic!("{label}: expected InvalidArgument for `{arg}`, got Ok"),
     }
 }
 
@@ -417,36 +290,28 @@ fn validation<T: TestElement>() {
     let refs = [&dev[0], &dev[1]];
     reduce_ranks(&stream, &refs, &mut out).expect("a valid call after the rejected ones");
     let got = download(&stream, &out);
-    let (exact, wide) = references(&inputs[..2], 0..n);
+    let (exact, wide) = sum_references_of(&inputs[..2], 0..n);
     check(&format!("{name} after rejected calls"), &got, &exact, &wide);
 }
 
-macro_rules! gpu_test {
-    ($name:ident, $body:expr) => {
-        #[test]
-        #[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
-        fn $name() {
-            $body
-        }
+gpu_tests! {
+    f32_every_world_and_length => matrix::<f32>();
+    f16_every_world_and_length => matrix::<f16>();
+    bf16_every_world_and_length => matrix::<bf16>();
+    f32_16m_elements => huge::<f32>();
+    f16_16m_elements => huge::<f16>();
+    bf16_16m_elements => huge::<bf16>();
+    f32_unaligned_views_match_aligned_bits => unaligned::<f32>();
+    f16_unaligned_views_match_aligned_bits => unaligned::<f16>();
+    bf16_unaligned_views_match_aligned_bits => unaligned::<bf16>();
+    zero_length_is_a_no_op => {
+        zero_length::<f32>();
+        zero_length::<f16>();
+        zero_length::<bf16>();
+    };
+    bad_arguments_are_rejected_before_launch => {
+        validation::<f32>();
+        validation::<f16>();
+        validation::<bf16>();
     };
 }
-
-gpu_test!(f32_every_world_and_length, matrix::<f32>());
-gpu_test!(f16_every_world_and_length, matrix::<f16>());
-gpu_test!(bf16_every_world_and_length, matrix::<bf16>());
-gpu_test!(f32_16m_elements, huge::<f32>());
-gpu_test!(f16_16m_elements, huge::<f16>());
-gpu_test!(bf16_16m_elements, huge::<bf16>());
-gpu_test!(f32_unaligned_views_match_aligned_bits, unaligned::<f32>());
-gpu_test!(f16_unaligned_views_match_aligned_bits, unaligned::<f16>());
-gpu_test!(bf16_unaligned_views_match_aligned_bits, unaligned::<bf16>());
-gpu_test!(zero_length_is_a_no_op, {
-    zero_length::<f32>();
-    zero_length::<f16>();
-    zero_length::<bf16>();
-});
-gpu_test!(bad_arguments_are_rejected_before_launch, {
-    validation::<f32>();
-    validation::<f16>();
-    validation::<bf16>();
-});

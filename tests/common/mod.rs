@@ -1,6 +1,29 @@
 //! Helpers shared by the GPU tests: exact comparison of element bits, and poison values
-//! that an output holds before a call so that an element never written fails the check.
+//! that an output holds before a call so that an element never written fails the check
+//! (here); seeds, random data, references, GPU 0 and transfers ([`gpu`]); virtual ranks
+//! ([`ranks`]); tests that run their own binary as one child process per rank
+//! ([`children`]).
 #![allow(dead_code)]
+
+pub mod children;
+pub mod gpu;
+pub mod ranks;
+
+/// GPU tests, `name => body;` each (doc comments allowed before the name): listed as
+/// ignored without the `gpu-tests` feature.
+#[macro_export]
+macro_rules! gpu_tests {
+    ($($(#[$meta:meta])* $name:ident => $body:expr;)*) => {
+        $(
+            $(#[$meta])*
+            #[test]
+            #[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
+            fn $name() {
+                $body
+            }
+        )*
+    };
+}
 
 use half::{bf16, f16};
 use std::fmt::Debug;
