@@ -2,8 +2,9 @@
 //! [`Error::NoCudaDriver`] instead.
 
 use crate::error::{Error, Result};
-use cudarc::driver::{sys, CudaContext};
+use cudarc::driver::{sys, CudaContext, CudaStream};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// Whether `libcuda.so` can be loaded on this machine.
 pub fn driver_present() -> bool {
@@ -46,4 +47,50 @@ pub fn device_count() -> Result<usize> {
 pub fn open(ordinal: usize) -> Result<Arc<CudaContext>> {
     require_driver()?;
     CudaContext::new(ordinal).map_err(cuda("opening the device"))
+}
+
+/// Makes the context of `stream` current on this thread (the launchers use the runtime API,
+/// which works on the current context).
+pub(crate) fn bind(stream: &CudaStream) -> Result<()> {
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(cuda("binding the context"))
+}
+
+/// Polls `stream` (cuStreamQuery, then short sleeps) until it is idle (`Ok(true)`) or
+/// `bound` has passed (`Ok(false)`), calling `between` after every query that found work
+/// still running (its error ends the wait). A CUDA error of the stream is returned as
+/// [`Error::Cuda`] with `context`. Never an unbounded synchronize.
+pub(crate) fn poll_stream(
+    stream: &CudaStream,
+    bound: Duration,
+    context: &'static str,
+    mut between: impl FnMut() -> Result<()>,
+) -> Result<bool> {
+    let start = Instant::now();
+    let mut pause = Duration::from_micros(5);
+    loop {
+        // SAFETY: queries a live stream.
+        match unsafe { sys::cuStreamQuery(stream.cu_stream()) } {
+            sys::CUresult::CUDA_SUCCESS => return Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => {}
+            other => {
+                return Err(Error::Cuda {
+                    context,
+                    source: cudarc::driver::DriverError(other),
+                })
+            }
+        }
+        between()?;
+        if start.elapsed() >= bound {
+            return Ok(false);
+        }
+        if pause < Duration::from_micros(50) {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(pause);
+        }
+        pause = (pause * 2).min(Duration::from_millis(1));
+    }
 }

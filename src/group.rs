@@ -45,16 +45,16 @@
 //! [`timeout`]: TpGroup::timeout
 
 use crate::comm::{Comm, CommOptions};
-use crate::device::{cuda, require_driver};
+use crate::device::{cuda, poll_stream, require_driver};
 use crate::error::{Error, Result};
 use crate::ffi::kernels;
 use crate::symmetric::{self, IpcOutcome, SymmetricWorkspace};
 use crate::topology::{self, AllReduceRule, Discovery, RankPlace, Refusal, Topology, Verdict};
-use cudarc::driver::{sys, CudaContext, CudaStream, DriverError};
+use cudarc::driver::{sys, CudaContext, CudaStream};
 use std::ffi::c_char;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// The most thread blocks a custom kernel launches per rank (`TPFUSE_MAX_BLOCKS`).
 pub const MAX_BLOCKS: usize = kernels::TPFUSE_MAX_BLOCKS as usize;
@@ -168,33 +168,8 @@ fn wait_bound(timeout: Duration) -> Duration {
         .saturating_add(Duration::from_secs(1))
 }
 
-/// Polls `stream` (cuStreamQuery, then short sleeps) until it is idle (`Ok(true)`) or
-/// `bound` has passed (`Ok(false)`); a CUDA error of the stream is returned.
 fn wait_stream(stream: &CudaStream, bound: Duration) -> Result<bool> {
-    let start = Instant::now();
-    let mut pause = Duration::from_micros(5);
-    loop {
-        // SAFETY: queries a live stream.
-        match unsafe { sys::cuStreamQuery(stream.cu_stream()) } {
-            sys::CUresult::CUDA_SUCCESS => return Ok(true),
-            sys::CUresult::CUDA_ERROR_NOT_READY => {}
-            other => {
-                return Err(Error::Cuda {
-                    context: "waiting for the group's stream",
-                    source: DriverError(other),
-                })
-            }
-        }
-        if start.elapsed() >= bound {
-            return Ok(false);
-        }
-        if pause < Duration::from_micros(50) {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(pause);
-        }
-        pause = (pause * 2).min(Duration::from_millis(1));
-    }
+    poll_stream(stream, bound, "waiting for the group's stream", || Ok(()))
 }
 
 /// The poison flag, shared by the groups built together in one process.
@@ -1220,7 +1195,7 @@ mod gpu_tests {
         };
         let groups = TpGroup::virtual_ranks(&ctx, 2, options).unwrap();
         let (input, mut out) = buffers(&groups[0]);
-        let start = Instant::now();
+        let start = std::time::Instant::now();
         all_gather(&groups[0], &input, &mut out).unwrap();
         match groups[0].check() {
             Err(Error::PeerTimeout {

@@ -37,6 +37,31 @@ impl BufferInfo {
     }
 }
 
+impl BufferInfo {
+    /// Errors unless the buffer starts on a 16-byte boundary (the kernels move 16-byte
+    /// vectors).
+    pub fn check_aligned16(&self, name: &str) -> Result<()> {
+        if self.addr % 16 != 0 {
+            return Err(Error::invalid(
+                name,
+                format!(
+                    "device address {:#x} is not 16-byte aligned (the kernels move 16-byte vectors)",
+                    self.addr
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether two non-empty buffers of `T` on one device share a byte.
+    pub fn overlaps<T>(&self, other: &BufferInfo) -> bool {
+        let size = std::mem::size_of::<T>() as u64;
+        let (a0, a1) = (self.addr, self.addr + self.len as u64 * size);
+        let (b0, b1) = (other.addr, other.addr + other.len as u64 * size);
+        self.len > 0 && other.len > 0 && self.device == other.device && a0 < b1 && b0 < a1
+    }
+}
+
 /// The CUDA ordinal of the device a cudarc buffer lives on.
 pub(crate) fn owner<T>(buf: &(impl DeviceSlice<T> + ?Sized)) -> usize {
     buf.stream().context().ordinal()
@@ -49,10 +74,7 @@ pub fn check_disjoint<T: Element>(
     b_name: &str,
     b: &BufferInfo,
 ) -> Result<()> {
-    let size = std::mem::size_of::<T>() as u64;
-    let (a0, a1) = (a.addr, a.addr + a.len as u64 * size);
-    let (b0, b1) = (b.addr, b.addr + b.len as u64 * size);
-    if a.len > 0 && b.len > 0 && a.device == b.device && a0 < b1 && b0 < a1 {
+    if a.overlaps::<T>(b) {
         return Err(Error::invalid(
             b_name,
             format!("overlaps {a_name}; this op is not in-place"),

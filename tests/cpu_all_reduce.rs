@@ -2,6 +2,7 @@
 //! descriptions and group facts, and the CPU references of the fused epilogue.
 
 use half::bf16;
+use std::sync::LazyLock;
 use tpfuse::ops::all_reduce::{plan, Algorithm, Desc, GroupFacts, Plan};
 use tpfuse::reference::{all_reduce_epilogue_exact, all_reduce_fused_f64, relative_error};
 use tpfuse::topology::{assess, AllReduceAlgo, AllReduceRule, Topology};
@@ -11,7 +12,9 @@ use tpfuse::Error;
 const KIB: usize = 1024;
 const MIB: usize = 1024 * KIB;
 
-fn virtual_group(world: usize) -> GroupFacts {
+static RULE: LazyLock<AllReduceRule> = LazyLock::new(AllReduceRule::default);
+
+fn virtual_group(world: usize) -> GroupFacts<'static> {
     GroupFacts {
         device: 0,
         world,
@@ -19,7 +22,7 @@ fn virtual_group(world: usize) -> GroupFacts {
         virtual_ranks: true,
         has_comm: false,
         verdict: None,
-        rule: AllReduceRule::default(),
+        rule: &RULE,
     }
 }
 
@@ -107,14 +110,15 @@ fn real_groups_follow_the_topology_verdict() {
         Topology::from_json(&std::fs::read_to_string(path).unwrap()).unwrap()
     };
     let h100 = fixture("h100_sxm_8x_nvswitch");
+    let h100_verdict = assess(&h100, &[0, 1, 2, 3, 4, 5, 6, 7]);
     let mut g = GroupFacts {
         device: 0,
         world: 8,
         capacity: 8 * MIB,
         virtual_ranks: false,
         has_comm: true,
-        verdict: Some(assess(&h100, &[0, 1, 2, 3, 4, 5, 6, 7])),
-        rule: AllReduceRule::default(),
+        verdict: Some(&h100_verdict),
+        rule: &RULE,
     };
     assert_eq!(
         algo(&flat(4 * KIB), &g, Algorithm::Auto),
@@ -133,8 +137,9 @@ fn real_groups_follow_the_topology_verdict() {
 
     // A pair without peer access: always NCCL.
     let rtx = fixture("rtx4090_2x_no_p2p");
+    let rtx_verdict = assess(&rtx, &[0, 1]);
     g.world = 2;
-    g.verdict = Some(assess(&rtx, &[0, 1]));
+    g.verdict = Some(&rtx_verdict);
     assert_eq!(algo(&flat(8), &g, Algorithm::Auto), AllReduceAlgo::Nccl);
     // Without a communicator the custom kernels are the only way (the caller's choice).
     g.has_comm = false;

@@ -7,7 +7,7 @@
 //! mid-run therefore surfaces as an error on the survivors, within the timeout.
 
 use super::{ReduceOp, UniqueId};
-use crate::device::{cuda, open, require_driver};
+use crate::device::{cuda, open, poll_stream, require_driver};
 use crate::error::{Error, Result};
 use crate::ffi::kernels;
 use crate::ffi::nccl::{nccl, Nccl};
@@ -295,36 +295,31 @@ impl Comm {
     /// returns [`Error::Timeout`].
     pub fn synchronize(&self) -> Result<()> {
         self.usable()?;
-        let deadline = Instant::now() + self.timeout;
-        let mut pause = Duration::from_micros(20);
-        loop {
-            // SAFETY: queries a live stream of a live context.
-            let rc = unsafe { cudarc::driver::sys::cuStreamQuery(self.stream.cu_stream()) };
-            match rc {
-                cudarc::driver::sys::CUresult::CUDA_SUCCESS => return Ok(()),
-                cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY => {}
-                other => {
-                    // A failed stream leaves the context unusable: so is the communicator.
-                    self.abort();
-                    return Err(Error::Cuda {
-                        context: "waiting for the communicator's stream",
-                        source: cudarc::driver::DriverError(other),
-                    });
-                }
-            }
-            self.check_async()?;
-            if Instant::now() >= deadline {
+        let drained = poll_stream(
+            &self.stream,
+            self.timeout,
+            "waiting for the communicator's stream",
+            || self.check_async(),
+        );
+        match drained {
+            Ok(true) => Ok(()),
+            Ok(false) => {
                 self.abort();
-                return Err(Error::Timeout {
+                Err(Error::Timeout {
                     what: format!(
                         "rank {} of {}: the stream's NCCL work to finish (a peer may be gone)",
                         self.rank, self.world
                     ),
                     after: self.timeout,
-                });
+                })
             }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(5));
+            Err(e @ Error::Cuda { .. }) => {
+                // A failed stream leaves the context unusable: so is the communicator.
+                self.abort();
+                Err(e)
+            }
+            // check_async's errors have aborted the communicator already.
+            Err(e) => Err(e),
         }
     }
 

@@ -14,7 +14,7 @@
 //! capacity, aliasing. A kernel that waited past the group's deadline surfaces at
 //! [`TpGroup::check`] as [`Error::PeerTimeout`] and poisons the group.
 
-use crate::device::cuda;
+use crate::device::bind;
 use crate::dtype::{Element, NcclType};
 use crate::error::{Error, Result};
 use crate::ffi::kernels;
@@ -191,9 +191,9 @@ pub struct Desc {
     pub eps: f32,
 }
 
-/// What the checks need to know of a group.
-#[derive(Clone, Debug)]
-pub struct GroupFacts {
+/// What the checks need to know of a group (borrowed: nothing is copied per call).
+#[derive(Clone, Copy, Debug)]
+pub struct GroupFacts<'a> {
     /// CUDA ordinal of the group's device.
     pub device: usize,
     /// Ranks.
@@ -205,22 +205,22 @@ pub struct GroupFacts {
     /// Whether the group has an NCCL communicator.
     pub has_comm: bool,
     /// The topology policy's verdict for the group, when known.
-    pub verdict: Option<Verdict>,
+    pub verdict: Option<&'a Verdict>,
     /// The size rule.
-    pub rule: AllReduceRule,
+    pub rule: &'a AllReduceRule,
 }
 
-impl GroupFacts {
+impl<'a> GroupFacts<'a> {
     /// The facts of `group`.
-    pub fn of(group: &TpGroup) -> GroupFacts {
+    pub fn of(group: &'a TpGroup) -> GroupFacts<'a> {
         GroupFacts {
             device: group.device(),
             world: group.world(),
             capacity: group.capacity(),
             virtual_ranks: group.is_virtual(),
             has_comm: group.comm().is_some(),
-            verdict: group.verdict().cloned(),
-            rule: group.rule().clone(),
+            verdict: group.verdict(),
+            rule: group.rule(),
         }
     }
 }
@@ -308,7 +308,6 @@ fn check_shapes<T: Element>(desc: &Desc, device: usize) -> Result<()> {
 /// Everything before a launch: shapes, alignment, aliasing, and the algorithm.
 pub fn plan<T: Element>(desc: &Desc, facts: &GroupFacts, algorithm: Algorithm) -> Result<Plan> {
     check_shapes::<T>(desc, facts.device)?;
-    let size = std::mem::size_of::<T>() as u64;
     let named = [
         ("partial", Some(desc.input)),
         ("out", Some(desc.out)),
@@ -318,21 +317,12 @@ pub fn plan<T: Element>(desc: &Desc, facts: &GroupFacts, algorithm: Algorithm) -
     ];
     for (name, b) in named {
         if let Some(b) = b {
-            if b.addr % 16 != 0 {
-                return Err(Error::invalid(
-                    name,
-                    format!("device address {:#x} is not 16-byte aligned", b.addr),
-                ));
-            }
+            b.check_aligned16(name)?;
         }
     }
     // Aliasing: out may be partial itself (in place); nothing else may overlap out or the
     // residual, which are written.
-    let overlaps = |a: &BufferInfo, b: &BufferInfo| {
-        let (a0, a1) = (a.addr, a.addr + a.len as u64 * size);
-        let (b0, b1) = (b.addr, b.addr + b.len as u64 * size);
-        a.len > 0 && b.len > 0 && a0 < b1 && b0 < a1
-    };
+    let overlaps = |a: &BufferInfo, b: &BufferInfo| a.overlaps::<T>(b);
     let same = |a: &BufferInfo, b: &BufferInfo| a.addr == b.addr && a.len == b.len;
     if overlaps(&desc.input, &desc.out) && !same(&desc.input, &desc.out) {
         return Err(Error::invalid(
@@ -392,13 +382,7 @@ fn choose<T: Element>(
         Algorithm::Auto if facts.virtual_ranks || facts.verdict.is_none() => {
             // Without a verdict (virtual ranks, or a group whose topology NVML could not
             // show) the NVLink limits apply; past the capacity NCCL takes over if there is one.
-            let limits = facts
-                .rule
-                .nvlink
-                .iter()
-                .find(|l| facts.world <= l.max_world)
-                .copied();
-            match limits {
+            match facts.rule.nvlink_limits(facts.world) {
                 Some(l) if bytes < l.one_shot_below && fits => Ok(AllReduceAlgo::OneShot),
                 _ if fits => Ok(AllReduceAlgo::TwoShot),
                 _ if facts.has_comm => Ok(AllReduceAlgo::Nccl),
@@ -408,7 +392,6 @@ fn choose<T: Element>(
         Algorithm::Auto => {
             let verdict = facts
                 .verdict
-                .as_ref()
                 .ok_or_else(|| Error::invalid("algorithm", "no topology verdict for the group"))?;
             match facts.rule.choose(verdict, bytes) {
                 AllReduceAlgo::Nccl if !facts.has_comm => custom(AllReduceAlgo::TwoShot),
@@ -438,10 +421,7 @@ fn execute<T: Element + NcclType>(
         return Ok(plan.algo);
     }
     let stream = group.stream();
-    stream
-        .context()
-        .bind_to_thread()
-        .map_err(cuda("binding the context"))?;
+    bind(stream)?;
     let raw_stream = stream.cu_stream() as *mut c_void;
     match plan.algo {
         AllReduceAlgo::OneShot | AllReduceAlgo::TwoShot => {

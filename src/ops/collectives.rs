@@ -2,12 +2,12 @@
 //! memory (always for virtual ranks), NCCL when the message exceeds the group's capacity
 //! or the topology refuses the custom kernels.
 
-use crate::device::cuda;
+use crate::device::bind;
 use crate::dtype::{Element, NcclType};
 use crate::error::{Error, Result};
 use crate::ffi::kernels;
 use crate::group::TpGroup;
-use crate::validate::{launched, owner, BufferInfo};
+use crate::validate::{check_disjoint, launched, owner, BufferInfo};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use std::ffi::c_void;
 
@@ -28,31 +28,18 @@ fn use_custom(group: &TpGroup, bytes: usize) -> Result<bool> {
     }
 }
 
-fn check_common<T>(
+fn check_common<T: Element>(
     group: &TpGroup,
     input: (&str, usize, usize, u64),
     out: (&str, usize, usize, u64),
 ) -> Result<()> {
     let device = group.device();
-    for (name, _, dev, addr) in [input, out] {
-        BufferInfo::new(addr, 0, dev).check_device(name, device)?;
-        if addr % 16 != 0 {
-            return Err(Error::invalid(
-                name,
-                format!("device address {addr:#x} is not 16-byte aligned"),
-            ));
-        }
+    let info = |(_, len, dev, addr): (&str, usize, usize, u64)| BufferInfo::new(addr, len, dev);
+    for b in [input, out] {
+        info(b).check_device(b.0, device)?;
+        info(b).check_aligned16(b.0)?;
     }
-    let size = std::mem::size_of::<T>() as u64;
-    let (a0, a1) = (input.3, input.3 + input.1 as u64 * size);
-    let (b0, b1) = (out.3, out.3 + out.1 as u64 * size);
-    if input.1 > 0 && out.1 > 0 && a0 < b1 && b0 < a1 {
-        return Err(Error::invalid(
-            out.0,
-            "overlaps input; this op is not in-place",
-        ));
-    }
-    Ok(())
+    check_disjoint::<T>(input.0, &info(input), out.0, &info(out))
 }
 
 /// `out[r * n .. (r + 1) * n] = input` of rank r, n = `input.len()`; `out` holds
@@ -157,7 +144,7 @@ pub fn reduce_scatter<T: Element + NcclType>(
 
 /// Takes the buffers' pointers (ordering them on the group's stream), checks alignment and
 /// aliasing, and launches `launch` with the group's kernel arguments on its stream.
-fn launch_custom<T>(
+fn launch_custom<T: Element>(
     group: &TpGroup,
     input: &impl DevicePtr<T>,
     out: &mut impl DevicePtrMut<T>,
@@ -181,10 +168,7 @@ fn launch_custom<T>(
         ("out", out_len, out_dev, op),
     )?;
     let (peers, args) = group.kernel_args()?;
-    stream
-        .context()
-        .bind_to_thread()
-        .map_err(cuda("binding the context"))?;
+    bind(stream)?;
     let code = launch(
         &peers,
         &args,

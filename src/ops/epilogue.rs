@@ -1,7 +1,7 @@
 //! The epilogue of a row-parallel layer as standalone kernels: the unfused baseline that
 //! the fused all-reduce is measured against, with the same arithmetic (same bits).
 
-use crate::device::cuda;
+use crate::device::bind;
 use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::ffi::kernels;
@@ -94,13 +94,6 @@ pub fn add_bias_residual<T: Element>(
         )
     };
     launched("tpfuse_bias_residual", code)
-}
-
-fn bind(stream: &CudaStream) -> Result<()> {
-    stream
-        .context()
-        .bind_to_thread()
-        .map_err(cuda("binding the context"))
 }
 
 /// The checks of both RMSNorm entry points: `x` (`x_len` elements on device `x_device`) and

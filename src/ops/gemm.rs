@@ -59,7 +59,7 @@
 //! # }
 //! ```
 
-use crate::device::cuda;
+use crate::device::bind;
 use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::ffi::kernels;
@@ -431,10 +431,7 @@ fn launch<T: GemmElement>(
     }
     buffers.c.addr = c_ptr;
     check_layout::<T>(&buffers)?;
-    stream
-        .context()
-        .bind_to_thread()
-        .map_err(cuda("binding the context"))?;
+    bind(stream)?;
     let as_ptr = |p: Option<u64>| p.map_or(std::ptr::null(), |p| p as *const c_void);
     // SAFETY: validated above: a holds m*k, b n*k, bias n, residual and c m*n elements of T,
     // all on this stream's device and 16-byte aligned, n and k positive multiples of 8, every
@@ -536,15 +533,7 @@ fn check_layout<T: GemmElement>(buffers: &GemmBuffers) -> Result<()> {
     ];
     for (name, info) in all {
         if let Some(info) = info {
-            if info.addr % 16 != 0 {
-                return Err(Error::invalid(
-                    name,
-                    format!(
-                        "address {:#x} is not 16-byte aligned (the kernels move 16-byte vectors)",
-                        info.addr
-                    ),
-                ));
-            }
+            info.check_aligned16(name)?;
         }
     }
     let c = &buffers.c;

@@ -60,7 +60,7 @@
 //! # Ok(()) }
 //! ```
 
-use crate::device::cuda;
+use crate::device::{bind, cuda};
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
 use crate::group::TpGroup;
@@ -565,10 +565,7 @@ fn rank_major_to_rows<T>(
     let size = std::mem::size_of::<T>();
     let (src, _src_guard) = gathered.device_ptr(stream);
     let (dst, _dst_guard) = out.device_ptr_mut(stream);
-    stream
-        .context()
-        .bind_to_thread()
-        .map_err(cuda("binding the context"))?;
+    bind(stream)?;
     for r in 0..world {
         let copy = sys::CUDA_MEMCPY2D {
             srcXInBytes: 0,

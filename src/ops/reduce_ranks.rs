@@ -1,11 +1,11 @@
 //! `reduce_ranks`: the element-wise, rank-ordered sum every all-reduce builds on.
 
-use crate::device::cuda;
+use crate::device::bind;
 use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::ffi::kernels;
 use crate::validate::{check_disjoint, owner, BufferInfo};
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 
 /// The most input buffers one call takes.
 pub const MAX_REDUCE_INPUTS: usize = kernels::TPFUSE_MAX_REDUCE_INPUTS as usize;
@@ -27,32 +27,34 @@ pub fn reduce_ranks<T: Element, I: DevicePtr<T>>(
     out: &mut impl DevicePtrMut<T>,
 ) -> Result<()> {
     let device = stream.context().ordinal();
-    // Count, devices and lengths first, before any pointer is taken: taking the pointer of a
-    // buffer on another device would order that device's events on this stream.
-    let mut infos: Vec<BufferInfo> = inputs
-        .iter()
-        .map(|input| BufferInfo::new(0, input.len(), owner(*input)))
-        .collect();
+    let count = inputs.len();
+    check_count(count)?;
+    // Devices and lengths next, before any pointer is taken: taking the pointer of a buffer
+    // on another device would order that device's events on this stream. Fixed-size tables:
+    // nothing is allocated on the launch path.
+    let mut infos = [BufferInfo::new(0, 0, 0); MAX_REDUCE_INPUTS];
+    for (info, input) in infos.iter_mut().zip(inputs) {
+        *info = BufferInfo::new(0, input.len(), owner(*input));
+    }
+    let infos = &mut infos[..count];
     let mut out_info = BufferInfo::new(0, out.len(), owner(&*out));
-    check_shapes(&infos, &out_info, device)?;
+    check_shapes(infos, &out_info, device)?;
     if out_info.len == 0 {
         return Ok(());
     }
-    let mut guards = Vec::with_capacity(inputs.len());
-    let mut ptrs = Vec::with_capacity(inputs.len());
-    for (input, info) in inputs.iter().zip(&mut infos) {
+    let mut guards: [Option<SyncOnDrop<'_>>; MAX_REDUCE_INPUTS] =
+        [const { None }; MAX_REDUCE_INPUTS];
+    let mut ptrs = [std::ptr::null::<std::ffi::c_void>(); MAX_REDUCE_INPUTS];
+    for (r, input) in inputs.iter().enumerate() {
         let (ptr, guard) = input.device_ptr(stream);
-        info.addr = ptr;
-        ptrs.push(ptr as *const std::ffi::c_void);
-        guards.push(guard);
+        infos[r].addr = ptr;
+        ptrs[r] = ptr as *const std::ffi::c_void;
+        guards[r] = Some(guard);
     }
     let (out_ptr, _out_guard) = out.device_ptr_mut(stream);
     out_info.addr = out_ptr;
-    check_overlaps::<T>(&infos, &out_info)?;
-    stream
-        .context()
-        .bind_to_thread()
-        .map_err(cuda("binding the context"))?;
+    check_overlaps::<T>(infos, &out_info)?;
+    bind(stream)?;
     // SAFETY: validated above: 1..=16 inputs of `len` elements of T, `out` of `len` elements,
     // all on this stream's device, `out` disjoint from the inputs; the guards keep cudarc's
     // stream ordering until the kernel is enqueued.
@@ -60,7 +62,7 @@ pub fn reduce_ranks<T: Element, I: DevicePtr<T>>(
         kernels::tpfuse_reduce_ranks(
             T::DTYPE,
             ptrs.as_ptr(),
-            ptrs.len() as i32,
+            count as i32,
             out_ptr as *mut std::ffi::c_void,
             out_info.len,
             stream.cu_stream() as *mut std::ffi::c_void,
@@ -79,17 +81,20 @@ pub fn check_reduce_ranks<T: Element>(
     check_overlaps::<T>(inputs, out)
 }
 
-/// The number of inputs, their devices and lengths.
-fn check_shapes(inputs: &[BufferInfo], out: &BufferInfo, device: usize) -> Result<()> {
-    if inputs.is_empty() || inputs.len() > MAX_REDUCE_INPUTS {
+/// 1 ..= MAX_REDUCE_INPUTS inputs.
+fn check_count(count: usize) -> Result<()> {
+    if count == 0 || count > MAX_REDUCE_INPUTS {
         return Err(Error::invalid(
             "inputs",
-            format!(
-                "{} buffers given, reduce_ranks takes 1 to {MAX_REDUCE_INPUTS}",
-                inputs.len()
-            ),
+            format!("{count} buffers given, reduce_ranks takes 1 to {MAX_REDUCE_INPUTS}"),
         ));
     }
+    Ok(())
+}
+
+/// The number of inputs, their devices and lengths.
+fn check_shapes(inputs: &[BufferInfo], out: &BufferInfo, device: usize) -> Result<()> {
+    check_count(inputs.len())?;
     out.check_device("out", device)?;
     for (r, input) in inputs.iter().enumerate() {
         let name = format!("inputs[{r}]");

@@ -347,11 +347,23 @@ impl AllReduceRule {
     /// The limits that apply to `verdict`'s group, if the custom kernels may run at all.
     pub fn limits_for(&self, verdict: &Verdict) -> Option<SizeLimits> {
         let world = verdict.ordinals.len();
-        let table = match (verdict.custom_all_reduce(), verdict.interconnect) {
-            (true, Some(Interconnect::NvSwitch | Interconnect::NvLink)) => &self.nvlink,
-            (true, Some(Interconnect::Pcie)) => &self.pcie,
-            _ => return None,
-        };
-        table.iter().find(|l| world <= l.max_world).copied()
+        match (verdict.custom_all_reduce(), verdict.interconnect) {
+            (true, Some(Interconnect::NvSwitch | Interconnect::NvLink)) => {
+                self.nvlink_limits(world)
+            }
+            (true, Some(Interconnect::Pcie)) => limits_in(&self.pcie, world),
+            _ => None,
+        }
     }
+
+    /// The NVLink limits for a group of `world` ranks (also what groups without a verdict,
+    /// such as virtual ranks, use).
+    pub fn nvlink_limits(&self, world: usize) -> Option<SizeLimits> {
+        limits_in(&self.nvlink, world)
+    }
+}
+
+/// The first limits of `table` that cover `world` ranks.
+fn limits_in(table: &[SizeLimits], world: usize) -> Option<SizeLimits> {
+    table.iter().find(|l| world <= l.max_world).copied()
 }
