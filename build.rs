@@ -11,6 +11,13 @@
 //!
 //! When nvcc, nccl.h or libclang is missing it fails with one message that says what is
 //! missing and how to install it.
+//!
+//! With the `emulator` feature, step 2 is replaced: every `cuda/*.cu` and `cuda/emu/*.cpp` is
+//! compiled as host C++ (`-x c++ -DTPFUSE_EMULATOR`) into `libtpfuse_emu.so`, the CPU emulator
+//! with tpfuse's kernels (no CUDA toolkit, driver or GPU needed; no ptxas report), and bindgen
+//! also reads `cuda/emu/tpfuse_emu.h`. The compile is a generated script, OUT_DIR/emu/build.sh
+//! CUDA_DIR OUT, that scripts/mutants.sh reruns on mutated copies of cuda/.
+//! `TPFUSE_CUDA_DIR` makes either build read another copy of cuda/.
 
 use std::env;
 use std::fmt::Write as _;
@@ -32,14 +39,32 @@ fn main() {
         "NCCL_HOME",
         "TPFUSE_CUDA_ARCHS",
         "LIBCLANG_PATH",
+        "TPFUSE_CUDA_DIR",
+        "TPFUSE_EMU_SANITIZE",
+        "CXX",
     ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
-    println!("cargo:rerun-if-changed=cuda");
+    let cuda_dir =
+        PathBuf::from(env::var("TPFUSE_CUDA_DIR").unwrap_or_else(|_| "cuda".to_string()));
+    println!("cargo:rerun-if-changed={}", cuda_dir.display());
     println!("cargo:rerun-if-changed=build.rs");
+    let emulator = env::var_os("CARGO_FEATURE_EMULATOR").is_some();
+    if emulator && env::var_os("CARGO_FEATURE_GPU_TESTS").is_some() {
+        eprintln!(
+            "\ntpfuse build: the features `emulator` (kernels on the CPU) and `gpu-tests` (kernels \
+             on a GPU) exclude each other: a run with both could pass emulated kernels off as GPU \
+             results. Enable one.\n"
+        );
+        std::process::exit(1);
+    }
+    if emulator {
+        build_for_emulator(&cuda_dir);
+        return;
+    }
 
     let nvcc = find_nvcc();
-    let nccl_include = nvcc.as_ref().ok().and_then(|n| find_nccl_include(n));
+    let nccl_include = nvcc.as_ref().ok().and_then(|n| find_nccl_include(Some(n)));
     let libclang = check_libclang();
 
     let mut missing = Vec::new();
@@ -73,8 +98,8 @@ fn main() {
     let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
 
     let archs = select_archs(&nvcc);
-    compile_kernels(&nvcc, &cuda_root, &nccl_include, &archs, &out);
-    generate_bindings(&cuda_root, &nccl_include, &out);
+    compile_kernels(&nvcc, &cuda_root, &nccl_include, &archs, &cuda_dir, &out);
+    generate_bindings(&cuda_root.join("include"), &nccl_include, &cuda_dir, &out);
 
     println!("cargo:rustc-env=TPFUSE_BUILD_ARCHS={}", archs.join(","));
     println!("cargo:rustc-env=TPFUSE_BUILD_NVCC={}", nvcc.display());
@@ -119,14 +144,18 @@ fn find_nvcc() -> Result<PathBuf, String> {
 
 /// The directory holding nccl.h: explicit settings first, then the toolkit, the Python
 /// wheel layout next to it (`site-packages/nvidia/{cu13,nccl}`), then the system.
-fn find_nccl_include(nvcc: &Path) -> Option<PathBuf> {
-    let root = nvcc.parent()?.parent()?.to_path_buf();
+fn find_nccl_include(nvcc: Option<&Path>) -> Option<PathBuf> {
+    let root = nvcc
+        .and_then(|n| n.parent()?.parent())
+        .map(Path::to_path_buf);
     let mut dirs: Vec<PathBuf> = Vec::new();
     dirs.extend(env::var_os("NCCL_INCLUDE_DIR").map(PathBuf::from));
     dirs.extend(env::var_os("NCCL_HOME").map(|d| PathBuf::from(d).join("include")));
-    dirs.push(root.join("include"));
-    if let Some(nvidia) = root.parent() {
-        dirs.push(nvidia.join("nccl/include"));
+    if let Some(root) = root {
+        dirs.push(root.join("include"));
+        if let Some(nvidia) = root.parent() {
+            dirs.push(nvidia.join("nccl/include"));
+        }
     }
     dirs.push("/usr/include".into());
     dirs.push("/usr/local/include".into());
@@ -212,9 +241,10 @@ fn compile_kernels(
     cuda_root: &Path,
     nccl_include: &Path,
     archs: &[String],
+    cuda_dir: &Path,
     out: &Path,
 ) {
-    let mut sources: Vec<PathBuf> = std::fs::read_dir("cuda")
+    let mut sources: Vec<PathBuf> = std::fs::read_dir(cuda_dir)
         .expect("the crate has a cuda/ directory")
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "cu"))
@@ -227,7 +257,7 @@ fn compile_kernels(
         .cudart("static")
         .compiler(nvcc)
         .no_default_flags(true)
-        .include("cuda")
+        .include(cuda_dir)
         .include(nccl_include)
         .flag("-std=c++17")
         .flag("-O3")
@@ -409,11 +439,13 @@ fn write_report(rows: &[PtxasRow], out: &Path) {
     std::fs::write(out.join("ptxas_report.tsv"), tsv).expect("write ptxas report");
 }
 
-fn generate_bindings(cuda_root: &Path, nccl_include: &Path, out: &Path) {
+/// bindgen on nccl.h and on the kernels' C ABI. `cuda_include` holds the cuda_runtime.h that
+/// nccl.h includes: the toolkit's, or the emulator's shim.
+fn generate_bindings(cuda_include: &Path, nccl_include: &Path, cuda_dir: &Path, out: &Path) {
     let nccl = bindgen::Builder::default()
         .header(nccl_include.join("nccl.h").display().to_string())
         .clang_arg(format!("-I{}", nccl_include.display()))
-        .clang_arg(format!("-I{}", cuda_root.join("include").display()))
+        .clang_arg(format!("-I{}", cuda_include.display()))
         .allowlist_function("nccl.*")
         .allowlist_type("nccl.*")
         .allowlist_var("NCCL_.*")
@@ -433,7 +465,7 @@ fn generate_bindings(cuda_root: &Path, nccl_include: &Path, out: &Path) {
         .expect("write NCCL bindings");
 
     let kernels = bindgen::Builder::default()
-        .header("cuda/tpfuse.h")
+        .header(cuda_dir.join("tpfuse.h").display().to_string())
         .allowlist_function("tpfuse_.*")
         .allowlist_type("tpfuse_.*")
         .allowlist_var("TPFUSE_.*")
@@ -446,4 +478,131 @@ fn generate_bindings(cuda_root: &Path, nccl_include: &Path, out: &Path) {
     kernels
         .write_to_file(out.join("kernel_bindings.rs"))
         .expect("write kernel bindings");
+}
+
+/// The `emulator` build: cuda/ as host C++ in libtpfuse_emu.so (see the module docs).
+fn build_for_emulator(cuda_dir: &Path) {
+    let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let nvcc = find_nvcc().ok();
+    // nccl.h only for bindgen and nccl_config.cu; no toolkit is needed.
+    let nccl_include = find_nccl_include(nvcc.as_deref());
+    let mut missing = Vec::new();
+    if nccl_include.is_none() {
+        missing.push(
+            "nccl.h (searched NCCL_INCLUDE_DIR, NCCL_HOME/include, the CUDA toolkit, \
+             /usr/include, /usr/local/include)"
+                .to_string(),
+        );
+    }
+    if let Err(e) = check_libclang() {
+        missing.push(e);
+    }
+    if !Path::new("/usr/include/boost/context/detail/fcontext.hpp").is_file() {
+        missing.push("boost.context (apt-get install libboost-context-dev)".to_string());
+    }
+    if !missing.is_empty() {
+        eprintln!(
+            "\ntpfuse build (emulator): missing {}.\n{INSTALL_HINT}\n",
+            missing.join("; and ")
+        );
+        std::process::exit(1);
+    }
+    let nccl_include = nccl_include.unwrap_or_else(|| unreachable!());
+    let emu = out.join("emu");
+    std::fs::create_dir_all(&emu).expect("create OUT_DIR/emu");
+    let cxx = cc::Build::new()
+        .cpp(true)
+        .get_compiler()
+        .path()
+        .to_path_buf();
+    let sanitize = match env::var("TPFUSE_EMU_SANITIZE").unwrap_or_default().as_str() {
+        "" => String::new(),
+        "address" => "-fsanitize=address -fno-omit-frame-pointer".to_string(),
+        other => {
+            eprintln!("\ntpfuse build: TPFUSE_EMU_SANITIZE={other}: only `address` is supported\n");
+            std::process::exit(1);
+        }
+    };
+    let script = emulator_build_script(&cxx, &nccl_include, &sanitize);
+    let script_path = emu.join("build.sh");
+    std::fs::write(&script_path, script).expect("write OUT_DIR/emu/build.sh");
+    let status = Command::new("bash")
+        .arg(&script_path)
+        .arg(cuda_dir)
+        .arg(&emu)
+        .status()
+        .unwrap_or_else(|e| panic!("tpfuse build: could not run bash: {e}"));
+    if !status.success() {
+        eprintln!(
+            "\ntpfuse build: compiling {} for the emulator failed (see above)\n",
+            cuda_dir.display()
+        );
+        std::process::exit(1);
+    }
+    println!("cargo:rustc-link-search=native={}", emu.display());
+    println!("cargo:rustc-link-lib=dylib=tpfuse_emu");
+    println!("cargo:rustc-link-arg=-Wl,-rpath,{}", emu.display());
+    println!("cargo:rustc-env=TPFUSE_EMU_LIB_DIR={}", emu.display());
+
+    generate_bindings(&cuda_dir.join("emu/include"), &nccl_include, cuda_dir, &out);
+    let emu_bindings = bindgen::Builder::default()
+        .header(cuda_dir.join("emu/tpfuse_emu.h").display().to_string())
+        .allowlist_function("tpfuse_emu_.*")
+        .allowlist_type("tpfuse_emu_.*")
+        .allowlist_var("TPFUSE_EMU_.*")
+        .derive_default(true)
+        .layout_tests(false)
+        .generate()
+        .unwrap_or_else(|e| {
+            eprintln!("\ntpfuse build: bindgen could not read cuda/emu/tpfuse_emu.h: {e}\n");
+            std::process::exit(1);
+        });
+    emu_bindings
+        .write_to_file(out.join("emu_bindings.rs"))
+        .expect("write emulator bindings");
+
+    // No GPU code was built: an empty ptxas report, and the build facts say so.
+    write_report(&[], &out);
+    println!("cargo:rustc-env=TPFUSE_BUILD_ARCHS=emulator");
+    println!(
+        "cargo:rustc-env=TPFUSE_BUILD_NVCC=none (CPU emulator: {})",
+        cxx.display()
+    );
+    println!("cargo:rustc-env=TPFUSE_BUILD_NVCC_VERSION=none");
+    println!(
+        "cargo:rustc-env=TPFUSE_BUILD_NCCL_HEADER={}",
+        nccl_include.join("nccl.h").display()
+    );
+}
+
+/// The compile of the emulator library as a script: `build.sh CUDA_DIR OUT` builds
+/// OUT/libtpfuse_emu.so from CUDA_DIR/*.cu and CUDA_DIR/emu/*.cpp, one compiler per core.
+fn emulator_build_script(cxx: &Path, nccl_include: &Path, sanitize: &str) -> String {
+    format!(
+        r#"#!/usr/bin/env bash
+# Generated by tpfuse's build.rs (feature `emulator`): cuda/ as host C++ for the CPU emulator.
+# usage: build.sh CUDA_DIR OUT   -> OUT/libtpfuse_emu.so
+set -euo pipefail
+cuda=$(cd "$1" && pwd)
+out=$2
+mkdir -p "$out/obj"
+rm -f "$out"/obj/*.o
+flags=(-x c++ -std=c++17 -O2 -g -fPIC -fno-strict-aliasing -ffp-contract=off -DTPFUSE_EMULATOR
+       -Wno-unknown-pragmas {sanitize} -I"$cuda/emu/include" -I"$cuda" -I"$cuda/emu" -I"{nccl}")
+jobs_max=$(nproc 2>/dev/null || echo 2)
+for src in "$cuda"/*.cu "$cuda"/emu/*.cpp; do
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n; done
+  "{cxx}" "${{flags[@]}}" -c "$src" -o "$out/obj/$(basename "$src").o" &
+done
+while [ -n "$(jobs -rp)" ]; do wait -n; done
+for src in "$cuda"/*.cu "$cuda"/emu/*.cpp; do
+  [ -f "$out/obj/$(basename "$src").o" ] || {{ echo "emulator build: $src failed" >&2; exit 1; }}
+done
+"{cxx}" -shared -o "$out/libtpfuse_emu.so.tmp" "$out"/obj/*.o -Wl,-soname,libtpfuse_emu.so   -lboost_context -pthread {sanitize}
+mv "$out/libtpfuse_emu.so.tmp" "$out/libtpfuse_emu.so"
+"#,
+        cxx = cxx.display(),
+        nccl = nccl_include.display(),
+        sanitize = sanitize,
+    )
 }

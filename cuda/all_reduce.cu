@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     one_shot_kernel(const __grid_constant__ tpfuse_peers peers,
                     const __grid_constant__ tpfuse_group_args g, const T *input, const T *bias,
                     T *residual, const T *gamma, float eps, T *out, size_t rows, size_t hidden) {
-  __shared__ int failures;
+  TPFUSE_SHARED(int, failures);
   BlockBarrier barrier(peers, g, &failures);
   if (barrier.poisoned()) return;
   const size_t n = rows * hidden;
@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     two_shot_kernel(const __grid_constant__ tpfuse_peers peers,
                     const __grid_constant__ tpfuse_group_args g, const T *input, const T *bias,
                     T *residual, T *out, size_t rows, size_t hidden) {
-  __shared__ int failures;
+  TPFUSE_SHARED(int, failures);
   BlockBarrier barrier(peers, g, &failures);
   if (barrier.poisoned()) return;
   const size_t n = rows * hidden;
@@ -175,7 +175,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     all_gather_kernel(const __grid_constant__ tpfuse_peers peers,
                       const __grid_constant__ tpfuse_group_args g, const uint4 *input, uint4 *out,
                       size_t len_vectors) {
-  __shared__ int failures;
+  TPFUSE_SHARED(int, failures);
   BlockBarrier barrier(peers, g, &failures);
   if (barrier.poisoned()) return;
   const Range r = share(len_vectors, blockIdx.x, gridDim.x);
@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     reduce_scatter_kernel(const __grid_constant__ tpfuse_peers peers,
                           const __grid_constant__ tpfuse_group_args g, const T *input, T *out,
                           size_t len) {
-  __shared__ int failures;
+  TPFUSE_SHARED(int, failures);
   BlockBarrier barrier(peers, g, &failures);
   if (barrier.poisoned()) return;
   T *staging = static_cast<T *>(peers.data[g.rank]);
@@ -228,10 +228,10 @@ int launch_all_reduce(int algo, const tpfuse_peers &peers, const tpfuse_group_ar
   const T *gam = static_cast<const T *>(gamma);
   T *o = static_cast<T *>(out);
   if (algo == TPFUSE_ALGO_ONE_SHOT) {
-    one_shot_kernel<T><<<g.blocks, kThreads, 0, stream>>>(peers, g, in, b, res, gam, eps, o,
+    TPFUSE_LAUNCH(one_shot_kernel<T>, g.blocks, kThreads, 0, stream)(peers, g, in, b, res, gam, eps, o,
                                                            rows, hidden);
   } else if (algo == TPFUSE_ALGO_TWO_SHOT) {
-    two_shot_kernel<T><<<g.blocks, kThreads, 0, stream>>>(peers, g, in, b, res, o, rows, hidden);
+    TPFUSE_LAUNCH(two_shot_kernel<T>, g.blocks, kThreads, 0, stream)(peers, g, in, b, res, o, rows, hidden);
     if (gam != nullptr) {
       const int code = launch_rms_norm<T>(o, gam, eps, o, rows, hidden, stream);
       if (code != cudaSuccess) return code;
@@ -271,7 +271,7 @@ extern "C" int tpfuse_all_gather(const tpfuse_peers *peers, const tpfuse_group_a
   using namespace tpfuse;
   if (peers == nullptr || !valid(group) || len_bytes % 16 != 0) return cudaErrorInvalidValue;
   if (len_bytes == 0) return cudaSuccess;
-  all_gather_kernel<<<group->blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+  TPFUSE_LAUNCH(all_gather_kernel, group->blocks, kThreads, 0, static_cast<cudaStream_t>(stream))(
       *peers, *group, static_cast<const uint4 *>(input), static_cast<uint4 *>(out),
       len_bytes / 16);
   return cudaGetLastError();
@@ -286,15 +286,15 @@ extern "C" int tpfuse_reduce_scatter(tpfuse_dtype dtype, const tpfuse_peers *pee
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (dtype) {
   case TPFUSE_DTYPE_F32:
-    reduce_scatter_kernel<float><<<group->blocks, kThreads, 0, s>>>(
+    TPFUSE_LAUNCH(reduce_scatter_kernel<float>, group->blocks, kThreads, 0, s)(
         *peers, *group, static_cast<const float *>(input), static_cast<float *>(out), len);
     break;
   case TPFUSE_DTYPE_F16:
-    reduce_scatter_kernel<__half><<<group->blocks, kThreads, 0, s>>>(
+    TPFUSE_LAUNCH(reduce_scatter_kernel<__half>, group->blocks, kThreads, 0, s)(
         *peers, *group, static_cast<const __half *>(input), static_cast<__half *>(out), len);
     break;
   case TPFUSE_DTYPE_BF16:
-    reduce_scatter_kernel<__nv_bfloat16><<<group->blocks, kThreads, 0, s>>>(
+    TPFUSE_LAUNCH(reduce_scatter_kernel<__nv_bfloat16>, group->blocks, kThreads, 0, s)(
         *peers, *group, static_cast<const __nv_bfloat16 *>(input),
         static_cast<__nv_bfloat16 *>(out), len);
     break;

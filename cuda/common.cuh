@@ -1,13 +1,11 @@
 // common.cuh: element-type traits and 16-byte vector access shared by every kernel.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
 #include <stdint.h>
 
 #include <atomic>
 
+#include "backend.cuh"
 #include "tpfuse.h"
 
 namespace tpfuse {

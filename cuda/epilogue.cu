@@ -32,7 +32,7 @@ int launch_rms_norm(const T *x, const T *gamma, float eps, T *out, size_t rows, 
                     cudaStream_t stream) {
   if (rows == 0 || hidden == 0) return cudaSuccess;
   const unsigned grid = rows < 65535 ? static_cast<unsigned>(rows) : 65535u;
-  rms_norm_kernel<T><<<grid, kThreads, 0, stream>>>(x, gamma, eps, out, rows, hidden);
+  TPFUSE_LAUNCH(rms_norm_kernel<T>, grid, kThreads, 0, stream)(x, gamma, eps, out, rows, hidden);
   return cudaGetLastError();
 }
 
@@ -48,7 +48,7 @@ int launch_bias_residual(const void *x, const void *bias, void *residual, void *
                          size_t hidden, cudaStream_t stream) {
   const size_t n = rows * hidden;
   if (n == 0) return cudaSuccess;
-  bias_residual_kernel<T><<<grid_for(n, kThreads), kThreads, 0, stream>>>(
+  TPFUSE_LAUNCH(bias_residual_kernel<T>, grid_for(n, kThreads), kThreads, 0, stream)(
       static_cast<const T *>(x), static_cast<const T *>(bias), static_cast<T *>(residual),
       static_cast<T *>(out), n, hidden);
   return cudaGetLastError();

@@ -33,7 +33,7 @@ template <typename T> struct Epilogue {
 
 // The sum of `v` over the block, the same value in every thread, in a fixed order.
 __device__ __forceinline__ float block_sum(float v) {
-  __shared__ float warp_sums[kThreads / 32];
+  TPFUSE_SHARED(float[kThreads / 32], warp_sums);
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
   if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x / 32] = v;

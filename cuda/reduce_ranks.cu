@@ -65,7 +65,7 @@ int launch(const void *const *inputs, int num_inputs, void *out, size_t len, cud
   const size_t vec_len = aligned ? len / kVec : 0;
   const size_t tail = len - vec_len * kVec;
   const size_t work = vec_len > tail ? vec_len : tail;
-  reduce_ranks_kernel<T><<<grid_for(work, kThreads), kThreads, 0, stream>>>(
+  TPFUSE_LAUNCH(reduce_ranks_kernel<T>, grid_for(work, kThreads), kThreads, 0, stream)(
       ptrs, num_inputs, static_cast<T *>(out), len, vec_len);
   return cudaGetLastError();
 }

@@ -34,6 +34,18 @@ pub enum Error {
         message: String,
     },
 
+    /// The CPU emulator (feature `emulator`) reported a failure: a launch it refused, or a
+    /// kernel that failed on the emulated device (a deadlock names the blocks involved).
+    #[error("emulator: {context} failed: CUDA error {code} ({message})")]
+    Emulator {
+        /// What was being done.
+        context: &'static str,
+        /// The `cudaError_t` value.
+        code: i32,
+        /// What the emulator said.
+        message: String,
+    },
+
     /// The NCCL library could not be loaded.
     #[error("NCCL not found: {reason} (tried {tried}); install nvidia-nccl-cu13 or set TPFUSE_NCCL_LIB to the path of libnccl.so.2")]
     NcclNotFound {

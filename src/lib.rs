@@ -56,6 +56,8 @@ pub mod build_info;
 pub mod comm;
 pub mod device;
 pub mod dtype;
+#[cfg(feature = "emulator")]
+pub mod emulator;
 pub mod error;
 mod ffi;
 pub mod group;

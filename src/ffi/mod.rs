@@ -23,6 +23,19 @@ pub(crate) mod nccl_sys {
     clippy::all,
     missing_docs
 )]
-pub(crate) mod kernels {
+pub mod kernels {
     include!(concat!(env!("OUT_DIR"), "/kernel_bindings.rs"));
+}
+
+#[cfg(feature = "emulator")]
+#[allow(
+    non_camel_case_types,
+    non_snake_case,
+    non_upper_case_globals,
+    dead_code,
+    clippy::all,
+    missing_docs
+)]
+pub(crate) mod emu {
+    include!(concat!(env!("OUT_DIR"), "/emu_bindings.rs"));
 }

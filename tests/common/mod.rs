@@ -6,6 +6,8 @@
 #![allow(dead_code)]
 
 pub mod children;
+#[cfg(feature = "emulator")]
+pub mod emu;
 pub mod gpu;
 pub mod ranks;
 

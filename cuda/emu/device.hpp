@@ -1,0 +1,115 @@
+// device.hpp: what device code calls in the CPU emulator (through cuda_runtime.h and the
+// twins in cuda/ptx.cuh), and the launch helper behind TPFUSE_LAUNCH.
+//
+// Every function here runs on a fiber of the device thread (scheduler.cpp): one CUDA
+// thread = one fiber. The functions that name a synchronisation point (barriers, warp
+// collectives, flag loads and stores, atomics) switch to the next fiber, so the threads of
+// all resident blocks of all streams interleave at exactly those points.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <functional>
+#include <memory>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+struct uint3;
+struct dim3;
+typedef struct CUstream_st *cudaStream_t;
+
+namespace tpfuse_emu {
+
+// ---- The running thread.
+const uint3 &thread_idx();
+const uint3 &block_idx();
+const dim3 &block_dim();
+const dim3 &grid_dim();
+
+// ---- Block-level synchronisation and memory.
+void syncthreads();
+// Per-block storage for a __shared__ variable, identified by `tag` (one per declaration),
+// poisoned with 0xFF bytes when first touched in the block.
+void *block_shared_bytes(const void *tag, size_t bytes, size_t align);
+template <typename T> T &block_shared(const void *tag) {
+  return *static_cast<T *>(block_shared_bytes(tag, sizeof(T), alignof(T)));
+}
+unsigned char *dynamic_shared();
+uint32_t cvta_shared(const void *p);
+void shared_zero16(uint32_t dst);
+
+// ---- Global memory. Loads of other ranks' buffers are plain host loads.
+template <typename T> inline T load_global(const T *p) {
+  T v;
+  memcpy(static_cast<void *>(&v), static_cast<const void *>(p), sizeof(T));
+  return v;
+}
+
+// ---- Flags and atomics: host atomics, each a scheduling point.
+uint32_t poll_load(const uint32_t *p, int memory_order);
+void signal_store(uint32_t *p, uint32_t v);
+int atomic_add(int *p, int v);
+unsigned atomic_add(unsigned *p, unsigned v);
+int atomic_cas(int *p, int expected, int desired);
+unsigned atomic_cas(unsigned *p, unsigned expected, unsigned desired);
+uint64_t global_timer_ns();
+
+// ---- cp.async: recorded per thread, landed at the wait_group that completes it.
+void cp_async(uint32_t dst, const void *src, int src_bytes);
+void cp_async_commit();
+void cp_async_wait(int pending);
+
+// ---- Warp collectives: every lane of the warp must arrive (warp.cpp).
+float shfl_xor(unsigned mask, float v, int lane_mask, int width);
+void ldmatrix_x4(uint32_t addr, uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32_t &r3);
+enum class MmaType { F16, BF16 };
+void mma_m16n8k16(MmaType type, float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]);
+
+// ---- Launches.
+struct LaunchSpec {
+  const void *func;
+  const char *name;     // the kernel expression at the launch site
+  const char *context;  // __PRETTY_FUNCTION__ of the launching function (its template args)
+  unsigned grid, grid_y, grid_z, block, block_y, block_z;
+  size_t smem;
+  cudaStream_t stream;
+};
+// Validates and enqueues; the result is what cudaGetLastError returns next on this thread.
+void enqueue_launch(const LaunchSpec &spec, std::function<void()> body);
+
+// TPFUSE_LAUNCH(kernel, grid, block, smem, stream)(args...): the arguments are converted to
+// the kernel's parameter types and copied now, as a CUDA launch copies them; every thread
+// of the launch calls the kernel with its own copy.
+template <typename... P> class Launcher {
+public:
+  template <typename G, typename B>
+  Launcher(void (*kernel)(P...), const char *name, const char *context, G grid, B block, size_t smem,
+           cudaStream_t stream)
+      : kernel_(kernel) {
+    const dim3 g = dim_of(grid), b = dim_of(block);
+    spec_ = LaunchSpec{reinterpret_cast<const void *>(kernel), name, context, g.x, g.y, g.z, b.x, b.y,
+                       b.z, smem, stream};
+  }
+
+  template <typename... A> void operator()(A &&...args) const {
+    auto frozen = std::make_shared<std::tuple<std::decay_t<P>...>>(std::forward<A>(args)...);
+    void (*kernel)(P...) = kernel_;
+    enqueue_launch(spec_, [kernel, frozen]() { std::apply(kernel, *frozen); });
+  }
+
+private:
+  template <typename D> static dim3 dim_of(D d) {
+    if constexpr (std::is_arithmetic_v<D>) {
+      return dim3(static_cast<unsigned>(d));
+    } else {
+      return d;
+    }
+  }
+  void (*kernel_)(P...);
+  LaunchSpec spec_{};
+};
+
+} // namespace tpfuse_emu

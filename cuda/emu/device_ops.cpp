@@ -1,0 +1,155 @@
+// device_ops.cpp: block-level operations of the emulated device: the running thread's
+// indices, __syncthreads, shared memory, flags and atomics, cp.async, %globaltimer.
+#include <cstring>
+
+#include "scheduler.hpp"
+
+namespace tpfuse_emu {
+namespace {
+
+Block &current_block() { return *current_fiber().block; }
+
+// `bytes` of dynamic shared memory at shared-window address `addr`, checked.
+unsigned char *shared_at(uint32_t addr, size_t bytes) {
+  Block &b = current_block();
+  if (static_cast<size_t>(addr) + bytes > b.dynamic_smem.size()) {
+    fail_launch(cudaErrorIllegalAddress, "shared memory access at " + std::to_string(addr) + " (+" +
+                                             std::to_string(bytes) + " bytes) past the block's " +
+                                             std::to_string(b.launch->smem) + " bytes of dynamic shared memory");
+  }
+  return b.dynamic_smem.data() + addr;
+}
+
+// A poll that returns what this thread saw last time at the same address is no progress. A
+// thread remembers its two most recent addresses (a barrier's wait polls two: its flag and
+// the error word).
+void note_poll(Fiber &f, const uint32_t *p, uint32_t v) {
+  for (int i = 0; i < 2; ++i) {
+    if (f.polled[i] == p) {
+      if (f.polled_value[i] != v) device().progress = true;
+      f.polled_value[i] = v;
+      return;
+    }
+  }
+  device().progress = true;
+  f.polled[1] = f.polled[0];
+  f.polled_value[1] = f.polled_value[0];
+  f.polled[0] = p;
+  f.polled_value[0] = v;
+}
+
+// An operation other threads can observe: counts as progress, and lets them run.
+void observable_step() {
+  device().progress = true;
+  yield_to_scheduler();
+}
+
+} // namespace
+
+const uint3 &thread_idx() { return current_fiber().tid; }
+const uint3 &block_idx() { return current_block().idx; }
+const dim3 &block_dim() { return current_block().launch->block; }
+const dim3 &grid_dim() { return current_block().launch->grid; }
+
+void syncthreads() {
+  Fiber &f = current_fiber();
+  Block &b = *f.block;
+  f.state = FiberState::AtBarrier;
+  ++b.at_barrier;
+  b.dirty = true;
+  release_barrier_if_complete(b);
+  observable_step();
+}
+
+void *block_shared_bytes(const void *tag, size_t bytes, size_t align) {
+  Block &b = current_block();
+  for (auto &entry : b.statics)
+    if (entry.first == tag) {
+      const uintptr_t raw = reinterpret_cast<uintptr_t>(entry.second.get());
+      return reinterpret_cast<void *>((raw + align - 1) / align * align);
+    }
+  std::unique_ptr<unsigned char[]> storage(new unsigned char[bytes + align]);
+  std::memset(storage.get(), 0xFF, bytes + align);
+  const uintptr_t raw = reinterpret_cast<uintptr_t>(storage.get());
+  b.statics.emplace_back(tag, std::move(storage));
+  return reinterpret_cast<void *>((raw + align - 1) / align * align);
+}
+
+unsigned char *dynamic_shared() { return current_block().dynamic_smem.data(); }
+
+uint32_t cvta_shared(const void *p) {
+  Block &b = current_block();
+  const unsigned char *c = static_cast<const unsigned char *>(p);
+  if (c < b.dynamic_smem.data() || c > b.dynamic_smem.data() + b.dynamic_smem.size()) {
+    fail_launch(cudaErrorIllegalAddress, "__cvta_generic_to_shared of a pointer outside dynamic shared memory");
+  }
+  return static_cast<uint32_t>(c - b.dynamic_smem.data());
+}
+
+void shared_zero16(uint32_t dst) { std::memset(shared_at(dst, 16), 0, 16); }
+
+uint32_t poll_load(const uint32_t *p, int memory_order) {
+  yield_to_scheduler();  // let the others run first: the value read is the freshest
+  const uint32_t v = __atomic_load_n(p, memory_order);
+  note_poll(current_fiber(), p, v);
+  return v;
+}
+
+void signal_store(uint32_t *p, uint32_t v) {
+  __atomic_store_n(p, v, __ATOMIC_RELEASE);
+  observable_step();
+}
+
+int atomic_add(int *p, int v) {
+  const int old = __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+  observable_step();
+  return old;
+}
+unsigned atomic_add(unsigned *p, unsigned v) {
+  const unsigned old = __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+  observable_step();
+  return old;
+}
+int atomic_cas(int *p, int expected, int desired) {
+  __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+  observable_step();
+  return expected;  // the old value: unchanged on success, the current one on failure
+}
+unsigned atomic_cas(unsigned *p, unsigned expected, unsigned desired) {
+  __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+  observable_step();
+  return expected;
+}
+
+uint64_t global_timer_ns() {
+  const Stream &s = *current_block().launch->stream;
+  return s.frozen ? s.frozen_at : now_ns();
+}
+
+// cp.async copies of a thread form its open group until a commit; wait_group(n) lands
+// committed groups, oldest first, until at most n are pending (PTX ISA, cp.async.wait_group).
+void cp_async(uint32_t dst, const void *src, int src_bytes) {
+  if (dst % 16 != 0) fail_launch(cudaErrorMisalignedAddress, "cp.async to a shared address not 16-byte aligned");
+  shared_at(dst, 16);  // bounds check now, where the bug is
+  current_fiber().open_group.push_back(Copy{dst, src, src_bytes});
+}
+
+void cp_async_commit() {
+  Fiber &f = current_fiber();
+  f.committed.push_back(std::move(f.open_group));
+  f.open_group.clear();
+}
+
+void cp_async_wait(int pending) {
+  Fiber &f = current_fiber();
+  while (f.committed.size() > static_cast<size_t>(pending)) {
+    for (const Copy &c : f.committed.front()) {
+      unsigned char *d = shared_at(c.dst, 16);
+      std::memcpy(d, c.src, static_cast<size_t>(c.bytes));
+      std::memset(d + c.bytes, 0, 16 - static_cast<size_t>(c.bytes));  // src-size < 16: zero fill
+    }
+    f.committed.pop_front();
+  }
+}
+
+} // namespace tpfuse_emu

@@ -1,0 +1,316 @@
+// runtime.cpp: the host side of the CPU emulator: the CUDA runtime calls that tpfuse's
+// launchers make, launch validation and enqueue, and the C ABI of tpfuse_emu.h.
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+#include <string>
+
+#include "scheduler.hpp"
+
+namespace tpfuse_emu {
+namespace {
+
+thread_local cudaError_t last_error = cudaSuccess;
+
+Stream *stream_of(cudaStream_t s) {
+  return s == nullptr ? device().default_stream : reinterpret_cast<Stream *>(s);
+}
+
+uint64_t env_u64(const char *name, uint64_t fallback) {
+  const char *v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char *end = nullptr;
+  const unsigned long long x = std::strtoull(v, &end, 10);
+  if (end == v || *end != '\0') {
+    std::fprintf(stderr, "tpfuse emulator: %s=%s is not a number; using %llu\n", name, v,
+                 static_cast<unsigned long long>(fallback));
+    return fallback;
+  }
+  return x;
+}
+
+int schedule_from_env() {
+  const char *v = std::getenv("TPFUSE_EMU_SCHEDULE");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "forward") == 0) return TPFUSE_EMU_SCHEDULE_FORWARD;
+  if (std::strcmp(v, "reverse") == 0) return TPFUSE_EMU_SCHEDULE_REVERSE;
+  if (std::strcmp(v, "random") == 0) return TPFUSE_EMU_SCHEDULE_RANDOM;
+  std::fprintf(stderr, "tpfuse emulator: TPFUSE_EMU_SCHEDULE=%s is not forward, reverse or random; using forward\n",
+               v);
+  return TPFUSE_EMU_SCHEDULE_FORWARD;
+}
+
+// "one_shot_kernel<T>" launched from "... launch_all_reduce(...) [with T = float; ...]" ->
+// "one_shot_kernel<T> [T = float]": the instantiation, for the report.
+std::string instantiation_name(const char *name, const char *context) {
+  std::string ctx = context ? context : "";
+  std::string out = name;
+  const size_t with = ctx.find("[with ");
+  if (with != std::string::npos) {
+    std::string args = ctx.substr(with + 6);
+    if (!args.empty() && args.back() == ']') args.pop_back();
+    // Drop the stream typedef and namespaces, which say nothing about the instantiation.
+    const size_t stream = args.find("; cudaStream_t");
+    if (stream != std::string::npos) args.erase(stream);
+    for (const char *noise : {"tpfuse::gemm::", "tpfuse::", "{anonymous}::"}) {
+      for (size_t at; (at = args.find(noise)) != std::string::npos;) args.erase(at, std::strlen(noise));
+    }
+    out += " [" + args + "]";
+  }
+  return out;
+}
+
+size_t copy_out(const std::string &text, char *buf, size_t cap) {
+  if (buf != nullptr && cap > 0) {
+    const size_t n = text.size() < cap - 1 ? text.size() : cap - 1;
+    std::memcpy(buf, text.data(), n);
+    buf[n] = '\0';
+  }
+  return text.size();
+}
+
+std::string report_text() {
+  Device &dev = device();
+  std::lock_guard<std::mutex> lk(dev.mu);
+  std::ostringstream s;
+  for (auto &entry : dev.stats) s << entry.second.launches << "\t" << entry.second.blocks << "\t" << entry.second.name << "\n";
+  return s.str();
+}
+
+void append_report_at_exit() {
+  const char *path = std::getenv("TPFUSE_EMU_REPORT");
+  if (path == nullptr || *path == '\0') return;
+  const std::string text = report_text();
+  if (FILE *f = std::fopen(path, "a")) {
+    std::fputs(text.c_str(), f);
+    std::fclose(f);
+  }
+}
+
+cudaError_t fail(cudaError_t code, const char *why, const LaunchSpec &spec) {
+  const std::string text = std::string("launch of ") + spec.name + " refused: " + why;
+  std::fprintf(stderr, "tpfuse emulator: %s\n", text.c_str());
+  {
+    Device &dev = device();
+    std::lock_guard<std::mutex> lk(dev.mu);
+    dev.last_failure = text;
+  }
+  last_error = code;
+  return code;
+}
+
+// Whether `spec` asks for more dynamic shared memory than its kernel may have.
+bool exceeds_shared_memory_limit(Device &dev, const LaunchSpec &spec) {
+  if (spec.smem <= kSmemPerBlockDefault) return false;
+  std::lock_guard<std::mutex> lk(dev.mu);
+  auto it = dev.max_dynamic_smem.find(spec.func);
+  return it == dev.max_dynamic_smem.end() || static_cast<size_t>(it->second) < spec.smem;
+}
+
+} // namespace
+
+tpfuse_emu_config config_from_env() {
+  tpfuse_emu_config c{};
+  c.sms = static_cast<int32_t>(env_u64("TPFUSE_EMU_SMS", 8));
+  c.schedule = schedule_from_env();
+  c.seed = env_u64("TPFUSE_EMU_SEED", 1);
+  c.deadlock_ns = env_u64("TPFUSE_EMU_DEADLOCK_NS", 60ull * 1000 * 1000 * 1000);
+  if (c.sms < 1 || c.sms > 1024) c.sms = 8;
+  std::atexit(append_report_at_exit);
+  return c;
+}
+
+void enqueue_launch(const LaunchSpec &spec, std::function<void()> body) {
+  Device &dev = device();
+  if (spec.grid == 0 || spec.block == 0) {
+    fail(cudaErrorInvalidConfiguration, "an empty grid or block", spec);
+    return;
+  }
+  if (spec.grid_y != 1 || spec.grid_z != 1 || spec.block_y != 1 || spec.block_z != 1) {
+    fail(cudaErrorNotSupported, "only one-dimensional grids and blocks are emulated", spec);
+    return;
+  }
+  if (spec.block > 1024) {
+    fail(cudaErrorInvalidConfiguration, "more than 1024 threads per block", spec);
+    return;
+  }
+  if (exceeds_shared_memory_limit(dev, spec)) {
+    fail(cudaErrorInvalidValue,
+         "more than 48 KiB of dynamic shared memory without cudaFuncAttributeMaxDynamicSharedMemorySize", spec);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lk(dev.mu);
+    auto launch = std::make_unique<Launch>();
+    launch->stream = stream_of(spec.stream);
+    launch->func = spec.func;
+    launch->name = instantiation_name(spec.name, spec.context);
+    launch->grid = dim3(spec.grid);
+    launch->block = dim3(spec.block);
+    launch->smem = spec.smem;
+    launch->body = std::move(body);
+    launch->seq = dev.launch_seq++;
+    Stream *s = launch->stream;
+    s->queue.push_back(std::move(launch));
+    ++s->enqueued;
+  }
+  dev.wake_device.notify_one();
+  last_error = cudaSuccess;
+}
+
+} // namespace tpfuse_emu
+
+using namespace tpfuse_emu;
+
+extern "C" {
+
+cudaError_t cudaGetDevice(int *d) {
+  if (d == nullptr) return cudaErrorInvalidValue;
+  *d = 0;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int d) {
+  if (value == nullptr || d != 0) return cudaErrorInvalidDevice;
+  switch (attr) {
+  case cudaDevAttrMaxThreadsPerBlock: *value = 1024; break;
+  case cudaDevAttrMaxSharedMemoryPerBlock: *value = static_cast<int>(kSmemPerBlockDefault); break;
+  case cudaDevAttrWarpSize: *value = 32; break;
+  case cudaDevAttrMultiProcessorCount: *value = device().config.sms; break;
+  case cudaDevAttrMaxThreadsPerMultiProcessor: *value = kThreadsPerSm; break;
+  case cudaDevAttrComputeCapabilityMajor: *value = 9; break;
+  case cudaDevAttrComputeCapabilityMinor: *value = 0; break;
+  case cudaDevAttrMaxSharedMemoryPerMultiprocessor: *value = static_cast<int>(kSmemPerSm); break;
+  case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = static_cast<int>(kSmemPerBlockOptIn); break;
+  default: return cudaErrorInvalidValue;
+  }
+  return cudaSuccess;
+}
+
+cudaError_t cudaGetLastError(void) {
+  const cudaError_t e = last_error;
+  last_error = cudaSuccess;
+  return e;
+}
+
+cudaError_t cudaPeekAtLastError(void) { return last_error; }
+
+const char *cudaGetErrorString(cudaError_t e) {
+  switch (e) {
+  case cudaSuccess: return "no error";
+  case cudaErrorInvalidValue: return "invalid argument";
+  case cudaErrorMemoryAllocation: return "out of memory";
+  case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+  case cudaErrorInvalidDevice: return "invalid device ordinal";
+  case cudaErrorNoKernelImageForDevice: return "no kernel image is available for execution on the device";
+  case cudaErrorNotReady: return "device not ready";
+  case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
+  case cudaErrorLaunchOutOfResources: return "too many resources requested for launch";
+  case cudaErrorLaunchTimeout: return "the launch timed out and was terminated";
+  case cudaErrorMisalignedAddress: return "misaligned address";
+  case cudaErrorLaunchFailure: return "unspecified launch failure";
+  case cudaErrorNotSupported: return "operation not supported";
+  default: return "unknown error";
+  }
+}
+
+cudaError_t tpfuse_emu_func_set_attribute(const void *func, cudaFuncAttribute attr, int value) {
+  if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 ||
+      static_cast<size_t>(value) > kSmemPerBlockOptIn) {
+    return cudaErrorInvalidValue;
+  }
+  Device &dev = device();
+  std::lock_guard<std::mutex> lk(dev.mu);
+  dev.max_dynamic_smem[func] = value;
+  return cudaSuccess;
+}
+
+void tpfuse_emu_get_config(tpfuse_emu_config *out) {
+  Device &dev = device();
+  std::lock_guard<std::mutex> lk(dev.mu);
+  *out = dev.config;
+}
+
+int32_t tpfuse_emu_set_config(const tpfuse_emu_config *config) {
+  if (config == nullptr || config->sms < 1 || config->sms > 1024 || config->schedule < 0 || config->schedule > 2 ||
+      config->deadlock_ns == 0) {
+    return cudaErrorInvalidValue;
+  }
+  Device &dev = device();
+  std::unique_lock<std::mutex> lk(dev.mu);
+  for (auto &s : dev.streams)
+    if (s->running || !s->queue.empty()) return cudaErrorNotReady;
+  // Nothing is in flight: the device thread parks after its current pass, if it is in one.
+  dev.work_done.wait(lk, [&] { return dev.parked; });
+  dev.config = *config;
+  dev.rng.seed(config->seed);
+  dev.sm_threads.assign(config->sms, 0);
+  dev.sm_blocks.assign(config->sms, 0);
+  dev.sm_smem.assign(config->sms, 0);
+  return cudaSuccess;
+}
+
+void *tpfuse_emu_stream_create(void) {
+  Device &dev = device();
+  std::lock_guard<std::mutex> lk(dev.mu);
+  dev.streams.push_back(std::make_unique<Stream>());
+  return dev.streams.back().get();
+}
+
+void tpfuse_emu_stream_destroy(void *stream) {
+  // Streams stay allocated (their launches may still name them in reports); the work on one
+  // is finished first, as cudaStreamDestroy lets it finish.
+  if (stream != nullptr) tpfuse_emu_stream_synchronize(stream);
+}
+
+int32_t tpfuse_emu_stream_synchronize(void *stream) {
+  Device &dev = device();
+  Stream *s = stream_of(static_cast<cudaStream_t>(stream));
+  std::unique_lock<std::mutex> lk(dev.mu);
+  const uint64_t target = s->enqueued;
+  ++dev.waiters;
+  dev.wake_device.notify_one();
+  dev.work_done.wait(lk, [&] { return s->completed >= target; });
+  --dev.waiters;
+  return s->error;
+}
+
+size_t tpfuse_emu_stream_error(void *stream, char *buf, size_t cap) {
+  Device &dev = device();
+  Stream *s = stream_of(static_cast<cudaStream_t>(stream));
+  std::lock_guard<std::mutex> lk(dev.mu);
+  return copy_out(s->message, buf, cap);
+}
+
+size_t tpfuse_emu_last_failure(char *buf, size_t cap) {
+  Device &dev = device();
+  std::lock_guard<std::mutex> lk(dev.mu);
+  return copy_out(dev.last_failure, buf, cap);
+}
+
+int32_t tpfuse_emu_stream_set_fault(void *stream, uint64_t delay_ns, int32_t stop, int32_t freeze_timer) {
+  Device &dev = device();
+  Stream *s = stream_of(static_cast<cudaStream_t>(stream));
+  std::lock_guard<std::mutex> lk(dev.mu);
+  const uint64_t now = now_ns();
+  s->not_before = now + delay_ns;
+  s->stop = stop != 0;
+  s->frozen = freeze_timer != 0;
+  s->frozen_at = now;
+  return cudaSuccess;
+}
+
+void *tpfuse_emu_malloc(size_t bytes) {
+  void *p = nullptr;
+  if (posix_memalign(&p, 256, bytes > 0 ? bytes : 1) != 0) return nullptr;
+  std::memset(p, 0xFF, bytes);
+  return p;
+}
+
+void tpfuse_emu_free(void *ptr) { std::free(ptr); }
+
+uint64_t tpfuse_emu_now_ns(void) { return now_ns(); }
+
+size_t tpfuse_emu_report(char *buf, size_t cap) { return copy_out(report_text(), buf, cap); }
+
+} // extern "C"

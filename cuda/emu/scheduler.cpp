@@ -1,0 +1,454 @@
+// scheduler.cpp: the device thread of the CPU emulator.
+//
+// Host threads enqueue launches on streams and wait in a synchronize. While at least one
+// waits, the device thread loops:
+//   1. starts the head launch of every idle stream (a launch runs only after the previous
+//      one on its stream has completed, as on a GPU);
+//   2. makes blocks resident, in launch order, on the first SM with room for their threads,
+//      shared memory and block slot; the rest wait for a block to finish (co-residency is
+//      real: a block that waits for a non-resident one waits until its deadline, or is a
+//      reported deadlock);
+//   3. runs one pass: every runnable fiber (thread) of every resident block is resumed once,
+//      in the configured order, and runs to its next scheduling point;
+//   4. retires finished blocks and launches, and wakes the host threads waiting for them;
+//   5. when a pass made no progress (every runnable thread only polled flags that did not
+//      change), advances virtual time by a jump that grows slowly (x1.0001 a pass), so that
+//      deadlines expire, overshooting a deadline checked every 1024 polls by ~10%; past the
+//      configured horizon it reports a deadlock that names the waiting and the non-resident
+//      blocks. A pass that could resume nobody while blocks are resident is a deadlock at once
+//      (barrier or warp collective that can never complete).
+// Virtual time also advances by 1 ns for every resume, so it moves with executed work.
+#include "scheduler.hpp"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <sstream>
+#include <thread>
+
+#include <boost/context/detail/fcontext.hpp>
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#define TPFUSE_EMU_ASAN 1
+#endif
+
+namespace ctx = boost::context::detail;
+
+namespace tpfuse_emu {
+namespace {
+
+#ifdef TPFUSE_EMU_ASAN
+constexpr size_t kStackBytes = 512 * 1024;
+const void *scheduler_stack_bottom = nullptr;
+size_t scheduler_stack_size = 0;
+#else
+constexpr size_t kStackBytes = 128 * 1024;
+#endif
+
+std::atomic<uint64_t> clock_now{0};
+
+void *take_stack(Device &dev) {
+  if (!dev.free_stacks.empty()) {
+    void *s = dev.free_stacks.back();
+    dev.free_stacks.pop_back();
+#ifdef TPFUSE_EMU_ASAN
+    ASAN_UNPOISON_MEMORY_REGION(s, kStackBytes);
+#endif
+    return s;
+  }
+  void *s = mmap(nullptr, kStackBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                 -1, 0);
+  if (s == MAP_FAILED) {
+    std::fprintf(stderr, "tpfuse emulator: out of memory for fiber stacks\n");
+    std::abort();
+  }
+  return s;
+}
+
+[[noreturn]] void switch_out_forever();
+
+void fiber_entry(ctx::transfer_t t) {
+  Device &dev = device();
+  Fiber *f = static_cast<Fiber *>(t.data);
+  dev.scheduler_context = t.fctx;
+#ifdef TPFUSE_EMU_ASAN
+  __sanitizer_finish_switch_fiber(nullptr, &scheduler_stack_bottom, &scheduler_stack_size);
+#endif
+  f->block->launch->body();
+  // The thread exits: it no longer counts for its block's barrier, nor for its warp.
+  Block &b = *f->block;
+  f->state = FiberState::Exited;
+  --b.live;
+  b.dirty = true;
+  dev.progress = true;
+  Warp &w = b.warps[f->tid.x / 32];
+  ++w.exited;
+  if (w.arrived > 0 && w.arrived + w.exited == w.lanes) {
+    fail_launch(cudaErrorLaunchFailure,
+                "a warp collective was reached by " + std::to_string(w.arrived) + " of " +
+                    std::to_string(w.lanes) + " lanes; the others exited");
+  }
+  release_barrier_if_complete(b);
+  switch_out_forever();
+}
+
+[[noreturn]] void switch_out_forever() {
+  Device &dev = device();
+#ifdef TPFUSE_EMU_ASAN
+  __sanitizer_start_switch_fiber(nullptr, scheduler_stack_bottom, scheduler_stack_size);
+#endif
+  ctx::jump_fcontext(dev.scheduler_context, nullptr);
+  std::abort();  // the scheduler never resumes an exited or failed fiber
+}
+
+void set_clock(Device &dev, uint64_t ns) {
+  dev.clock_ns = ns;
+  clock_now.store(ns, std::memory_order_relaxed);
+}
+
+void resume(Device &dev, Fiber *f) {
+  dev.current = f;
+#ifdef TPFUSE_EMU_ASAN
+  void *fake = nullptr;
+  __sanitizer_start_switch_fiber(&fake, f->stack, f->stack_bytes);
+#endif
+  ctx::transfer_t t = ctx::jump_fcontext(f->context, f);
+#ifdef TPFUSE_EMU_ASAN
+  __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#endif
+  f->context = t.fctx;
+  dev.current = nullptr;
+  set_clock(dev, dev.clock_ns + 1);
+}
+
+unsigned total_blocks(const Launch &l) { return l.grid.x * l.grid.y * l.grid.z; }
+
+bool fits(const Device &dev, int sm, const Launch &l) {
+  return dev.sm_blocks[sm] < kBlocksPerSm && dev.sm_threads[sm] + static_cast<int>(l.block.x) <= kThreadsPerSm &&
+         dev.sm_smem[sm] + l.smem <= kSmemPerSm;
+}
+
+void make_resident(Device &dev, Launch &l, int sm) {
+  auto b = std::make_unique<Block>();
+  b->launch = &l;
+  b->idx = uint3{l.next_block++, 0, 0};
+  b->sm = sm;
+  b->order = dev.residency_seq++;
+  const int threads = static_cast<int>(l.block.x);
+  b->live = threads;
+  b->dynamic_smem.assign(l.smem > 0 ? l.smem : 16, 0xFF);  // poison: NaN in f32, f16 and bf16
+  b->warps.resize((threads + 31) / 32);
+  for (size_t w = 0; w < b->warps.size(); ++w) b->warps[w].lanes = std::min(32, threads - 32 * static_cast<int>(w));
+  b->fibers.reserve(threads);
+  for (int t = 0; t < threads; ++t) {
+    auto f = std::make_unique<Fiber>();
+    f->block = b.get();
+    f->tid = uint3{static_cast<unsigned>(t), 0, 0};
+    f->stack = take_stack(dev);
+    f->stack_bytes = kStackBytes;
+    f->context = ctx::make_fcontext(static_cast<char *>(f->stack) + kStackBytes, kStackBytes, fiber_entry);
+    b->fibers.push_back(std::move(f));
+  }
+  dev.sm_blocks[sm] += 1;
+  dev.sm_threads[sm] += threads;
+  dev.sm_smem[sm] += l.smem;
+  ++l.resident;
+  dev.resident.push_back(std::move(b));
+}
+
+void admit(Device &dev) {
+  std::vector<Launch *> launches;
+  for (Stream *s : dev.active)
+    if (s->running && !s->running->failed) launches.push_back(s->running.get());
+  std::sort(launches.begin(), launches.end(), [](Launch *a, Launch *b) { return a->seq < b->seq; });
+  for (Launch *l : launches) {
+    while (l->next_block < total_blocks(*l)) {
+      int sm = 0;
+      while (sm < dev.config.sms && !fits(dev, sm, *l)) ++sm;
+      if (sm == dev.config.sms) break;
+      make_resident(dev, *l, sm);
+    }
+  }
+}
+
+void release_block(Device &dev, Block &b) {
+  for (auto &f : b.fibers) dev.free_stacks.push_back(f->stack);
+  dev.sm_blocks[b.sm] -= 1;
+  dev.sm_threads[b.sm] -= static_cast<int>(b.launch->block.x);
+  dev.sm_smem[b.sm] -= b.launch->smem;
+  --b.launch->resident;
+}
+
+int run_pass(Device &dev, std::vector<Fiber *> &order) {
+  order.clear();
+  for (auto &b : dev.resident) {
+    if (b->killed) continue;
+    if (b->dirty) {
+      b->runnable.clear();
+      for (auto &f : b->fibers)
+        if (f->state == FiberState::Ready) b->runnable.push_back(f.get());
+      b->dirty = false;
+    }
+    order.insert(order.end(), b->runnable.begin(), b->runnable.end());
+  }
+  if (dev.config.schedule == TPFUSE_EMU_SCHEDULE_REVERSE) std::reverse(order.begin(), order.end());
+  if (dev.config.schedule == TPFUSE_EMU_SCHEDULE_RANDOM) std::shuffle(order.begin(), order.end(), dev.rng);
+  int ran = 0;
+  for (Fiber *f : order) {
+    if (f->block->killed || f->block->launch->failed || f->state != FiberState::Ready) continue;
+    resume(dev, f);
+    ++ran;
+  }
+  return ran;
+}
+
+// Ends every block of a failed launch (its fibers are abandoned where they stand).
+void kill_blocks_of_failed_launches(Device &dev) {
+  for (auto &b : dev.resident)
+    if (b->launch->failed && !b->killed) {
+      b->killed = true;
+      release_block(dev, *b);
+    }
+}
+
+void complete(Device &dev, Stream &s) {
+  std::lock_guard<std::mutex> lk(dev.mu);
+  std::unique_ptr<Launch> l = std::move(s.running);
+  if (l->failed) dev.last_failure = l->error;
+  if (l->failed && s.error == cudaSuccess) {
+    s.error = l->code;
+    s.message = l->error;
+  }
+  ++s.completed;
+  dev.work_done.notify_all();
+}
+
+void retire(Device &dev) {
+  kill_blocks_of_failed_launches(dev);
+  for (auto &b : dev.resident) {
+    if (!b->killed && b->live == 0) {
+      release_block(dev, *b);
+      ++b->launch->done_blocks;
+      b->killed = true;  // removed below
+    }
+  }
+  dev.resident.erase(std::remove_if(dev.resident.begin(), dev.resident.end(),
+                                    [](const std::unique_ptr<Block> &b) { return b->killed; }),
+                     dev.resident.end());
+  for (Stream *s : dev.active) {
+    Launch *l = s->running.get();
+    if (l == nullptr) continue;
+    if ((l->failed && l->resident == 0) || l->done_blocks == total_blocks(*l)) complete(dev, *s);
+  }
+}
+
+// Starts the head launch of every stream that has none running (under mu).
+void start_heads(Device &dev) {
+  for (auto &s : dev.streams) {
+    while (!s->running && !s->queue.empty() && dev.clock_ns >= s->not_before) {
+      std::unique_ptr<Launch> l = std::move(s->queue.front());
+      s->queue.pop_front();
+      if (s->stop) {  // a rank that never arrives: dropped, never run
+        ++s->completed;
+        dev.work_done.notify_all();
+        continue;
+      }
+      KernelStats &st = dev.stats[l->func];
+      if (st.name.empty()) st.name = l->name;
+      st.launches += 1;
+      st.blocks += total_blocks(*l);
+      s->running = std::move(l);
+    }
+  }
+}
+
+bool has_work(const Device &dev) {
+  for (auto &s : dev.streams)
+    if (s->running || !s->queue.empty()) return true;
+  return false;
+}
+
+// The earliest virtual time at which a delayed stream may start its next launch, or 0.
+uint64_t next_delayed_start(Device &dev) {
+  std::lock_guard<std::mutex> lk(dev.mu);
+  uint64_t next = 0;
+  for (auto &s : dev.streams)
+    if (!s->running && !s->queue.empty() && s->not_before > dev.clock_ns && (next == 0 || s->not_before < next))
+      next = s->not_before;
+  return next;
+}
+
+const char *state_name(FiberState s) {
+  switch (s) {
+  case FiberState::Ready: return "polling";
+  case FiberState::AtBarrier: return "at __syncthreads";
+  case FiberState::AtCollective: return "at a warp collective";
+  default: return "exited";
+  }
+}
+
+// Fails every running launch with a message naming what waits and what is not resident.
+void report_deadlock(Device &dev, const std::string &why) {
+  std::ostringstream msg;
+  msg << "deadlock: " << why << ";";
+  for (auto &b : dev.resident) {
+    if (b->killed) continue;
+    std::map<std::string, int> counts;
+    for (auto &f : b->fibers)
+      if (f->state != FiberState::Exited) counts[state_name(f->state)] += 1;
+    msg << " " << describe(*b) << ":";
+    for (auto &c : counts) msg << " " << c.second << " thread(s) " << c.first;
+    msg << ";";
+  }
+  for (Stream *s : dev.active) {
+    Launch *l = s->running.get();
+    if (l && l->next_block < total_blocks(*l))
+      msg << " kernel " << l->name << " blocks " << l->next_block << ".." << total_blocks(*l) - 1
+          << " not resident (no SM has room);";
+  }
+  const std::string text = msg.str();
+  std::fprintf(stderr, "tpfuse emulator: %s\n", text.c_str());
+  for (Stream *s : dev.active) {
+    Launch *l = s->running.get();
+    if (l && !l->failed) {
+      l->failed = true;
+      l->code = cudaErrorLaunchTimeout;
+      l->error = text;
+    }
+  }
+  retire(dev);
+}
+
+void idle_step(Device &dev) {
+  if (uint64_t next = next_delayed_start(dev)) {  // a delayed rank: its start is the next event
+    set_clock(dev, next);
+    return;
+  }
+  dev.idle_jump_ns = std::max<uint64_t>(1000, dev.idle_jump_ns + dev.idle_jump_ns / 10000);
+  set_clock(dev, dev.clock_ns + dev.idle_jump_ns);
+  dev.idle_ns += dev.idle_jump_ns;
+  if (dev.idle_ns > dev.config.deadlock_ns) {
+    report_deadlock(dev, "no thread made progress for " + std::to_string(dev.idle_ns) +
+                             " ns of virtual time (every runnable thread polls a flag that does not change)");
+    dev.idle_ns = dev.idle_jump_ns = 0;
+  }
+}
+
+void device_loop(Device &dev) {
+#ifdef TPFUSE_EMU_ASAN
+  pthread_attr_t attr;
+  pthread_getattr_np(pthread_self(), &attr);
+  void *addr = nullptr;
+  size_t size = 0;
+  pthread_attr_getstack(&attr, &addr, &size);
+  pthread_attr_destroy(&attr);
+  scheduler_stack_bottom = addr;
+  scheduler_stack_size = size;
+#endif
+  std::vector<Fiber *> order;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lk(dev.mu);
+      dev.parked = true;
+      dev.work_done.notify_all();
+      dev.wake_device.wait(lk, [&] { return dev.waiters > 0 && has_work(dev); });
+      dev.parked = false;
+      start_heads(dev);
+      dev.active.clear();
+      for (auto &s : dev.streams)
+        if (s->running) dev.active.push_back(s.get());
+    }
+    admit(dev);
+    if (dev.resident.empty()) {
+      if (uint64_t next = next_delayed_start(dev)) set_clock(dev, next);
+      retire(dev);  // launches of zero blocks cannot exist; this only completes failed ones
+      continue;
+    }
+    dev.progress = false;
+    const int ran = run_pass(dev, order);
+    retire(dev);
+    if (ran == 0 && !dev.resident.empty()) {
+      report_deadlock(dev, "every resident thread waits at a barrier or warp collective that cannot complete");
+    } else if (!dev.progress && ran > 0) {
+      idle_step(dev);
+    } else {
+      dev.idle_ns = dev.idle_jump_ns = 0;
+    }
+  }
+}
+
+} // namespace
+
+Device &device() {
+  static Device *dev = [] {
+    Device *d = new Device();  // never destroyed: the device thread outlives main's statics
+    d->config = config_from_env();
+    d->rng.seed(d->config.seed);
+    d->sm_threads.assign(d->config.sms, 0);
+    d->sm_blocks.assign(d->config.sms, 0);
+    d->sm_smem.assign(d->config.sms, 0);
+    d->streams.push_back(std::make_unique<Stream>());
+    d->default_stream = d->streams.back().get();
+    std::thread(device_loop, std::ref(*d)).detach();
+    return d;
+  }();
+  return *dev;
+}
+
+Fiber &current_fiber() {
+  Fiber *f = device().current;
+  if (f == nullptr) {
+    std::fprintf(stderr, "tpfuse emulator: device code called outside a kernel\n");
+    std::abort();
+  }
+  return *f;
+}
+
+void yield_to_scheduler() {
+  Device &dev = device();
+  Fiber *f = dev.current;
+#ifdef TPFUSE_EMU_ASAN
+  __sanitizer_start_switch_fiber(&f->asan_fake_stack, scheduler_stack_bottom, scheduler_stack_size);
+#endif
+  ctx::transfer_t t = ctx::jump_fcontext(dev.scheduler_context, nullptr);
+  dev.scheduler_context = t.fctx;
+#ifdef TPFUSE_EMU_ASAN
+  __sanitizer_finish_switch_fiber(f->asan_fake_stack, &scheduler_stack_bottom, &scheduler_stack_size);
+#endif
+  (void)f;
+}
+
+void fail_launch(cudaError_t code, const std::string &why) {
+  Fiber &f = current_fiber();
+  Launch &l = *f.block->launch;
+  if (!l.failed) {
+    l.failed = true;
+    l.code = code;
+    l.error = why + " (" + describe(*f.block) + ", thread " + std::to_string(f.tid.x) + ")";
+    std::fprintf(stderr, "tpfuse emulator: launch failed: %s\n", l.error.c_str());
+  }
+  f.state = FiberState::Exited;
+  switch_out_forever();
+}
+
+void release_barrier_if_complete(Block &b) {
+  if (b.at_barrier == 0 || b.at_barrier != b.live) return;
+  for (auto &f : b.fibers)
+    if (f->state == FiberState::AtBarrier) f->state = FiberState::Ready;
+  b.at_barrier = 0;
+  b.dirty = true;
+}
+
+std::string describe(const Block &b) {
+  std::ostringstream s;
+  s << "kernel " << b.launch->name << ", block " << b.idx.x << " (stream " << b.launch->stream << ")";
+  return s.str();
+}
+
+uint64_t now_ns() { return clock_now.load(std::memory_order_relaxed); }
+
+} // namespace tpfuse_emu

@@ -1,0 +1,162 @@
+// scheduler.hpp: the emulated device's state (streams, launches, resident blocks, fibers)
+// shared by scheduler.cpp (the device thread), device_ops.cpp and warp.cpp (what a fiber
+// calls) and runtime.cpp (the host API).
+//
+// Threads of the host enqueue work on streams under `mu`. One device thread runs it: each
+// pass resumes every runnable fiber of every resident block once, in the configured order;
+// a fiber runs until its next scheduling point. Only the device thread touches launches,
+// blocks and fibers once they have left a stream's queue, so they need no lock.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "tpfuse_emu.h"
+
+namespace tpfuse_emu {
+
+struct Block;
+struct Launch;
+struct Stream;
+
+enum class FiberState { Ready, AtBarrier, AtCollective, Exited };
+
+struct Copy {  // one cp.async
+  uint32_t dst;
+  const void *src;
+  int bytes;
+};
+
+struct Fiber {
+  void *context = nullptr;  // boost fcontext of the suspended fiber
+  void *stack = nullptr;
+  size_t stack_bytes = 0;
+  Block *block = nullptr;
+  uint3 tid{0, 0, 0};
+  FiberState state = FiberState::Ready;
+  const uint32_t *polled[2] = {nullptr, nullptr};  // the two most recent addresses polled
+  uint32_t polled_value[2] = {0, 0};
+  std::vector<Copy> open_group;
+  std::deque<std::vector<Copy>> committed;
+  void *asan_fake_stack = nullptr;
+};
+
+// The exchange area of one warp's collective: each lane's operands, then each lane's result.
+struct Warp {
+  int arrived = 0;
+  int exited = 0;
+  int lanes = 32;
+  int kind = -1;
+  alignas(16) unsigned char in[32][48];
+  alignas(16) unsigned char out[32][16];
+};
+
+struct Block {
+  Launch *launch = nullptr;
+  uint3 idx{0, 0, 0};
+  int sm = 0;
+  uint64_t order = 0;  // residency order
+  std::vector<std::unique_ptr<Fiber>> fibers;
+  std::vector<Fiber *> runnable;  // rebuilt when `dirty`
+  bool dirty = true;
+  int live = 0;
+  int at_barrier = 0;
+  std::vector<Warp> warps;
+  std::vector<unsigned char> dynamic_smem;
+  std::vector<std::pair<const void *, std::unique_ptr<unsigned char[]>>> statics;
+  bool killed = false;
+};
+
+struct Launch {
+  Stream *stream = nullptr;
+  const void *func = nullptr;
+  std::string name;
+  dim3 grid, block;
+  size_t smem = 0;
+  std::function<void()> body;
+  uint64_t seq = 0;
+  unsigned next_block = 0;
+  unsigned done_blocks = 0;
+  unsigned resident = 0;
+  bool failed = false;
+  std::string error;
+  cudaError_t code = cudaSuccess;
+};
+
+struct Stream {
+  std::deque<std::unique_ptr<Launch>> queue;  // under mu
+  std::unique_ptr<Launch> running;            // device thread
+  uint64_t enqueued = 0, completed = 0;       // under mu
+  cudaError_t error = cudaSuccess;            // sticky, under mu
+  std::string message;
+  uint64_t not_before = 0;
+  bool stop = false;
+  bool frozen = false;
+  uint64_t frozen_at = 0;
+};
+
+struct KernelStats {
+  std::string name;
+  uint64_t launches = 0, blocks = 0;
+};
+
+struct Device {
+  std::mutex mu;
+  std::condition_variable wake_device, work_done;
+  int waiters = 0;
+  bool parked = false;  // the device thread waits for work (under mu)
+  tpfuse_emu_config config{};
+  std::vector<std::unique_ptr<Stream>> streams;  // owned; destroyed streams stay (cheap)
+  Stream *default_stream = nullptr;
+  uint64_t launch_seq = 0;
+  std::map<const void *, int> max_dynamic_smem;  // cudaFuncAttributeMaxDynamicSharedMemorySize
+  std::map<const void *, KernelStats> stats;     // under mu
+  std::string last_failure;                      // under mu
+
+  // Device thread only.
+  std::vector<Stream *> active;  // streams with a running launch, refreshed every pass
+  std::vector<std::unique_ptr<Block>> resident;
+  std::vector<int> sm_threads, sm_blocks;
+  std::vector<size_t> sm_smem;
+  uint64_t residency_seq = 0;
+  std::mt19937_64 rng;
+  uint64_t clock_ns = 0;  // virtual time (atomic reads from the host: now_ns)
+  uint64_t idle_ns = 0, idle_jump_ns = 0;
+  bool progress = false;
+  Fiber *current = nullptr;
+  void *scheduler_context = nullptr;
+  std::vector<void *> free_stacks;
+};
+
+Device &device();
+// The configuration the environment asks for (TPFUSE_EMU_*), read when the device starts.
+tpfuse_emu_config config_from_env();
+Fiber &current_fiber();
+// Leaves the fiber for the scheduler; returns when the scheduler resumes it.
+void yield_to_scheduler();
+// Ends the current launch with an error (reported at the stream's synchronize); the fiber is
+// never resumed.
+[[noreturn]] void fail_launch(cudaError_t code, const std::string &why);
+// Re-checks a block's barrier after a thread arrived at it or exited.
+void release_barrier_if_complete(Block &block);
+// Virtual time, readable from any thread.
+uint64_t now_ns();
+// A description of a block for error messages: "kernel K, block B (stream S)".
+std::string describe(const Block &block);
+constexpr size_t kSmemPerSm = 228 * 1024;
+constexpr size_t kSmemPerBlockOptIn = 227 * 1024;
+constexpr size_t kSmemPerBlockDefault = 48 * 1024;
+constexpr int kThreadsPerSm = 2048;
+constexpr int kBlocksPerSm = 32;
+
+} // namespace tpfuse_emu

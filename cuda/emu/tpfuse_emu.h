@@ -1,0 +1,102 @@
+/*
+ * tpfuse_emu.h: the C ABI of the CPU emulator (cuda/emu), for the Rust side
+ * (src/emulator.rs, tests/emu_*.rs). build.rs runs bindgen on it with the `emulator` feature.
+ *
+ * The emulated device: `sms` SMs, each holding up to 2048 threads, 32 blocks and 228 KiB of
+ * shared memory (an H100's limits, compute capability 9.0); blocks of a launch become resident
+ * as those allow and the rest start as earlier ones finish. Device memory is host memory.
+ * Device work runs on one device thread, and only while some host thread waits for it
+ * (a synchronize): so a run is deterministic for a given schedule and seed.
+ */
+#ifndef TPFUSE_EMU_H
+#define TPFUSE_EMU_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The order in which each pass resumes the runnable threads of all resident blocks. */
+#define TPFUSE_EMU_SCHEDULE_FORWARD 0 /* blocks in order of residency, threads ascending */
+#define TPFUSE_EMU_SCHEDULE_REVERSE 1 /* both descending */
+#define TPFUSE_EMU_SCHEDULE_RANDOM 2  /* a fresh permutation per pass, from `seed` */
+
+typedef struct tpfuse_emu_config {
+  int32_t sms;          /* SMs of the emulated device (TPFUSE_EMU_SMS, default 8) */
+  int32_t schedule;     /* TPFUSE_EMU_SCHEDULE_* (TPFUSE_EMU_SCHEDULE=forward|reverse|random) */
+  uint64_t seed;        /* for RANDOM (TPFUSE_EMU_SEED, default 1) */
+  uint64_t deadlock_ns; /* virtual time without progress after which the device reports a
+                           deadlock (TPFUSE_EMU_DEADLOCK_NS, default 60 s) */
+} tpfuse_emu_config;
+
+/* The configuration in force (read from the environment on first use). */
+void tpfuse_emu_get_config(tpfuse_emu_config *out);
+/* Replaces it; cudaErrorNotReady while any work is in flight, cudaErrorInvalidValue when a
+ * field is out of range. */
+int32_t tpfuse_emu_set_config(const tpfuse_emu_config *config);
+
+/* Streams. A stream's first failure (a launch that failed on the device) sticks to it and is
+ * returned by every later synchronize. */
+void *tpfuse_emu_stream_create(void);
+void tpfuse_emu_stream_destroy(void *stream);
+/* Runs the device until everything enqueued on `stream` so far has completed; returns 0 or
+ * the stream's sticky error. */
+int32_t tpfuse_emu_stream_synchronize(void *stream);
+/* The message of the stream's sticky error ("" when none), copied into buf (NUL-terminated,
+ * truncated to cap); returns its full length. */
+size_t tpfuse_emu_stream_error(void *stream, char *buf, size_t cap);
+
+/* The message of the most recent launch that was refused or failed on the device, on any
+ * stream ("" when none), copied like tpfuse_emu_stream_error. */
+size_t tpfuse_emu_last_failure(char *buf, size_t cap);
+
+/* Fault hooks, per stream (a virtual rank). delay_ns: work enqueued from now on starts only
+ * once virtual time has advanced by delay_ns. stop: launches are dropped without running (a
+ * rank that never arrives). freeze_timer: %globaltimer of this stream's kernels stays at its
+ * value now. */
+int32_t tpfuse_emu_stream_set_fault(void *stream, uint64_t delay_ns, int32_t stop, int32_t freeze_timer);
+
+/* Device memory (host memory, 256-byte aligned, filled with 0xFF bytes). */
+void *tpfuse_emu_malloc(size_t bytes);
+void tpfuse_emu_free(void *ptr);
+
+/* Virtual time in nanoseconds (what %globaltimer reads). */
+uint64_t tpfuse_emu_now_ns(void);
+
+/* One line per kernel instantiation that ran in this process: "launches\tblocks\tname",
+ * copied into buf (NUL-terminated, truncated to cap); returns the full length. At exit the
+ * same lines are appended to the file named by TPFUSE_EMU_REPORT, when set. */
+size_t tpfuse_emu_report(char *buf, size_t cap);
+
+/* ---- Probes: one warp runs one emulated operation; for the emulator's own tests. Each
+ * returns 0 or the launch's error. */
+
+/* mma.sync.m16n8k16.row.col.f32.{f16|bf16}: per lane a[4], b[2], c[4] -> d[4]. */
+int32_t tpfuse_emu_probe_mma(int32_t bf16, const uint32_t *a, const uint32_t *b, const float *c,
+                             float *d);
+/* ldmatrix.x4 from `smem` (smem_bytes copied into shared memory at offset 0); lane l passes
+ * addr[l] (a byte offset) and receives out[4 * l .. 4 * l + 4]. */
+int32_t tpfuse_emu_probe_ldmatrix_x4(const void *smem, size_t smem_bytes, const uint32_t *addr,
+                                     uint32_t *out);
+/* out[l] = __shfl_xor_sync(full, in[l], lane_mask). */
+int32_t tpfuse_emu_probe_shfl_xor(const float *in, int32_t lane_mask, float *out);
+/* Lane 0 copies src (48 bytes) into shared memory in three cp.async groups of 16 bytes, the
+ * third with src-size 0, over 0xFF bytes; snapshots the 48 shared bytes after wait_group 2,
+ * 1 and 0 into out[0..48), out[48..96), out[96..144). */
+int32_t tpfuse_emu_probe_cp_async(const void *src, uint8_t *out);
+/* A warp whose lanes >= active_lanes have exited before a __shfl_xor_sync: must fail. */
+int32_t tpfuse_emu_probe_partial_warp(int32_t active_lanes);
+/* A launch of `threads` threads asking for `smem_bytes` of dynamic shared memory, with the
+ * opt-in attribute set first when `opt_in`: returns what the launch returned. */
+int32_t tpfuse_emu_probe_smem_launch(int32_t threads, size_t smem_bytes, int32_t opt_in);
+/* `blocks` blocks of 1024 threads; every block but the last spins, without a deadline, until
+ * the last block has set a flag: a deadlock when the last block cannot become resident. */
+int32_t tpfuse_emu_probe_wait_for_last_block(int32_t blocks, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TPFUSE_EMU_H */
