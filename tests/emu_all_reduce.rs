@@ -1,0 +1,556 @@
+//! The custom collectives on the CPU emulator (feature `emulator`), through the C ABI, on
+//! virtual ranks W = 2, 3, 4, 6, 8 (one emulated stream each, kernels of all ranks running
+//! at once and waiting on each other's flags): one-shot and two-shot all-reduce with every
+//! epilogue (+ bias, + residual, RMSNorm), the unfused sequence (all-reduce, then the
+//! standalone bias/residual and RMSNorm kernels), all-gather and reduce-scatter; then a
+//! missing rank, a poisoned group, a frozen timer and a late rank.
+//!
+//! Every case has fresh random inputs (seeded; `TPFUSE_TEST_SEED` changes them) and poisoned
+//! outputs; many launches are in flight on every rank before the one synchronize. Checked:
+//! bitwise equality on every rank, across one-shot, two-shot and unfused, with the kernels'
+//! arithmetic done on the host where the docs promise bits (the sum and the element-wise
+//! epilogue), and the DESIGN.md tolerance against the f64 reference for RMSNorm.
+#![cfg(feature = "emulator")]
+
+mod common;
+use common::assert_same_bits;
+use common::emu::{launched, session};
+use common::gpu::{assert_close, base_seed, mix_seed, random_ranks, random_vec, TestElement};
+use half::{bf16, f16};
+use std::ffi::c_void;
+use tpfuse::emulator::{self, abi, DeviceBuffer, Fault, Stream};
+use tpfuse::reference::{all_reduce_epilogue_exact, all_reduce_fused_f64, reduce_ranks_exact};
+
+const WORLDS: [usize; 5] = [2, 3, 4, 6, 8];
+const CAPACITY: usize = 64 * 1024;
+const EPS: f32 = 1e-5;
+const LONG_TIMEOUT_NS: u64 = 60_000_000_000;
+
+/// W virtual ranks: each a stream, a data buffer (staging + result) and a signal pad that
+/// every rank addresses.
+struct Ranks {
+    world: usize,
+    blocks: i32,
+    timeout_ns: u64,
+    data: Vec<DeviceBuffer<u8>>,
+    signals: Vec<DeviceBuffer<u32>>,
+    streams: Vec<Stream>,
+}
+
+impl Ranks {
+    fn new(world: usize, blocks: i32, timeout_ns: u64) -> Ranks {
+        let pad_words = abi::TPFUSE_SIGNAL_PAD_BYTES as usize / 4;
+        Ranks {
+            world,
+            blocks,
+            timeout_ns,
+            data: (0..world).map(|_| DeviceBuffer::new(2 * CAPACITY)).collect(),
+            signals: (0..world)
+                .map(|_| DeviceBuffer::from_slice(&vec![0u32; pad_words]))
+                .collect(),
+            streams: (0..world).map(|_| Stream::new()).collect(),
+        }
+    }
+
+    fn peers(&self) -> abi::tpfuse_peers {
+        let mut p = abi::tpfuse_peers {
+            data: [std::ptr::null_mut(); 8],
+            signals: [std::ptr::null_mut(); 8],
+        };
+        for r in 0..self.world {
+            p.data[r] = self.data[r].ptr().cast();
+            p.signals[r] = self.signals[r].ptr();
+        }
+        p
+    }
+
+    fn args(&self, rank: usize) -> abi::tpfuse_group_args {
+        abi::tpfuse_group_args {
+            rank: rank as i32,
+            world: self.world as i32,
+            blocks: self.blocks,
+            capacity: CAPACITY as u64,
+            timeout_ns: self.timeout_ns,
+        }
+    }
+
+    fn stream(&self, rank: usize) -> *mut c_void {
+        self.streams[rank].raw()
+    }
+
+    fn synchronize(&self) {
+        for (r, s) in self.streams.iter().enumerate() {
+            s.synchronize().unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        }
+    }
+
+    fn error_word(&self, rank: usize) -> u32 {
+        self.signals[rank].to_vec()[abi::TPFUSE_SIGNAL_ERROR_OFFSET as usize / 4]
+    }
+}
+
+fn ptr_of<T: Copy>(b: &Option<DeviceBuffer<T>>) -> *mut c_void {
+    b.as_ref().map_or(std::ptr::null_mut(), |b| b.ptr().cast())
+}
+
+/// What follows the reduction.
+#[derive(Clone, Copy, Debug)]
+struct Epi {
+    bias: bool,
+    residual: bool,
+    gamma: bool,
+}
+
+const FLAT_EPILOGUES: [Epi; 2] = [
+    Epi { bias: false, residual: false, gamma: false },
+    Epi { bias: false, residual: true, gamma: false },
+];
+const ROW_EPILOGUES: [Epi; 5] = [
+    Epi { bias: true, residual: false, gamma: false },
+    Epi { bias: false, residual: true, gamma: false },
+    Epi { bias: true, residual: true, gamma: false },
+    Epi { bias: false, residual: false, gamma: true },
+    Epi { bias: true, residual: true, gamma: true },
+];
+
+/// How a case is computed.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Path {
+    OneShot,
+    TwoShot,
+    /// Plain one-shot all-reduce, then the standalone bias/residual and RMSNorm kernels.
+    Unfused,
+}
+
+/// One all-reduce of one shape and epilogue, as every rank enqueued it.
+struct Launch<T: TestElement> {
+    path: Path,
+    out: Vec<DeviceBuffer<T>>,
+    residual: Vec<Option<DeviceBuffer<T>>>,
+    _inputs: Vec<DeviceBuffer<T>>,
+    _shared: Vec<Option<DeviceBuffer<T>>>,
+}
+
+struct Data<T> {
+    partials: Vec<Vec<T>>,
+    bias: Option<Vec<T>>,
+    residual: Option<Vec<T>>,
+    gamma: Option<Vec<T>>,
+    rows: usize,
+    hidden: usize,
+}
+
+fn data<T: TestElement>(world: usize, rows: usize, hidden: usize, epi: Epi, seed: u64) -> Data<T> {
+    let n = rows * hidden;
+    let pick = |on: bool, part: u64, len: usize, lo: f32, hi: f32| {
+        on.then(|| random_vec::<T>(mix_seed(seed, &[part]), len, lo, hi))
+    };
+    Data {
+        partials: random_ranks(world, n, |r| mix_seed(seed, &[100 + r as u64])),
+        bias: pick(epi.bias, 1, hidden, -1.0, 1.0),
+        residual: pick(epi.residual, 2, n, -4.0, 4.0),
+        gamma: pick(epi.gamma, 3, hidden, 0.5, 1.5),
+        rows,
+        hidden,
+    }
+}
+
+fn enqueue<T: TestElement>(ranks: &Ranks, d: &Data<T>, path: Path, label: &str) -> Launch<T> {
+    let n = d.rows * d.hidden;
+    let peers = ranks.peers();
+    let mut launch = Launch {
+        path,
+        out: Vec::new(),
+        residual: Vec::new(),
+        _inputs: Vec::new(),
+        _shared: Vec::new(),
+    };
+    for r in 0..ranks.world {
+        let input = DeviceBuffer::from_slice(&d.partials[r]);
+        let bias = d.bias.as_deref().map(DeviceBuffer::from_slice);
+        let residual = d.residual.as_deref().map(DeviceBuffer::from_slice);
+        let gamma = d.gamma.as_deref().map(DeviceBuffer::from_slice);
+        let out = DeviceBuffer::<T>::new(n);
+        let args = ranks.args(r);
+        let s = ranks.stream(r);
+        let o = out.ptr().cast::<c_void>();
+        // SAFETY: every buffer holds what the ABI says and lives until the launch is checked.
+        unsafe {
+            let code = match path {
+                Path::OneShot | Path::TwoShot => abi::tpfuse_all_reduce(
+                    T::DTYPE,
+                    if path == Path::OneShot { abi::TPFUSE_ALGO_ONE_SHOT } else { abi::TPFUSE_ALGO_TWO_SHOT } as i32,
+                    &peers,
+                    &args,
+                    input.ptr().cast(),
+                    ptr_of(&bias),
+                    ptr_of(&residual),
+                    ptr_of(&gamma),
+                    EPS,
+                    o,
+                    d.rows,
+                    d.hidden,
+                    s,
+                ),
+                Path::Unfused => {
+                    let std = std::ptr::null_mut();
+                    let mut code = abi::tpfuse_all_reduce(
+                        T::DTYPE,
+                        abi::TPFUSE_ALGO_ONE_SHOT as i32,
+                        &peers,
+                        &args,
+                        input.ptr().cast(),
+                        std,
+                        std,
+                        std,
+                        EPS,
+                        o,
+                        d.rows,
+                        d.hidden,
+                        s,
+                    );
+                    if code == 0 && (bias.is_some() || residual.is_some()) {
+                        code = abi::tpfuse_bias_residual(
+                            T::DTYPE,
+                            o,
+                            ptr_of(&bias),
+                            ptr_of(&residual),
+                            o,
+                            d.rows,
+                            d.hidden,
+                            s,
+                        );
+                    }
+                    if code == 0 && gamma.is_some() {
+                        code = abi::tpfuse_rms_norm(T::DTYPE, o, ptr_of(&gamma), EPS, o, d.rows, d.hidden, s);
+                    }
+                    code
+                }
+            };
+            launched(&format!("{label} {path:?} rank {r}"), code);
+        }
+        launch.out.push(out);
+        launch.residual.push(residual);
+        launch._inputs.push(input);
+        launch._shared.push(bias);
+        launch._shared.push(gamma);
+    }
+    launch
+}
+
+/// Every rank and path holds the same bits; the sum and the element-wise epilogue are the
+/// kernels' arithmetic exactly; RMSNorm is within tolerance of the f64 reference.
+fn check<T: TestElement>(label: &str, d: &Data<T>, launches: &[Launch<T>]) {
+    let parts: Vec<&[T]> = d.partials.iter().map(Vec::as_slice).collect();
+    let h = all_reduce_epilogue_exact(&parts, d.bias.as_deref(), d.residual.as_deref(), d.hidden);
+    let (_, out_f64) = all_reduce_fused_f64(
+        &parts,
+        d.bias.as_deref(),
+        d.residual.as_deref(),
+        d.gamma.as_deref(),
+        f64::from(EPS),
+        d.hidden,
+    );
+    let first = launches[0].out[0].to_vec();
+    for l in launches {
+        for (r, out) in l.out.iter().enumerate() {
+            let at = format!("{label} {:?} rank {r}", l.path);
+            let got = out.to_vec();
+            if d.gamma.is_none() {
+                assert_same_bits(&format!("{at}: out"), &got, &h);
+            } else {
+                assert_same_bits(&format!("{at}: out vs {:?} rank 0", launches[0].path), &got, &first);
+                assert_close(&format!("{at}: out"), &got, &out_f64, T::TOLERANCE);
+            }
+            if let Some(res) = &l.residual[r] {
+                assert_same_bits(&format!("{at}: residual"), &res.to_vec(), &h);
+            }
+        }
+    }
+}
+
+fn all_reduce_every_world<T: TestElement>(seed: u64) {
+    for (wi, &world) in WORLDS.iter().enumerate() {
+        let ranks = Ranks::new(world, 1 + (world % 3) as i32, LONG_TIMEOUT_NS);
+        let mut cases = Vec::new();
+        let shapes: Vec<(usize, usize, &[Epi])> = vec![
+            (1, 1, &FLAT_EPILOGUES),
+            (1, 13, &FLAT_EPILOGUES),
+            (1, 4100, &FLAT_EPILOGUES),
+            (1, 256, &ROW_EPILOGUES),
+            (3, 520, &ROW_EPILOGUES),
+        ];
+        for (si, (rows, hidden, epilogues)) in shapes.into_iter().enumerate() {
+            for (ei, &epi) in epilogues.iter().enumerate() {
+                let case_seed = mix_seed(seed, &[T::ID, wi as u64, si as u64, ei as u64]);
+                let label = format!("{} W={world} {rows}x{hidden} {epi:?} seed {case_seed}", T::NAME);
+                let d = data::<T>(world, rows, hidden, epi, case_seed);
+                let launches: Vec<Launch<T>> = [Path::OneShot, Path::TwoShot, Path::Unfused]
+                    .into_iter()
+                    .map(|p| enqueue(&ranks, &d, p, &label))
+                    .collect();
+                cases.push((label, d, launches));
+            }
+        }
+        ranks.synchronize();
+        for (label, d, launches) in &cases {
+            check(label, d, launches);
+        }
+        for r in 0..world {
+            assert_eq!(ranks.error_word(r), 0, "W={world} rank {r}: error word");
+        }
+    }
+}
+
+#[test]
+fn all_reduce_f32_every_world_path_and_epilogue() {
+    let _s = session("emu_all_reduce", "all_reduce_f32_every_world_path_and_epilogue");
+    all_reduce_every_world::<f32>(base_seed(0xa11_0001));
+}
+
+#[test]
+fn all_reduce_f16_every_world_path_and_epilogue() {
+    let _s = session("emu_all_reduce", "all_reduce_f16_every_world_path_and_epilogue");
+    all_reduce_every_world::<f16>(base_seed(0xa11_0002));
+}
+
+#[test]
+fn all_reduce_bf16_every_world_path_and_epilogue() {
+    let _s = session("emu_all_reduce", "all_reduce_bf16_every_world_path_and_epilogue");
+    all_reduce_every_world::<bf16>(base_seed(0xa11_0003));
+}
+
+#[test]
+fn all_gather_every_world() {
+    let _s = session("emu_all_reduce", "all_gather_every_world");
+    let seed = base_seed(0xa11_0004);
+    for &world in &WORLDS {
+        let ranks = Ranks::new(world, 2, LONG_TIMEOUT_NS);
+        let peers = ranks.peers();
+        let mut cases = Vec::new();
+        for (i, len_bytes) in [16usize, 48, 4096, 16 * 1000].into_iter().enumerate() {
+            let inputs: Vec<Vec<u8>> = (0..world)
+                .map(|r| random_vec::<f32>(mix_seed(seed, &[world as u64, i as u64, r as u64]), len_bytes / 4, -4.0, 4.0))
+                .map(|v| v.iter().flat_map(|x| x.to_le_bytes()).collect())
+                .collect();
+            let bufs: Vec<DeviceBuffer<u8>> = inputs.iter().map(|x| DeviceBuffer::from_slice(x)).collect();
+            let outs: Vec<DeviceBuffer<u8>> = (0..world).map(|_| DeviceBuffer::new(world * len_bytes)).collect();
+            for r in 0..world {
+                // SAFETY: buffers of len_bytes and world * len_bytes.
+                let code = unsafe {
+                    abi::tpfuse_all_gather(
+                        &peers,
+                        &ranks.args(r),
+                        bufs[r].ptr().cast(),
+                        outs[r].ptr().cast(),
+                        len_bytes,
+                        ranks.stream(r),
+                    )
+                };
+                launched("all_gather", code);
+            }
+            cases.push((len_bytes, inputs, bufs, outs));
+        }
+        ranks.synchronize();
+        for (len_bytes, inputs, _, outs) in &cases {
+            let want: Vec<u8> = inputs.concat();
+            for (r, out) in outs.iter().enumerate() {
+                assert_same_bits(&format!("all_gather W={world} {len_bytes} B rank {r}"), &out.to_vec(), &want);
+            }
+        }
+    }
+}
+
+fn reduce_scatter_every_world<T: TestElement>(seed: u64) {
+    for &world in &WORLDS {
+        let ranks = Ranks::new(world, 3, LONG_TIMEOUT_NS);
+        let peers = ranks.peers();
+        let mut cases = Vec::new();
+        for (i, len) in [8usize, 40, 1000].into_iter().enumerate() {
+            let inputs: Vec<Vec<T>> = random_ranks(world, world * len, |r| mix_seed(seed, &[T::ID, world as u64, i as u64, r as u64]));
+            let bufs: Vec<DeviceBuffer<T>> = inputs.iter().map(|x| DeviceBuffer::from_slice(x)).collect();
+            let outs: Vec<DeviceBuffer<T>> = (0..world).map(|_| DeviceBuffer::new(len)).collect();
+            for r in 0..world {
+                // SAFETY: buffers of world * len and len elements.
+                let code = unsafe {
+                    abi::tpfuse_reduce_scatter(
+                        T::DTYPE,
+                        &peers,
+                        &ranks.args(r),
+                        bufs[r].ptr().cast(),
+                        outs[r].ptr().cast(),
+                        len,
+                        ranks.stream(r),
+                    )
+                };
+                launched("reduce_scatter", code);
+            }
+            cases.push((len, inputs, bufs, outs));
+        }
+        ranks.synchronize();
+        for (len, inputs, _, outs) in &cases {
+            for (r, out) in outs.iter().enumerate() {
+                let slices: Vec<&[T]> = inputs.iter().map(|x| &x[r * len..(r + 1) * len]).collect();
+                let want = reduce_ranks_exact(&slices);
+                assert_same_bits(&format!("reduce_scatter {} W={world} len {len} rank {r}", T::NAME), &out.to_vec(), &want);
+            }
+        }
+    }
+}
+
+#[test]
+fn reduce_scatter_every_world_and_dtype() {
+    let _s = session("emu_all_reduce", "reduce_scatter_every_world_and_dtype");
+    let seed = base_seed(0xa11_0005);
+    reduce_scatter_every_world::<f32>(seed);
+    reduce_scatter_every_world::<f16>(seed);
+    reduce_scatter_every_world::<bf16>(seed);
+}
+
+/// One plain one-shot all-reduce of `n` f32 on every rank not in `skip`; the outputs.
+fn launch_survivors(ranks: &Ranks, n: usize, skip: &[usize], seed: u64) -> Vec<Option<DeviceBuffer<f32>>> {
+    let peers = ranks.peers();
+    let inputs: Vec<Vec<f32>> = random_ranks(ranks.world, n, |r| mix_seed(seed, &[r as u64]));
+    (0..ranks.world)
+        .map(|r| {
+            if skip.contains(&r) {
+                return None;
+            }
+            let input = DeviceBuffer::from_slice(&inputs[r]);
+            let out = DeviceBuffer::<f32>::new(n);
+            // SAFETY: buffers of n elements; the input is copied by the kernel before the
+            // first barrier, and kept alive by `input` until the synchronize below.
+            let code = unsafe {
+                abi::tpfuse_all_reduce(
+                    abi::TPFUSE_DTYPE_F32 as i32,
+                    abi::TPFUSE_ALGO_ONE_SHOT as i32,
+                    &peers,
+                    &ranks.args(r),
+                    input.ptr().cast(),
+                    std::ptr::null(),
+                    std::ptr::null_mut(),
+                    std::ptr::null(),
+                    EPS,
+                    out.ptr().cast(),
+                    1,
+                    n,
+                    ranks.stream(r),
+                )
+            };
+            launched("all_reduce", code);
+            ranks.streams[r].synchronize().ok();
+            Some(out)
+        })
+        .collect()
+}
+
+#[test]
+fn a_missing_rank_times_out_on_every_survivor_within_the_deadline() {
+    let _s = session("emu_all_reduce", "a_missing_rank_times_out_on_every_survivor_within_the_deadline");
+    let timeout = 2_000_000; // 2 ms of virtual time
+    let ranks = Ranks::new(4, 2, timeout);
+    ranks.streams[2].set_fault(Fault { stop: true, ..Fault::default() });
+    let peers = ranks.peers();
+    let n = 1000;
+    let inputs: Vec<Vec<f32>> = random_ranks(4, n, |r| mix_seed(base_seed(0xa11_0006), &[r as u64]));
+    let bufs: Vec<DeviceBuffer<f32>> = inputs.iter().map(|x| DeviceBuffer::from_slice(x)).collect();
+    let outs: Vec<DeviceBuffer<f32>> = (0..4).map(|_| DeviceBuffer::new(n)).collect();
+    let start = emulator::now_ns();
+    for r in 0..4 {
+        // SAFETY: buffers of n elements.
+        let code = unsafe {
+            abi::tpfuse_all_reduce(
+                abi::TPFUSE_DTYPE_F32 as i32,
+                abi::TPFUSE_ALGO_ONE_SHOT as i32,
+                &peers,
+                &ranks.args(r),
+                bufs[r].ptr().cast(),
+                std::ptr::null(),
+                std::ptr::null_mut(),
+                std::ptr::null(),
+                EPS,
+                outs[r].ptr().cast(),
+                1,
+                n,
+                ranks.stream(r),
+            )
+        };
+        launched("all_reduce", code);
+    }
+    ranks.synchronize();
+    let elapsed = emulator::now_ns() - start;
+    let word = abi::TPFUSE_ERROR_PEER_TIMEOUT | 2;
+    for r in [0, 1, 3] {
+        assert_eq!(ranks.error_word(r), word, "rank {r}: error word names rank 2");
+    }
+    assert!(elapsed >= timeout, "gave up after {elapsed} ns, before the {timeout} ns deadline");
+    assert!(elapsed <= timeout * 3 / 2, "gave up after {elapsed} ns, deadline {timeout} ns");
+
+    // A poisoned group returns at once: no waiting, nothing written.
+    let start = emulator::now_ns();
+    let outs = launch_survivors(&ranks, n, &[2], base_seed(0xa11_0007));
+    let elapsed = emulator::now_ns() - start;
+    assert!(elapsed < timeout / 10, "a poisoned group waited {elapsed} ns");
+    for (r, out) in outs.iter().enumerate() {
+        if let Some(out) = out {
+            assert!(out.to_vec().iter().all(|x| x.is_nan()), "rank {r} wrote output after the timeout");
+        }
+    }
+}
+
+#[test]
+fn a_rank_whose_timer_is_frozen_learns_of_the_timeout_from_its_peers() {
+    let _s = session("emu_all_reduce", "a_rank_whose_timer_is_frozen_learns_of_the_timeout_from_its_peers");
+    let timeout = 1_000_000;
+    let ranks = Ranks::new(3, 1, timeout);
+    ranks.streams[2].set_fault(Fault { stop: true, ..Fault::default() });
+    ranks.streams[0].set_fault(Fault { freeze_timer: true, ..Fault::default() });
+    let peers = ranks.peers();
+    let input = DeviceBuffer::from_slice(&vec![1.0f32; 64]);
+    let outs: Vec<DeviceBuffer<f32>> = (0..2).map(|_| DeviceBuffer::new(64)).collect();
+    for (r, out) in outs.iter().enumerate() {
+        // SAFETY: buffers of 64 elements.
+        let code = unsafe {
+            abi::tpfuse_all_reduce(
+                abi::TPFUSE_DTYPE_F32 as i32,
+                abi::TPFUSE_ALGO_TWO_SHOT as i32,
+                &peers,
+                &ranks.args(r),
+                input.ptr().cast(),
+                std::ptr::null(),
+                std::ptr::null_mut(),
+                std::ptr::null(),
+                EPS,
+                out.ptr().cast(),
+                1,
+                64,
+                ranks.stream(r),
+            )
+        };
+        launched("all_reduce", code);
+    }
+    ranks.streams[0].synchronize().expect("rank 0 returns");
+    ranks.streams[1].synchronize().expect("rank 1 returns");
+    let word = abi::TPFUSE_ERROR_PEER_TIMEOUT | 2;
+    assert_eq!(ranks.error_word(1), word);
+    assert_eq!(ranks.error_word(0), word, "rank 0 (frozen timer) was told by rank 1");
+}
+
+#[test]
+fn a_late_rank_within_the_deadline_gives_the_right_result() {
+    let _s = session("emu_all_reduce", "a_late_rank_within_the_deadline_gives_the_right_result");
+    let ranks = Ranks::new(4, 2, 50_000_000);
+    ranks.streams[1].set_fault(Fault { delay_ns: 5_000_000, ..Fault::default() });
+    let d = data::<bf16>(4, 2, 264, ROW_EPILOGUES[4], base_seed(0xa11_0008));
+    let launches = vec![
+        enqueue(&ranks, &d, Path::OneShot, "late"),
+        enqueue(&ranks, &d, Path::TwoShot, "late"),
+    ];
+    let start = emulator::now_ns();
+    ranks.synchronize();
+    assert!(emulator::now_ns() - start >= 5_000_000, "rank 1 started late");
+    check("late rank", &d, &launches);
+    for r in 0..4 {
+        assert_eq!(ranks.error_word(r), 0, "rank {r}");
+    }
+}
