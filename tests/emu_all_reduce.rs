@@ -44,7 +44,9 @@ impl Ranks {
             world,
             blocks,
             timeout_ns,
-            data: (0..world).map(|_| DeviceBuffer::new(2 * CAPACITY)).collect(),
+            data: (0..world)
+                .map(|_| DeviceBuffer::new(2 * CAPACITY))
+                .collect(),
             signals: (0..world)
                 .map(|_| DeviceBuffer::from_slice(&vec![0u32; pad_words]))
                 .collect(),
@@ -102,15 +104,43 @@ struct Epi {
 }
 
 const FLAT_EPILOGUES: [Epi; 2] = [
-    Epi { bias: false, residual: false, gamma: false },
-    Epi { bias: false, residual: true, gamma: false },
+    Epi {
+        bias: false,
+        residual: false,
+        gamma: false,
+    },
+    Epi {
+        bias: false,
+        residual: true,
+        gamma: false,
+    },
 ];
 const ROW_EPILOGUES: [Epi; 5] = [
-    Epi { bias: true, residual: false, gamma: false },
-    Epi { bias: false, residual: true, gamma: false },
-    Epi { bias: true, residual: true, gamma: false },
-    Epi { bias: false, residual: false, gamma: true },
-    Epi { bias: true, residual: true, gamma: true },
+    Epi {
+        bias: true,
+        residual: false,
+        gamma: false,
+    },
+    Epi {
+        bias: false,
+        residual: true,
+        gamma: false,
+    },
+    Epi {
+        bias: true,
+        residual: true,
+        gamma: false,
+    },
+    Epi {
+        bias: false,
+        residual: false,
+        gamma: true,
+    },
+    Epi {
+        bias: true,
+        residual: true,
+        gamma: true,
+    },
 ];
 
 /// How a case is computed.
@@ -179,7 +209,11 @@ fn enqueue<T: TestElement>(ranks: &Ranks, d: &Data<T>, path: Path, label: &str) 
             let code = match path {
                 Path::OneShot | Path::TwoShot => abi::tpfuse_all_reduce(
                     T::DTYPE,
-                    if path == Path::OneShot { abi::TPFUSE_ALGO_ONE_SHOT } else { abi::TPFUSE_ALGO_TWO_SHOT } as i32,
+                    if path == Path::OneShot {
+                        abi::TPFUSE_ALGO_ONE_SHOT
+                    } else {
+                        abi::TPFUSE_ALGO_TWO_SHOT
+                    } as i32,
                     &peers,
                     &args,
                     input.ptr().cast(),
@@ -222,7 +256,16 @@ fn enqueue<T: TestElement>(ranks: &Ranks, d: &Data<T>, path: Path, label: &str) 
                         );
                     }
                     if code == 0 && gamma.is_some() {
-                        code = abi::tpfuse_rms_norm(T::DTYPE, o, ptr_of(&gamma), EPS, o, d.rows, d.hidden, s);
+                        code = abi::tpfuse_rms_norm(
+                            T::DTYPE,
+                            o,
+                            ptr_of(&gamma),
+                            EPS,
+                            o,
+                            d.rows,
+                            d.hidden,
+                            s,
+                        );
                     }
                     code
                 }
@@ -259,7 +302,11 @@ fn check<T: TestElement>(label: &str, d: &Data<T>, launches: &[Launch<T>]) {
             if d.gamma.is_none() {
                 assert_same_bits(&format!("{at}: out"), &got, &h);
             } else {
-                assert_same_bits(&format!("{at}: out vs {:?} rank 0", launches[0].path), &got, &first);
+                assert_same_bits(
+                    &format!("{at}: out vs {:?} rank 0", launches[0].path),
+                    &got,
+                    &first,
+                );
                 assert_close(&format!("{at}: out"), &got, &out_f64, T::TOLERANCE);
             }
             if let Some(res) = &l.residual[r] {
@@ -272,7 +319,7 @@ fn check<T: TestElement>(label: &str, d: &Data<T>, launches: &[Launch<T>]) {
 fn all_reduce_every_world<T: TestElement>(seed: u64) {
     for (wi, &world) in WORLDS.iter().enumerate() {
         let ranks = Ranks::new(world, 1 + (world % 3) as i32, LONG_TIMEOUT_NS);
-        let mut cases = Vec::new();
+        let mut cases: Vec<(String, Data<T>, Vec<Launch<T>>)> = Vec::new();
         let shapes: Vec<(usize, usize, &[Epi])> = vec![
             (1, 1, &FLAT_EPILOGUES),
             (1, 13, &FLAT_EPILOGUES),
@@ -283,13 +330,22 @@ fn all_reduce_every_world<T: TestElement>(seed: u64) {
         for (si, (rows, hidden, epilogues)) in shapes.into_iter().enumerate() {
             for (ei, &epi) in epilogues.iter().enumerate() {
                 let case_seed = mix_seed(seed, &[T::ID, wi as u64, si as u64, ei as u64]);
-                let label = format!("{} W={world} {rows}x{hidden} {epi:?} seed {case_seed}", T::NAME);
-                let d = data::<T>(world, rows, hidden, epi, case_seed);
-                let launches: Vec<Launch<T>> = [Path::OneShot, Path::TwoShot, Path::Unfused]
-                    .into_iter()
-                    .map(|p| enqueue(&ranks, &d, p, &label))
-                    .collect();
-                cases.push((label, d, launches));
+                let label = format!(
+                    "{} W={world} {rows}x{hidden} {epi:?} seed {case_seed}",
+                    T::NAME
+                );
+                cases.push((
+                    label,
+                    data::<T>(world, rows, hidden, epi, case_seed),
+                    Vec::new(),
+                ));
+            }
+        }
+        // Path by path, so that consecutive launches on a rank have different inputs: a rank
+        // that overwrote its staging too early would show.
+        for path in [Path::OneShot, Path::TwoShot, Path::Unfused] {
+            for (label, d, launches) in cases.iter_mut() {
+                launches.push(enqueue(&ranks, d, path, label));
             }
         }
         ranks.synchronize();
@@ -304,19 +360,28 @@ fn all_reduce_every_world<T: TestElement>(seed: u64) {
 
 #[test]
 fn all_reduce_f32_every_world_path_and_epilogue() {
-    let _s = session("emu_all_reduce", "all_reduce_f32_every_world_path_and_epilogue");
+    let _s = session(
+        "emu_all_reduce",
+        "all_reduce_f32_every_world_path_and_epilogue",
+    );
     all_reduce_every_world::<f32>(base_seed(0xa11_0001));
 }
 
 #[test]
 fn all_reduce_f16_every_world_path_and_epilogue() {
-    let _s = session("emu_all_reduce", "all_reduce_f16_every_world_path_and_epilogue");
+    let _s = session(
+        "emu_all_reduce",
+        "all_reduce_f16_every_world_path_and_epilogue",
+    );
     all_reduce_every_world::<f16>(base_seed(0xa11_0002));
 }
 
 #[test]
 fn all_reduce_bf16_every_world_path_and_epilogue() {
-    let _s = session("emu_all_reduce", "all_reduce_bf16_every_world_path_and_epilogue");
+    let _s = session(
+        "emu_all_reduce",
+        "all_reduce_bf16_every_world_path_and_epilogue",
+    );
     all_reduce_every_world::<bf16>(base_seed(0xa11_0003));
 }
 
@@ -330,11 +395,21 @@ fn all_gather_every_world() {
         let mut cases = Vec::new();
         for (i, len_bytes) in [16usize, 48, 4096, 16 * 1000].into_iter().enumerate() {
             let inputs: Vec<Vec<u8>> = (0..world)
-                .map(|r| random_vec::<f32>(mix_seed(seed, &[world as u64, i as u64, r as u64]), len_bytes / 4, -4.0, 4.0))
+                .map(|r| {
+                    random_vec::<f32>(
+                        mix_seed(seed, &[world as u64, i as u64, r as u64]),
+                        len_bytes / 4,
+                        -4.0,
+                        4.0,
+                    )
+                })
                 .map(|v| v.iter().flat_map(|x| x.to_le_bytes()).collect())
                 .collect();
-            let bufs: Vec<DeviceBuffer<u8>> = inputs.iter().map(|x| DeviceBuffer::from_slice(x)).collect();
-            let outs: Vec<DeviceBuffer<u8>> = (0..world).map(|_| DeviceBuffer::new(world * len_bytes)).collect();
+            let bufs: Vec<DeviceBuffer<u8>> =
+                inputs.iter().map(|x| DeviceBuffer::from_slice(x)).collect();
+            let outs: Vec<DeviceBuffer<u8>> = (0..world)
+                .map(|_| DeviceBuffer::new(world * len_bytes))
+                .collect();
             for r in 0..world {
                 // SAFETY: buffers of len_bytes and world * len_bytes.
                 let code = unsafe {
@@ -355,7 +430,11 @@ fn all_gather_every_world() {
         for (len_bytes, inputs, _, outs) in &cases {
             let want: Vec<u8> = inputs.concat();
             for (r, out) in outs.iter().enumerate() {
-                assert_same_bits(&format!("all_gather W={world} {len_bytes} B rank {r}"), &out.to_vec(), &want);
+                assert_same_bits(
+                    &format!("all_gather W={world} {len_bytes} B rank {r}"),
+                    &out.to_vec(),
+                    &want,
+                );
             }
         }
     }
@@ -367,8 +446,11 @@ fn reduce_scatter_every_world<T: TestElement>(seed: u64) {
         let peers = ranks.peers();
         let mut cases = Vec::new();
         for (i, len) in [8usize, 40, 1000].into_iter().enumerate() {
-            let inputs: Vec<Vec<T>> = random_ranks(world, world * len, |r| mix_seed(seed, &[T::ID, world as u64, i as u64, r as u64]));
-            let bufs: Vec<DeviceBuffer<T>> = inputs.iter().map(|x| DeviceBuffer::from_slice(x)).collect();
+            let inputs: Vec<Vec<T>> = random_ranks(world, world * len, |r| {
+                mix_seed(seed, &[T::ID, world as u64, i as u64, r as u64])
+            });
+            let bufs: Vec<DeviceBuffer<T>> =
+                inputs.iter().map(|x| DeviceBuffer::from_slice(x)).collect();
             let outs: Vec<DeviceBuffer<T>> = (0..world).map(|_| DeviceBuffer::new(len)).collect();
             for r in 0..world {
                 // SAFETY: buffers of world * len and len elements.
@@ -392,7 +474,11 @@ fn reduce_scatter_every_world<T: TestElement>(seed: u64) {
             for (r, out) in outs.iter().enumerate() {
                 let slices: Vec<&[T]> = inputs.iter().map(|x| &x[r * len..(r + 1) * len]).collect();
                 let want = reduce_ranks_exact(&slices);
-                assert_same_bits(&format!("reduce_scatter {} W={world} len {len} rank {r}", T::NAME), &out.to_vec(), &want);
+                assert_same_bits(
+                    &format!("reduce_scatter {} W={world} len {len} rank {r}", T::NAME),
+                    &out.to_vec(),
+                    &want,
+                );
             }
         }
     }
@@ -408,7 +494,12 @@ fn reduce_scatter_every_world_and_dtype() {
 }
 
 /// One plain one-shot all-reduce of `n` f32 on every rank not in `skip`; the outputs.
-fn launch_survivors(ranks: &Ranks, n: usize, skip: &[usize], seed: u64) -> Vec<Option<DeviceBuffer<f32>>> {
+fn launch_survivors(
+    ranks: &Ranks,
+    n: usize,
+    skip: &[usize],
+    seed: u64,
+) -> Vec<Option<DeviceBuffer<f32>>> {
     let peers = ranks.peers();
     let inputs: Vec<Vec<f32>> = random_ranks(ranks.world, n, |r| mix_seed(seed, &[r as u64]));
     (0..ranks.world)
@@ -446,13 +537,20 @@ fn launch_survivors(ranks: &Ranks, n: usize, skip: &[usize], seed: u64) -> Vec<O
 
 #[test]
 fn a_missing_rank_times_out_on_every_survivor_within_the_deadline() {
-    let _s = session("emu_all_reduce", "a_missing_rank_times_out_on_every_survivor_within_the_deadline");
+    let _s = session(
+        "emu_all_reduce",
+        "a_missing_rank_times_out_on_every_survivor_within_the_deadline",
+    );
     let timeout = 2_000_000; // 2 ms of virtual time
     let ranks = Ranks::new(4, 2, timeout);
-    ranks.streams[2].set_fault(Fault { stop: true, ..Fault::default() });
+    ranks.streams[2].set_fault(Fault {
+        stop: true,
+        ..Fault::default()
+    });
     let peers = ranks.peers();
     let n = 1000;
-    let inputs: Vec<Vec<f32>> = random_ranks(4, n, |r| mix_seed(base_seed(0xa11_0006), &[r as u64]));
+    let inputs: Vec<Vec<f32>> =
+        random_ranks(4, n, |r| mix_seed(base_seed(0xa11_0006), &[r as u64]));
     let bufs: Vec<DeviceBuffer<f32>> = inputs.iter().map(|x| DeviceBuffer::from_slice(x)).collect();
     let outs: Vec<DeviceBuffer<f32>> = (0..4).map(|_| DeviceBuffer::new(n)).collect();
     let start = emulator::now_ns();
@@ -481,30 +579,55 @@ fn a_missing_rank_times_out_on_every_survivor_within_the_deadline() {
     let elapsed = emulator::now_ns() - start;
     let word = abi::TPFUSE_ERROR_PEER_TIMEOUT | 2;
     for r in [0, 1, 3] {
-        assert_eq!(ranks.error_word(r), word, "rank {r}: error word names rank 2");
+        assert_eq!(
+            ranks.error_word(r),
+            word,
+            "rank {r}: error word names rank 2"
+        );
     }
-    assert!(elapsed >= timeout, "gave up after {elapsed} ns, before the {timeout} ns deadline");
-    assert!(elapsed <= timeout * 3 / 2, "gave up after {elapsed} ns, deadline {timeout} ns");
+    assert!(
+        elapsed >= timeout,
+        "gave up after {elapsed} ns, before the {timeout} ns deadline"
+    );
+    assert!(
+        elapsed <= timeout * 3 / 2,
+        "gave up after {elapsed} ns, deadline {timeout} ns"
+    );
 
     // A poisoned group returns at once: no waiting, nothing written.
     let start = emulator::now_ns();
     let outs = launch_survivors(&ranks, n, &[2], base_seed(0xa11_0007));
     let elapsed = emulator::now_ns() - start;
-    assert!(elapsed < timeout / 10, "a poisoned group waited {elapsed} ns");
+    assert!(
+        elapsed < timeout / 10,
+        "a poisoned group waited {elapsed} ns"
+    );
     for (r, out) in outs.iter().enumerate() {
         if let Some(out) = out {
-            assert!(out.to_vec().iter().all(|x| x.is_nan()), "rank {r} wrote output after the timeout");
+            assert!(
+                out.to_vec().iter().all(|x| x.is_nan()),
+                "rank {r} wrote output after the timeout"
+            );
         }
     }
 }
 
 #[test]
 fn a_rank_whose_timer_is_frozen_learns_of_the_timeout_from_its_peers() {
-    let _s = session("emu_all_reduce", "a_rank_whose_timer_is_frozen_learns_of_the_timeout_from_its_peers");
+    let _s = session(
+        "emu_all_reduce",
+        "a_rank_whose_timer_is_frozen_learns_of_the_timeout_from_its_peers",
+    );
     let timeout = 1_000_000;
     let ranks = Ranks::new(3, 1, timeout);
-    ranks.streams[2].set_fault(Fault { stop: true, ..Fault::default() });
-    ranks.streams[0].set_fault(Fault { freeze_timer: true, ..Fault::default() });
+    ranks.streams[2].set_fault(Fault {
+        stop: true,
+        ..Fault::default()
+    });
+    ranks.streams[0].set_fault(Fault {
+        freeze_timer: true,
+        ..Fault::default()
+    });
     let peers = ranks.peers();
     let input = DeviceBuffer::from_slice(&vec![1.0f32; 64]);
     let outs: Vec<DeviceBuffer<f32>> = (0..2).map(|_| DeviceBuffer::new(64)).collect();
@@ -533,14 +656,24 @@ fn a_rank_whose_timer_is_frozen_learns_of_the_timeout_from_its_peers() {
     ranks.streams[1].synchronize().expect("rank 1 returns");
     let word = abi::TPFUSE_ERROR_PEER_TIMEOUT | 2;
     assert_eq!(ranks.error_word(1), word);
-    assert_eq!(ranks.error_word(0), word, "rank 0 (frozen timer) was told by rank 1");
+    assert_eq!(
+        ranks.error_word(0),
+        word,
+        "rank 0 (frozen timer) was told by rank 1"
+    );
 }
 
 #[test]
 fn a_late_rank_within_the_deadline_gives_the_right_result() {
-    let _s = session("emu_all_reduce", "a_late_rank_within_the_deadline_gives_the_right_result");
+    let _s = session(
+        "emu_all_reduce",
+        "a_late_rank_within_the_deadline_gives_the_right_result",
+    );
     let ranks = Ranks::new(4, 2, 50_000_000);
-    ranks.streams[1].set_fault(Fault { delay_ns: 5_000_000, ..Fault::default() });
+    ranks.streams[1].set_fault(Fault {
+        delay_ns: 5_000_000,
+        ..Fault::default()
+    });
     let d = data::<bf16>(4, 2, 264, ROW_EPILOGUES[4], base_seed(0xa11_0008));
     let launches = vec![
         enqueue(&ranks, &d, Path::OneShot, "late"),
@@ -548,7 +681,10 @@ fn a_late_rank_within_the_deadline_gives_the_right_result() {
     ];
     let start = emulator::now_ns();
     ranks.synchronize();
-    assert!(emulator::now_ns() - start >= 5_000_000, "rank 1 started late");
+    assert!(
+        emulator::now_ns() - start >= 5_000_000,
+        "rank 1 started late"
+    );
     check("late rank", &d, &launches);
     for r in 0..4 {
         assert_eq!(ranks.error_word(r), 0, "rank {r}");

@@ -26,7 +26,13 @@ struct Case<T: TestElement> {
 
 /// Enqueues one reduction of `world` random inputs of `len` elements; with `misalign`, every
 /// input starts one element past a 16-byte boundary (the scalar path).
-fn enqueue<T: TestElement>(stream: &Stream, world: usize, len: usize, misalign: bool, seed: u64) -> Case<T> {
+fn enqueue<T: TestElement>(
+    stream: &Stream,
+    world: usize,
+    len: usize,
+    misalign: bool,
+    seed: u64,
+) -> Case<T> {
     let inputs: Vec<Vec<T>> = random_ranks(world, len, |r| mix_seed(seed, &[r as u64]));
     let skip = usize::from(misalign);
     let buffers: Vec<DeviceBuffer<T>> = inputs
@@ -43,10 +49,20 @@ fn enqueue<T: TestElement>(stream: &Stream, world: usize, len: usize, misalign: 
         .map(|b| unsafe { b.ptr().add(skip) } as *const c_void)
         .collect();
     let out = DeviceBuffer::<T>::new(len);
-    let label = format!("{} world {world} len {len} misaligned {misalign} seed {seed}", T::NAME);
+    let label = format!(
+        "{} world {world} len {len} misaligned {misalign} seed {seed}",
+        T::NAME
+    );
     // SAFETY: device buffers of the right sizes, alive until the case is checked.
     let code = unsafe {
-        abi::tpfuse_reduce_ranks(T::DTYPE, ptrs.as_ptr(), world as i32, out.ptr().cast(), len, stream.raw())
+        abi::tpfuse_reduce_ranks(
+            T::DTYPE,
+            ptrs.as_ptr(),
+            world as i32,
+            out.ptr().cast(),
+            len,
+            stream.raw(),
+        )
     };
     launched(&label, code);
     Case {
@@ -71,7 +87,8 @@ fn run<T: TestElement>(seed: u64) {
     for world in 1..=16 {
         for (i, &len) in LENGTHS.iter().enumerate() {
             for misalign in [false, true] {
-                let case_seed = mix_seed(seed, &[T::ID, world as u64, i as u64, u64::from(misalign)]);
+                let case_seed =
+                    mix_seed(seed, &[T::ID, world as u64, i as u64, u64::from(misalign)]);
                 cases.push(enqueue::<T>(&stream, world, len, misalign, case_seed));
             }
         }
@@ -84,19 +101,28 @@ fn run<T: TestElement>(seed: u64) {
 
 #[test]
 fn reduce_ranks_f32_every_world_and_length() {
-    let _s = session("emu_reduce_ranks", "reduce_ranks_f32_every_world_and_length");
+    let _s = session(
+        "emu_reduce_ranks",
+        "reduce_ranks_f32_every_world_and_length",
+    );
     run::<f32>(base_seed(0x5eed_0001));
 }
 
 #[test]
 fn reduce_ranks_f16_every_world_and_length() {
-    let _s = session("emu_reduce_ranks", "reduce_ranks_f16_every_world_and_length");
+    let _s = session(
+        "emu_reduce_ranks",
+        "reduce_ranks_f16_every_world_and_length",
+    );
     run::<f16>(base_seed(0x5eed_0002));
 }
 
 #[test]
 fn reduce_ranks_bf16_every_world_and_length() {
-    let _s = session("emu_reduce_ranks", "reduce_ranks_bf16_every_world_and_length");
+    let _s = session(
+        "emu_reduce_ranks",
+        "reduce_ranks_bf16_every_world_and_length",
+    );
     run::<bf16>(base_seed(0x5eed_0003));
 }
 
@@ -104,7 +130,10 @@ fn reduce_ranks_bf16_every_world_and_length() {
 fn reduce_ranks_spreads_a_long_input_over_many_blocks() {
     // 8 SMs x 8 blocks per SM caps the grid at 64 blocks of 256 threads: 100k f32 elements in
     // 25k vectors make every thread loop; the grid-stride split must cover every element.
-    let _s = session("emu_reduce_ranks", "reduce_ranks_spreads_a_long_input_over_many_blocks");
+    let _s = session(
+        "emu_reduce_ranks",
+        "reduce_ranks_spreads_a_long_input_over_many_blocks",
+    );
     let stream = Stream::new();
     let case = enqueue::<f32>(&stream, 3, 100_003, false, base_seed(0x5eed_0004));
     stream.synchronize().expect("long reduce_ranks");

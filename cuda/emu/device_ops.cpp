@@ -89,9 +89,11 @@ uint32_t cvta_shared(const void *p) {
 void shared_zero16(uint32_t dst) { std::memset(shared_at(dst, 16), 0, 16); }
 
 uint32_t poll_load(const uint32_t *p, int memory_order) {
+  Fiber &f = current_fiber();
+  if (f.polled[0] != p && f.polled[1] != p) device().progress = true;  // a new wait begins
   yield_to_scheduler();  // let the others run first: the value read is the freshest
   const uint32_t v = __atomic_load_n(p, memory_order);
-  note_poll(current_fiber(), p, v);
+  note_poll(f, p, v);
   return v;
 }
 

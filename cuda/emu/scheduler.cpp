@@ -23,6 +23,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <atomic>
 #include <cstdio>
 #include <sstream>
@@ -132,6 +133,21 @@ bool fits(const Device &dev, int sm, const Launch &l) {
          dev.sm_smem[sm] + l.smem <= kSmemPerSm;
 }
 
+// TPFUSE_EMU_TRACE=1: one line on stderr per block that becomes resident or finishes.
+bool tracing() {
+  static const bool on = [] {
+    const char *v = std::getenv("TPFUSE_EMU_TRACE");
+    return v != nullptr && *v != '\0' && *v != '0';
+  }();
+  return on;
+}
+
+void trace(const Device &dev, const Block &b, const char *what) {
+  if (tracing())
+    std::fprintf(stderr, "tpfuse emulator trace: t=%llu ns %s %s\n", static_cast<unsigned long long>(dev.clock_ns),
+                 what, describe(b).c_str());
+}
+
 void make_resident(Device &dev, Launch &l, int sm) {
   auto b = std::make_unique<Block>();
   b->launch = &l;
@@ -157,6 +173,7 @@ void make_resident(Device &dev, Launch &l, int sm) {
   dev.sm_threads[sm] += threads;
   dev.sm_smem[sm] += l.smem;
   ++l.resident;
+  trace(dev, *b, "resident");
   dev.resident.push_back(std::move(b));
 }
 
@@ -183,38 +200,6 @@ void release_block(Device &dev, Block &b) {
   --b.launch->resident;
 }
 
-int run_pass(Device &dev, std::vector<Fiber *> &order) {
-  order.clear();
-  for (auto &b : dev.resident) {
-    if (b->killed) continue;
-    if (b->dirty) {
-      b->runnable.clear();
-      for (auto &f : b->fibers)
-        if (f->state == FiberState::Ready) b->runnable.push_back(f.get());
-      b->dirty = false;
-    }
-    order.insert(order.end(), b->runnable.begin(), b->runnable.end());
-  }
-  if (dev.config.schedule == TPFUSE_EMU_SCHEDULE_REVERSE) std::reverse(order.begin(), order.end());
-  if (dev.config.schedule == TPFUSE_EMU_SCHEDULE_RANDOM) std::shuffle(order.begin(), order.end(), dev.rng);
-  int ran = 0;
-  for (Fiber *f : order) {
-    if (f->block->killed || f->block->launch->failed || f->state != FiberState::Ready) continue;
-    resume(dev, f);
-    ++ran;
-  }
-  return ran;
-}
-
-// Ends every block of a failed launch (its fibers are abandoned where they stand).
-void kill_blocks_of_failed_launches(Device &dev) {
-  for (auto &b : dev.resident)
-    if (b->launch->failed && !b->killed) {
-      b->killed = true;
-      release_block(dev, *b);
-    }
-}
-
 void complete(Device &dev, Stream &s) {
   std::lock_guard<std::mutex> lk(dev.mu);
   std::unique_ptr<Launch> l = std::move(s.running);
@@ -227,18 +212,57 @@ void complete(Device &dev, Stream &s) {
   dev.work_done.notify_all();
 }
 
+// Runs the runnable fibers of one block round-robin (in the configured thread order) until a
+// round makes no progress (its fibers only polled unchanged flags) or kMaxRounds rounds:
+// a block runs ahead as far as it can, as one SM may run far ahead of another. Returns the
+// number of resumes.
+constexpr int kMaxRounds = 256;
+int run_block(Device &dev, Block &b, std::vector<Fiber *> &order) {
+  int resumed = 0;
+  const bool progress_before = dev.progress;
+  bool any_progress = false;
+  for (int round = 0; round < kMaxRounds && !b.launch->failed; ++round) {
+    if (b.dirty) {
+      b.runnable.clear();
+      for (auto &f : b.fibers)
+        if (f->state == FiberState::Ready) b.runnable.push_back(f.get());
+      b.dirty = false;
+    }
+    if (b.runnable.empty()) break;
+    order.assign(b.runnable.begin(), b.runnable.end());
+    if (dev.config.schedule == TPFUSE_EMU_SCHEDULE_REVERSE) std::reverse(order.begin(), order.end());
+    if (dev.config.schedule == TPFUSE_EMU_SCHEDULE_RANDOM) std::shuffle(order.begin(), order.end(), dev.rng);
+    dev.progress = false;
+    for (Fiber *f : order) {
+      if (b.launch->failed) break;
+      if (f->state != FiberState::Ready) continue;
+      resume(dev, f);
+      ++resumed;
+    }
+    const bool round_progress = dev.progress;
+    any_progress = any_progress || round_progress;
+    if (!round_progress) break;
+  }
+  dev.progress = progress_before || any_progress;
+  return resumed;
+}
+
+// Frees the SM resources of finished blocks and of every block of a failed launch, and
+// completes the launches that are done (their streams move on). Blocks stay in `resident`,
+// marked gone, until sweep(): a pass may still hold them.
 void retire(Device &dev) {
-  kill_blocks_of_failed_launches(dev);
   for (auto &b : dev.resident) {
-    if (!b->killed && b->live == 0) {
+    if (b->gone) continue;
+    if (b->launch->failed) {
+      b->gone = true;
+      release_block(dev, *b);
+    } else if (b->live == 0) {
+      trace(dev, *b, "finished");
+      b->gone = true;
       release_block(dev, *b);
       ++b->launch->done_blocks;
-      b->killed = true;  // removed below
     }
   }
-  dev.resident.erase(std::remove_if(dev.resident.begin(), dev.resident.end(),
-                                    [](const std::unique_ptr<Block> &b) { return b->killed; }),
-                     dev.resident.end());
   for (Stream *s : dev.active) {
     Launch *l = s->running.get();
     if (l == nullptr) continue;
@@ -246,7 +270,53 @@ void retire(Device &dev) {
   }
 }
 
-// Starts the head launch of every stream that has none running (under mu).
+void sweep(Device &dev) {
+  dev.resident.erase(std::remove_if(dev.resident.begin(), dev.resident.end(),
+                                    [](const std::unique_ptr<Block> &b) { return b->gone; }),
+                     dev.resident.end());
+}
+
+void start_heads(Device &dev);
+
+// Starts the next launch of every stream that has none running and lists the streams with a
+// running launch.
+void refresh_active(Device &dev) {
+  std::lock_guard<std::mutex> lk(dev.mu);
+  start_heads(dev);
+  dev.active.clear();
+  for (auto &s : dev.streams)
+    if (s->running) dev.active.push_back(s.get());
+}
+
+// One pass: every resident block gets one turn (run_block), in residency order (forward),
+// the reverse, or a fresh random permutation. When a turn finishes a block, its SM starts the
+// next waiting block at once (of the same launch, or of the next launch on its stream), and
+// that block takes its turn right after, before the rest of the pass: a rank that finishes
+// a kernel early runs ahead into its next one, as on a GPU.
+int run_pass(Device &dev, std::vector<Fiber *> &scratch) {
+  std::vector<Block *> order;
+  for (auto &b : dev.resident)
+    if (!b->gone) order.push_back(b.get());
+  if (dev.config.schedule == TPFUSE_EMU_SCHEDULE_REVERSE) std::reverse(order.begin(), order.end());
+  if (dev.config.schedule == TPFUSE_EMU_SCHEDULE_RANDOM) std::shuffle(order.begin(), order.end(), dev.rng);
+  int ran = 0;
+  for (size_t i = 0; i < order.size(); ++i) {
+    Block *b = order[i];
+    if (b->gone) continue;
+    ran += run_block(dev, *b, scratch);
+    if (b->live > 0 && !b->launch->failed) continue;
+    retire(dev);
+    refresh_active(dev);
+    const size_t before = dev.resident.size();
+    admit(dev);
+    std::vector<Block *> started;
+    for (size_t j = before; j < dev.resident.size(); ++j) started.push_back(dev.resident[j].get());
+    order.insert(order.begin() + static_cast<std::ptrdiff_t>(i + 1), started.begin(), started.end());
+  }
+  sweep(dev);
+  return ran;
+}
+
 void start_heads(Device &dev) {
   for (auto &s : dev.streams) {
     while (!s->running && !s->queue.empty() && dev.clock_ns >= s->not_before) {
@@ -296,7 +366,7 @@ void report_deadlock(Device &dev, const std::string &why) {
   std::ostringstream msg;
   msg << "deadlock: " << why << ";";
   for (auto &b : dev.resident) {
-    if (b->killed) continue;
+    if (b->gone) continue;
     std::map<std::string, int> counts;
     for (auto &f : b->fibers)
       if (f->state != FiberState::Exited) counts[state_name(f->state)] += 1;
@@ -321,6 +391,7 @@ void report_deadlock(Device &dev, const std::string &why) {
     }
   }
   retire(dev);
+  sweep(dev);
 }
 
 void idle_step(Device &dev) {
@@ -357,20 +428,17 @@ void device_loop(Device &dev) {
       dev.work_done.notify_all();
       dev.wake_device.wait(lk, [&] { return dev.waiters > 0 && has_work(dev); });
       dev.parked = false;
-      start_heads(dev);
-      dev.active.clear();
-      for (auto &s : dev.streams)
-        if (s->running) dev.active.push_back(s.get());
     }
+    refresh_active(dev);
     admit(dev);
     if (dev.resident.empty()) {
       if (uint64_t next = next_delayed_start(dev)) set_clock(dev, next);
-      retire(dev);  // launches of zero blocks cannot exist; this only completes failed ones
       continue;
     }
     dev.progress = false;
     const int ran = run_pass(dev, order);
     retire(dev);
+    sweep(dev);
     if (ran == 0 && !dev.resident.empty()) {
       report_deadlock(dev, "every resident thread waits at a barrier or warp collective that cannot complete");
     } else if (!dev.progress && ran > 0) {

@@ -74,7 +74,7 @@ struct Block {
   std::vector<Warp> warps;
   std::vector<unsigned char> dynamic_smem;
   std::vector<std::pair<const void *, std::unique_ptr<unsigned char[]>>> statics;
-  bool killed = false;
+  bool gone = false;  // finished or failed; its SM resources are free
 };
 
 struct Launch {

@@ -31,9 +31,17 @@ pub fn session_with(file: &'static str, test: &'static str, sms: u32, deadlock_n
     }
 }
 
-/// [`session_with`] 8 SMs and the default 60 s deadlock horizon.
+/// [`session_with`] 8 SMs and the environment's deadlock horizon (TPFUSE_EMU_DEADLOCK_NS,
+/// default 60 s of virtual time).
 pub fn session(file: &'static str, test: &'static str) -> Session {
-    session_with(file, test, 8, 60_000_000_000)
+    session_with(file, test, 8, deadlock_ns_from_env())
+}
+
+fn deadlock_ns_from_env() -> u64 {
+    std::env::var("TPFUSE_EMU_DEADLOCK_NS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(60_000_000_000)
 }
 
 impl Session {

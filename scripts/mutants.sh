@@ -1,0 +1,166 @@
+#!/usr/bin/env bash
+# Plants deliberate bugs, one at a time, in a copy of cuda/, and checks that the emulator
+# suite catches every one: each mutant rebuilds only the emulator library (the build.sh that
+# build.rs generated, run on the copy) and runs one emulator test binary against it (the
+# binary is built once; the mutated library is loaded in place of its own with LD_PRELOAD).
+# Exits non-zero when a mutant survives, does not apply exactly once, or does not compile.
+#
+#   scripts/mutants.sh            every mutant
+#   scripts/mutants.sh NAME...    only those
+set -euo pipefail
+cd "$(dirname "$0")/.."
+eval "$(scripts/setup.sh)"
+# A mutant that hangs a wait without a deadline is reported after 1 s of virtual time
+# instead of the default 60 s.
+export TPFUSE_EMU_DEADLOCK_NS=${TPFUSE_EMU_DEADLOCK_NS:-1000000000}
+
+echo "mutants: building the emulator tests" >&2
+json=$(cargo test --features emulator --no-run --message-format=json 2>/dev/null)
+test_binary() {
+  grep -o "\"executable\":\"[^\"]*/$1-[0-9a-f]*\"" <<<"$json" | head -n 1 | cut -d'"' -f4
+}
+probe=$(test_binary emu_ops)
+[ -x "$probe" ] || { echo "mutants: no emu_ops test binary" >&2; exit 1; }
+emu_lib=$(ldd "$probe" | grep -o '/[^ ]*libtpfuse_emu\.so' | head -n 1)
+build="$(dirname "$emu_lib")/build.sh"
+[ -f "$build" ] || { echo "mutants: no emulator build script beside $emu_lib" >&2; exit 1; }
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+# Copies cuda/ to $work/NAME/cuda and applies the edits: FILE OLD NEW, repeated; each OLD must
+# occur exactly once.
+apply() {
+  local name=$1
+  shift
+  rm -rf "$work/$name"
+  mkdir -p "$work/$name"
+  cp -r cuda "$work/$name/cuda"
+  while [ $# -gt 0 ]; do
+    local file=$1 old=$2 new=$3
+    shift 3
+    if ! OLD="$old" NEW="$new" perl -0777 -i -pe \
+      'BEGIN { $n = 0 } $n += s/\Q$ENV{OLD}\E/$ENV{NEW}/g; END { exit($n == 1 ? 0 : 3) }' \
+      "$work/$name/cuda/$file"; then
+      echo "mutants: $name: the text to replace does not occur exactly once in cuda/$file" >&2
+      return 1
+    fi
+  done
+}
+
+# Builds $work/NAME's library and runs test binary TEST against it; prints the outcome.
+# Returns 0 when the tests pass (for a mutant: it survived).
+run_tests() {
+  local name=$1 test=$2
+  local bin
+  bin=$(test_binary "$test")
+  [ -x "$bin" ] || { echo "mutants: no test binary $test" >&2; return 2; }
+  if ! bash "$build" "$work/$name/cuda" "$work/$name/out" >"$work/$name/build.log" 2>&1; then
+    echo "mutants: $name does not compile:" >&2
+    tail -n 20 "$work/$name/build.log" >&2
+    return 2
+  fi
+  LD_PRELOAD="$work/$name/out/libtpfuse_emu.so" timeout 600 "$bin" --test-threads=1 \
+    >"$work/$name/test.log" 2>&1
+}
+
+selected=("$@")
+wanted() {
+  [ ${#selected[@]} -eq 0 ] && return 0
+  local s
+  for s in "${selected[@]}"; do [ "$s" = "$1" ] && return 0; done
+  return 1
+}
+
+total=0
+caught=0
+failed=()
+started=$(date +%s)
+# mutant NAME TEST DESCRIPTION FILE OLD NEW [FILE OLD NEW ...]
+mutant() {
+  local name=$1 test=$2 what=$3
+  shift 3
+  wanted "$name" || return 0
+  total=$((total + 1))
+  local t0=$(date +%s)
+  if ! apply "$name" "$@"; then
+    failed+=("$name (does not apply)")
+    return 0
+  fi
+  local status=0
+  run_tests "$name" "$test" || status=$?
+  local secs=$(($(date +%s) - t0))
+  if [ $status -eq 0 ]; then
+    echo "SURVIVED  $name ($what): $test passed (${secs}s)"
+    failed+=("$name (survived)")
+  elif [ $status -eq 2 ]; then
+    failed+=("$name (does not build)")
+  else
+    caught=$((caught + 1))
+    local first
+    first=$(awk '/^failures:$/ { n++ } n == 2 && /^    / { print $1; exit }' "$work/$name/test.log")
+    echo "caught    $name ($what) by $test::${first:-?} in ${secs}s"
+  fi
+}
+
+# The unmutated copy must pass, or every "caught" below would mean nothing.
+if wanted baseline; then
+  apply baseline
+  for t in emu_ops emu_reduce_ranks emu_all_reduce emu_gemm; do
+    run_tests baseline "$t" || { echo "mutants: the unmutated cuda/ fails $t; see $work/baseline/test.log" >&2; cat "$work/baseline/test.log" >&2; exit 1; }
+  done
+  echo "baseline  unmutated cuda/ passes emu_ops, emu_reduce_ranks, emu_all_reduce, emu_gemm"
+fi
+
+mutant closing-barrier emu_all_reduce "one-shot without its closing barrier" \
+  all_reduce.cu $'static_cast<T *>(nullptr));\n  if (!barrier.arrive_and_wait()) return;\n  barrier.commit();\n  if (gamma' \
+  $'static_cast<T *>(nullptr));\n  barrier.commit();\n  if (gamma'
+mutant first-barrier emu_all_reduce "one-shot reads peers before they staged" \
+  all_reduce.cu $'copy_range(input, static_cast<T *>(peers.data[g.rank]), r);\n  if (!barrier.arrive_and_wait()) return;' \
+  $'copy_range(input, static_cast<T *>(peers.data[g.rank]), r);'
+mutant reverse-rank-order emu_all_reduce "ranks summed W-1..0 (vector path)" \
+  all_reduce.cu 'Vec16<T> x = load16_peer(static_cast<const T *>(peers.data[0]) + peer_offset + i);' \
+  'Vec16<T> x = load16_peer(static_cast<const T *>(peers.data[world - 1]) + peer_offset + i);' \
+  all_reduce.cu $'for (int p = 1; p < world; ++p) {\n      x = load16_peer(static_cast<const T *>(peers.data[p])' \
+  $'for (int p = 1; p < world; ++p) {\n      x = load16_peer(static_cast<const T *>(peers.data[world - 1 - p])'
+mutant wait-own-rank-only emu_all_reduce "a barrier that waits only for rank 0" \
+  barrier.cuh 'if (peer < g_.world) {' 'if (peer < 1) {'
+mutant no-timeout-broadcast emu_all_reduce "a timed-out rank does not tell its peers" \
+  barrier.cuh 'if (p != g_.rank && p != missing) st_release_sys' 'if (false) st_release_sys'
+mutant residual-not-written emu_all_reduce "the epilogue does not write the residual back" \
+  epilogue.cuh 'if (residual != nullptr) residual[i] = out;' ''
+mutant two-shot-residual emu_all_reduce "two-shot does not gather peers' slices into residual" \
+  all_reduce.cu 'if (residual != nullptr) copy_range_from_peer(result, residual, r);' ''
+mutant half-warp-sum emu_all_reduce "RMSNorm's warp sum skips the first shuffle" \
+  epilogue.cuh 'for (int offset = 16; offset > 0; offset >>= 1)' 'for (int offset = 8; offset > 0; offset >>= 1)'
+mutant all-gather-offset emu_all_reduce "all-gather writes every rank's part at its own offset" \
+  all_reduce.cu 'uint4 *dst = out + p * len_vectors;' 'uint4 *dst = out + g.rank * len_vectors;'
+mutant scalar-tail emu_reduce_ranks "reduce_ranks skips the scalar tail" \
+  reduce_ranks.cu 'for (size_t i = vec_len * kVec + first; i < len; i += stride) {' \
+  'for (size_t i = len + first; i < len; i += stride) {'
+mutant swap-b-fragment emu_gemm "two B fragment registers swapped" \
+  gemm_sm80.cuh 'bf[2 * p][0], bf[2 * p][1],' 'bf[2 * p][1], bf[2 * p][0],'
+mutant no-a-swizzle emu_gemm "cp.async of A without the shared-memory swizzle" \
+  gemm_sm80.cuh 'a_dst[i] = r * Cfg::kRowBytes + ((chunk ^ swizzle_term<Cfg::kChunks>(r)) << 4);' \
+  'a_dst[i] = r * Cfg::kRowBytes + (chunk << 4);'
+mutant wait-group-off-by-one emu_gemm "cp.async.wait_group STAGES-1 instead of STAGES-2" \
+  gemm_sm80.cuh 'cp_async_wait<STAGES - 2>();' 'cp_async_wait<STAGES - 1>();'
+mutant no-sync-after-wait emu_gemm "no __syncthreads after the stage wait" \
+  gemm_sm80.cuh $'cp_async_wait<STAGES - 2>();\n    __syncthreads();' 'cp_async_wait<STAGES - 2>();'
+mutant last-slice-steps emu_gemm "the last k-slice runs one k16-step too few" \
+  gemm_sm80.cuh 'const int last_steps = (k - (slices - 1) * BK + 15) / 16;' \
+  'const int last_steps = (k - (slices - 1) * BK) / 16;'
+mutant epilogue-no-bias emu_gemm "the GEMM epilogue reads bias at column 0" \
+  gemm_epilogue.cuh 'const Vec16<T> b = load16(bias + col);' 'const Vec16<T> b = load16(bias);'
+# The emulator's own twins: a wrong emulation must fail its own tests.
+mutant emu-cp-async-lands-early emu_ops "the emulator lands every cp.async group at any wait" \
+  emu/device_ops.cpp 'while (f.committed.size() > static_cast<size_t>(pending)) {' 'while (!f.committed.empty()) {'
+mutant emu-mma-b-rows emu_ops "the emulated mma reads b1 as k rows 2t..2t+1" \
+  emu/warp.cpp 'B[2 * t + 8 * r][g] =' 'B[2 * t + 0 * r][g] ='
+
+echo
+echo "mutants: $caught of $total caught in $(($(date +%s) - started)) s"
+if [ ${#failed[@]} -gt 0 ]; then
+  printf 'mutants: FAILED: %s\n' "${failed[@]}"
+  exit 1
+fi
