@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what building tpfuse needs and is missing, and only that:
 #   - libclang and clang's headers (for bindgen), with apt, when not found;
+#   - boost.context (libboost-context-dev, for the CPU emulator's fibers), with apt;
 #   - when no CUDA toolkit is found (NVCC, CUDA_HOME, CUDA_PATH, nvcc on PATH,
 #     /usr/local/cuda), the pinned CUDA 13.0 wheels from PyPI in a project-local virtual
 #     environment (.venv), with NCCL;
@@ -50,6 +51,12 @@ have_libclang() {
       /usr/lib64/clang/*/include/stddef.h >/dev/null
 }
 have_libclang || apt_install libclang-dev
+
+# The CPU emulator (cargo feature `emulator`, run by scripts/test.sh) switches fibers with
+# boost.context.
+[ -f /usr/include/boost/context/detail/fcontext.hpp ] &&
+  first_existing /usr/lib/*-linux-gnu/libboost_context.so /usr/lib64/libboost_context.so >/dev/null ||
+  apt_install libboost-context-dev
 
 # The same search order as build.rs.
 system_nvcc() {

@@ -2,7 +2,7 @@
 //! on an emulated device, so that every kernel executes, on fresh inputs, on a machine with no
 //! GPU. How it works and what it cannot show: `docs/emulator.md`.
 //!
-//! With the feature on, the kernel launchers of [`crate::ffi`] take the emulator's streams
+//! With the feature on, the kernel launchers ([`abi`]) take the emulator's streams
 //! ([`Stream`]) and its device memory ([`DeviceBuffer`], host memory underneath), exactly as
 //! they take a `CUstream` and device pointers on a GPU. Device work runs on one device thread,
 //! and only while a host thread waits for it ([`Stream::synchronize`]), so a run is

@@ -1,4 +1,6 @@
 //! The ptxas report: every kernel on every compiled architecture, and no spills.
+//! (Not built with the `emulator` feature: that build compiles no GPU code and has no report.)
+#![cfg(not(feature = "emulator"))]
 
 use tpfuse::build_info;
 

@@ -49,12 +49,24 @@ std::string instantiation_name(const char *name, const char *context) {
   if (with != std::string::npos) {
     std::string args = ctx.substr(with + 6);
     if (!args.empty() && args.back() == ']') args.pop_back();
-    // Drop the stream typedef and namespaces, which say nothing about the instantiation.
-    const size_t stream = args.find("; cudaStream_t");
-    if (stream != std::string::npos) args.erase(stream);
+    // Drop namespaces, and the typedefs that say nothing about the instantiation
+    // ("size_t = long unsigned int", "tpfuse_peers = tpfuse_peers").
     for (const char *noise : {"tpfuse::gemm::", "tpfuse::", "{anonymous}::"}) {
       for (size_t at; (at = args.find(noise)) != std::string::npos;) args.erase(at, std::strlen(noise));
     }
+    std::string kept;
+    size_t begin = 0;
+    while (begin < args.size()) {
+      size_t end = args.find("; ", begin);
+      if (end == std::string::npos) end = args.size();
+      const std::string item = args.substr(begin, end - begin);
+      const size_t eq = item.find(" = ");
+      const std::string name = eq == std::string::npos ? item : item.substr(0, eq);
+      const std::string value = eq == std::string::npos ? "" : item.substr(eq + 3);
+      if (name != value && name != "size_t" && name != "cudaStream_t") kept += (kept.empty() ? "" : "; ") + item;
+      begin = end + 2;
+    }
+    args = kept;
     out += " [" + args + "]";
   }
   return out;

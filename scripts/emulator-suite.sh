@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The emulator suite: every tests/emu_*.rs with `--features emulator`, under three schedules
+# (forward, reverse, and random with a fresh seed, printed), then the report of the kernel
+# instantiations that ran and a check that every __global__ kernel of cuda/ is among them.
+# Extra arguments go to each cargo test (e.g. a test name filter).
+#   TPFUSE_EMU_SEED=N    the random schedule's seed (default: the time)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+eval "$(scripts/setup.sh)"
+
+tests=()
+for f in tests/emu_*.rs; do
+  tests+=(--test "$(basename "$f" .rs)")
+done
+report=$(mktemp)
+trap 'rm -f "$report"' EXIT
+seed=${TPFUSE_EMU_SEED:-$(date +%s)}
+started=$(date +%s)
+for schedule in forward reverse random; do
+  echo "== emulator suite, schedule $schedule$([ "$schedule" = random ] && echo " (TPFUSE_EMU_SEED=$seed)")"
+  TPFUSE_EMU_SCHEDULE=$schedule TPFUSE_EMU_SEED=$seed TPFUSE_EMU_REPORT=$report \
+    cargo test --features emulator "${tests[@]}" "$@"
+done
+echo "== emulator suite: 3 schedules in $(($(date +%s) - started)) s"
+
+# The report: launches and blocks per kernel instantiation, summed over every test process.
+echo "== kernel instantiations executed on the emulator (launches, blocks, kernel)"
+awk -F'\t' '{ l[$3] += $1; b[$3] += $2 } END { for (k in l) printf "%8d %9d  %s\n", l[k], b[k], k }' "$report" |
+  sort -k3
+count=$(cut -f3 "$report" | sort -u | wc -l)
+echo "== $count kernel instantiations executed"
+
+# Every __global__ kernel of cuda/ ran: the name a launch site gives it starts with the kernel's
+# name without its _kernel suffix (gemm.cu launches gemm_sm80_kernel<...> as gemm_sm80).
+missing=0
+for kernel in $(grep -h -A2 '__global__' cuda/*.cu cuda/*.cuh | grep -o '[a-z_0-9]*_kernel(' | tr -d '(' | sort -u); do
+  stem=${kernel%_kernel}
+  if ! cut -f3 "$report" | grep -q "^$stem"; then
+    echo "NOT EXECUTED: $kernel"
+    missing=1
+  fi
+done
+[ $missing -eq 0 ] || { echo "emulator suite: some kernels of cuda/ never ran" >&2; exit 1; }
+echo "== every __global__ kernel of cuda/ executed"
