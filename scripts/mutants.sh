@@ -60,8 +60,14 @@ run_tests() {
     tail -n 20 "$work/$name/build.log" >&2
     return 2
   fi
-  LD_PRELOAD="$work/$name/out/libtpfuse_emu.so" timeout 600 "$bin" --test-threads=1 \
-    >"$work/$name/test.log" 2>&1
+  # Under each schedule the suite runs, until one fails (the random ones with fixed seeds).
+  local schedule
+  for schedule in forward reverse random:1 random:2; do
+    LD_PRELOAD="$work/$name/out/libtpfuse_emu.so" TPFUSE_EMU_SCHEDULE=${schedule%%:*} \
+      TPFUSE_EMU_SEED=${schedule#*:} timeout 600 "$bin" --test-threads=1 >"$work/$name/test.log" 2>&1 ||
+      { echo "$schedule" >"$work/$name/schedule"; return 1; }
+  done
+  return 0
 }
 
 selected=("$@")
@@ -99,7 +105,7 @@ mutant() {
     caught=$((caught + 1))
     local first
     first=$(awk '/^failures:$/ { n++ } n == 2 && /^    / { print $1; exit }' "$work/$name/test.log")
-    echo "caught    $name ($what) by $test::${first:-?} in ${secs}s"
+    echo "caught    $name ($what) by $test::${first:-?} ($(cat "$work/$name/schedule")) in ${secs}s"
   fi
 }
 
@@ -123,6 +129,8 @@ mutant reverse-rank-order emu_all_reduce "ranks summed W-1..0 (vector path)" \
   'Vec16<T> x = load16_peer(static_cast<const T *>(peers.data[world - 1]) + peer_offset + i);' \
   all_reduce.cu $'for (int p = 1; p < world; ++p) {\n      x = load16_peer(static_cast<const T *>(peers.data[p])' \
   $'for (int p = 1; p < world; ++p) {\n      x = load16_peer(static_cast<const T *>(peers.data[world - 1 - p])'
+mutant no-sync-before-release emu_all_reduce "a barrier publishes before the whole block is done" \
+  barrier.cuh $'const uint32_t value = ++epoch_;\n    __syncthreads();' 'const uint32_t value = ++epoch_;'
 mutant wait-own-rank-only emu_all_reduce "a barrier that waits only for rank 0" \
   barrier.cuh 'if (peer < g_.world) {' 'if (peer < 1) {'
 mutant no-timeout-broadcast emu_all_reduce "a timed-out rank does not tell its peers" \
@@ -147,6 +155,9 @@ mutant wait-group-off-by-one emu_gemm "cp.async.wait_group STAGES-1 instead of S
   gemm_sm80.cuh 'cp_async_wait<STAGES - 2>();' 'cp_async_wait<STAGES - 1>();'
 mutant no-sync-after-wait emu_gemm "no __syncthreads after the stage wait" \
   gemm_sm80.cuh $'cp_async_wait<STAGES - 2>();\n    __syncthreads();' 'cp_async_wait<STAGES - 2>();'
+mutant load-before-sync emu_gemm "the next stage is loaded before the barrier that frees it" \
+  gemm_sm80.cuh $'    __syncthreads();\n    if (t + STAGES - 1 < slices) load_slice(write_stage, t + STAGES - 1);' \
+  $'    if (t + STAGES - 1 < slices) load_slice(write_stage, t + STAGES - 1);\n    __syncthreads();'
 mutant last-slice-steps emu_gemm "the last k-slice runs one k16-step too few" \
   gemm_sm80.cuh 'const int last_steps = (k - (slices - 1) * BK + 15) / 16;' \
   'const int last_steps = (k - (slices - 1) * BK) / 16;'

@@ -51,9 +51,17 @@ const uint3 &block_idx() { return current_block().idx; }
 const dim3 &block_dim() { return current_block().launch->block; }
 const dim3 &grid_dim() { return current_block().launch->grid; }
 
+// bar.sync is .aligned (PTX ISA, "bar, barrier"): in conditionally executed code every thread
+// of the block must take the same branch, so a barrier reached after some threads of the
+// block exited is undefined behaviour on a GPU, and a launch failure here.
 void syncthreads() {
   Fiber &f = current_fiber();
   Block &b = *f.block;
+  const int threads = static_cast<int>(b.fibers.size());
+  if (b.live < threads) {
+    fail_launch(cudaErrorLaunchFailure, "__syncthreads reached after " + std::to_string(threads - b.live) + " of " +
+                                            std::to_string(threads) + " threads of the block exited");
+  }
   f.state = FiberState::AtBarrier;
   ++b.at_barrier;
   b.dirty = true;
@@ -130,9 +138,13 @@ uint64_t global_timer_ns() {
 
 // cp.async copies of a thread form its open group until a commit; wait_group(n) lands
 // committed groups, oldest first, until at most n are pending (PTX ISA, cp.async.wait_group).
+// The source is read when the copy lands.
+// The destination is undefined from the issue until the wait that completes the copy (PTX
+// ISA: cp.async is a weak operation, unordered until waited for): it reads as 0xFF (NaN)
+// meanwhile, so a stage overwritten while another warp still reads it shows.
 void cp_async(uint32_t dst, const void *src, int src_bytes) {
   if (dst % 16 != 0) fail_launch(cudaErrorMisalignedAddress, "cp.async to a shared address not 16-byte aligned");
-  shared_at(dst, 16);  // bounds check now, where the bug is
+  std::memset(shared_at(dst, 16), 0xFF, 16);
   current_fiber().open_group.push_back(Copy{dst, src, src_bytes});
 }
 

@@ -93,7 +93,10 @@ void fiber_entry(ctx::transfer_t t) {
                 "a warp collective was reached by " + std::to_string(w.arrived) + " of " +
                     std::to_string(w.lanes) + " lanes; the others exited");
   }
-  release_barrier_if_complete(b);
+  if (b.at_barrier > 0) {  // see syncthreads(): a barrier must be reached by all or none
+    fail_launch(cudaErrorLaunchFailure, "a thread exited while " + std::to_string(b.at_barrier) +
+                                            " threads of its block wait at __syncthreads");
+  }
   switch_out_forever();
 }
 
@@ -212,7 +215,8 @@ void complete(Device &dev, Stream &s) {
   dev.work_done.notify_all();
 }
 
-// Runs the runnable fibers of one block round-robin (in the configured thread order) until a
+// Runs the runnable fibers of one block round-robin (threads ascending, or descending in the
+// reverse schedule) until a
 // round makes no progress (its fibers only polled unchanged flags) or kMaxRounds rounds:
 // a block runs ahead as far as it can, as one SM may run far ahead of another. Returns the
 // number of resumes.
@@ -231,7 +235,6 @@ int run_block(Device &dev, Block &b, std::vector<Fiber *> &order) {
     if (b.runnable.empty()) break;
     order.assign(b.runnable.begin(), b.runnable.end());
     if (dev.config.schedule == TPFUSE_EMU_SCHEDULE_REVERSE) std::reverse(order.begin(), order.end());
-    if (dev.config.schedule == TPFUSE_EMU_SCHEDULE_RANDOM) std::shuffle(order.begin(), order.end(), dev.rng);
     dev.progress = false;
     for (Fiber *f : order) {
       if (b.launch->failed) break;
@@ -288,31 +291,86 @@ void refresh_active(Device &dev) {
     if (s->running) dev.active.push_back(s.get());
 }
 
-// One pass: every resident block gets one turn (run_block), in residency order (forward),
-// the reverse, or a fresh random permutation. When a turn finishes a block, its SM starts the
-// next waiting block at once (of the same launch, or of the next launch on its stream), and
-// that block takes its turn right after, before the rest of the pass: a rank that finishes
-// a kernel early runs ahead into its next one, as on a GPU.
-int run_pass(Device &dev, std::vector<Fiber *> &scratch) {
+// After a turn that may have finished a block: frees it and starts what may start now
+// (the next blocks of its launch, or its stream's next launch); returns the new blocks.
+std::vector<Block *> start_freed_slots(Device &dev) {
+  retire(dev);
+  refresh_active(dev);
+  const size_t before = dev.resident.size();
+  admit(dev);
+  std::vector<Block *> started;
+  for (size_t j = before; j < dev.resident.size(); ++j) started.push_back(dev.resident[j].get());
+  return started;
+}
+
+// forward / reverse: every resident block gets one turn (run_block), in residency order or
+// its reverse. When a turn finishes a block, its SM starts the next waiting block at once
+// and that block takes its turn right after, before the rest of the pass: a rank that
+// finishes a kernel early runs ahead into its next one, as on a GPU.
+int run_block_turns(Device &dev, std::vector<Fiber *> &scratch) {
   std::vector<Block *> order;
   for (auto &b : dev.resident)
     if (!b->gone) order.push_back(b.get());
   if (dev.config.schedule == TPFUSE_EMU_SCHEDULE_REVERSE) std::reverse(order.begin(), order.end());
-  if (dev.config.schedule == TPFUSE_EMU_SCHEDULE_RANDOM) std::shuffle(order.begin(), order.end(), dev.rng);
   int ran = 0;
   for (size_t i = 0; i < order.size(); ++i) {
     Block *b = order[i];
     if (b->gone) continue;
     ran += run_block(dev, *b, scratch);
     if (b->live > 0 && !b->launch->failed) continue;
-    retire(dev);
-    refresh_active(dev);
-    const size_t before = dev.resident.size();
-    admit(dev);
-    std::vector<Block *> started;
-    for (size_t j = before; j < dev.resident.size(); ++j) started.push_back(dev.resident[j].get());
+    const std::vector<Block *> started = start_freed_slots(dev);
     order.insert(order.begin() + static_cast<std::ptrdiff_t>(i + 1), started.begin(), started.end());
   }
+  return ran;
+}
+
+// random: one permutation of every warp of every resident block; when its turn comes a warp
+// runs its lanes round-robin (in a random order) for 1, 2, 4, 8 or 16 rounds, fewer if a
+// round makes no progress. Warps of different blocks interleave between any two scheduling
+// points, and some warps run many steps ahead of others: a block that publishes before all
+// its threads are done, or a stage overwritten while a slower warp still reads it, shows.
+int run_interleaved(Device &dev, std::vector<Fiber *> &lanes) {
+  struct WarpTurn {
+    Block *block;
+    size_t first;
+  };
+  std::vector<WarpTurn> order;
+  for (auto &b : dev.resident)
+    if (!b->gone)
+      for (size_t w = 0; w < b->fibers.size(); w += 32) order.push_back(WarpTurn{b.get(), w});
+  std::shuffle(order.begin(), order.end(), dev.rng);
+  int ran = 0;
+  const bool progress_before = dev.progress;
+  bool any_progress = false;
+  for (const WarpTurn &turn : order) {
+    Block &b = *turn.block;
+    if (b.gone) continue;
+    const int rounds = 1 << (dev.rng() % 5);
+    for (int r = 0; r < rounds && !b.launch->failed; ++r) {
+      lanes.clear();
+      for (size_t t = turn.first; t < std::min(turn.first + 32, b.fibers.size()); ++t)
+        if (b.fibers[t]->state == FiberState::Ready) lanes.push_back(b.fibers[t].get());
+      if (lanes.empty()) break;
+      std::shuffle(lanes.begin(), lanes.end(), dev.rng);
+      dev.progress = false;
+      for (Fiber *f : lanes) {
+        if (b.launch->failed || f->state != FiberState::Ready) continue;
+        resume(dev, f);
+        ++ran;
+      }
+      any_progress = any_progress || dev.progress;
+      if (!dev.progress) break;
+    }
+    if (b.live == 0 || b.launch->failed) start_freed_slots(dev);
+  }
+  dev.progress = progress_before || any_progress;
+  return ran;
+}
+
+// One pass over the resident blocks, in the configured schedule; the number of resumes.
+int run_pass(Device &dev, std::vector<Fiber *> &scratch) {
+  const int ran = dev.config.schedule == TPFUSE_EMU_SCHEDULE_RANDOM ? run_interleaved(dev, scratch)
+                                                                    : run_block_turns(dev, scratch);
   sweep(dev);
   return ran;
 }
