@@ -598,8 +598,11 @@ while [ -n "$(jobs -rp)" ]; do wait -n; done
 for src in "$cuda"/*.cu "$cuda"/emu/*.cpp; do
   [ -f "$out/obj/$(basename "$src").o" ] || {{ echo "emulator build: $src failed" >&2; exit 1; }}
 done
-"{cxx}" -shared -o "$out/libtpfuse_emu.so.tmp" "$out"/obj/*.o -Wl,-soname,libtpfuse_emu.so   -lboost_context -pthread {sanitize}
+# The soname is libcuda.so: cudarc's dlopen("libcuda.so") then finds this library, already
+# loaded by the binary that links it, and takes the emulated driver API from it.
+"{cxx}" -shared -o "$out/libtpfuse_emu.so.tmp" "$out"/obj/*.o -Wl,-soname,libcuda.so -lboost_context -pthread {sanitize}
 mv "$out/libtpfuse_emu.so.tmp" "$out/libtpfuse_emu.so"
+ln -sf libtpfuse_emu.so "$out/libcuda.so"
 "#,
         cxx = cxx.display(),
         nccl = nccl_include.display(),

@@ -23,6 +23,13 @@ for schedule in forward reverse random; do
 done
 echo "== emulator suite: 3 schedules in $(($(date +%s) - started)) s"
 
+# The GPU tests that already run on the emulator, through cudarc and the emulated driver
+# (the Rust layer above the kernels), once, in the forward schedule.
+gpu_started=$(date +%s)
+echo "== GPU tests on the emulator: gpu_reduce_ranks"
+TPFUSE_EMU_REPORT=$report cargo test --features emulator --test gpu_reduce_ranks
+echo "== GPU tests on the emulator in $(($(date +%s) - gpu_started)) s"
+
 # The report: launches and blocks per kernel instantiation, summed over every test process.
 echo "== kernel instantiations executed on the emulator (launches, blocks, kernel)"
 awk -F'\t' '{ l[$3] += $1; b[$3] += $2 } END { for (k in l) printf "%8d %9d  %s\n", l[k], b[k], k }' "$report" |

@@ -34,7 +34,7 @@ pub enum Schedule {
 /// without progress after which it reports a deadlock.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Config {
-    /// SMs (TPFUSE_EMU_SMS, default 8).
+    /// SMs (TPFUSE_EMU_SMS, default 132, an H100's).
     pub sms: u32,
     /// Scheduling order (TPFUSE_EMU_SCHEDULE=forward|reverse|random, TPFUSE_EMU_SEED).
     pub schedule: Schedule,

@@ -35,8 +35,8 @@ fn doctor_reports_build_nccl_and_driver_and_exits_zero() {
 
 #[test]
 #[cfg_attr(
-    feature = "gpu-tests",
-    ignore = "asserts the behaviour without a driver"
+    any(feature = "gpu-tests", feature = "emulator"),
+    ignore = "asserts the behaviour without a driver (the emulator is one)"
 )]
 fn doctor_explains_a_machine_without_a_gpu() {
     let text = stdout(&tpfuse(&["doctor"], &[]));

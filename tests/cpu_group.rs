@@ -161,8 +161,8 @@ fn single_process_checks_its_arguments_before_the_driver() {
 
 #[test]
 #[cfg_attr(
-    feature = "gpu-tests",
-    ignore = "asserts the behaviour without a driver"
+    any(feature = "gpu-tests", feature = "emulator"),
+    ignore = "asserts the behaviour without a driver (the emulator is one)"
 )]
 fn single_process_without_a_driver_says_so() {
     match TpGroup::single_process(&[0, 1], GroupOptions::default()) {

@@ -1,7 +1,7 @@
 //! On a machine without an NVIDIA driver every entry point returns `Error::NoCudaDriver`,
 //! never a panic. (On a GPU machine these assertions do not hold, so the gpu-tests build
 //! ignores them.)
-#![cfg_attr(feature = "gpu-tests", allow(unused))]
+#![cfg_attr(any(feature = "gpu-tests", feature = "emulator"), allow(unused))]
 
 use tpfuse::comm::{Comm, CommOptions, UniqueId};
 use tpfuse::Error;
@@ -15,8 +15,8 @@ fn assert_no_driver<T: std::fmt::Debug>(what: &str, r: tpfuse::Result<T>) {
 
 #[test]
 #[cfg_attr(
-    feature = "gpu-tests",
-    ignore = "asserts the behaviour without a driver"
+    any(feature = "gpu-tests", feature = "emulator"),
+    ignore = "asserts the behaviour without a driver (the emulator is one)"
 )]
 fn every_entry_point_reports_no_driver() {
     assert!(!tpfuse::device::driver_present());
@@ -37,8 +37,8 @@ fn every_entry_point_reports_no_driver() {
 
 #[test]
 #[cfg_attr(
-    feature = "gpu-tests",
-    ignore = "asserts the behaviour without a driver"
+    any(feature = "gpu-tests", feature = "emulator"),
+    ignore = "asserts the behaviour without a driver (the emulator is one)"
 )]
 fn the_error_says_what_is_missing() {
     let text = tpfuse::device::open(0).unwrap_err().to_string();

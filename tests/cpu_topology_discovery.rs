@@ -211,8 +211,8 @@ fn architectures_have_names() {
 
 #[test]
 #[cfg_attr(
-    feature = "gpu-tests",
-    ignore = "asserts the behaviour without a driver"
+    any(feature = "gpu-tests", feature = "emulator"),
+    ignore = "asserts the behaviour without a driver (the emulator is one)"
 )]
 fn without_a_driver_discovery_says_so() {
     match discover() {

@@ -59,7 +59,7 @@ use common::ranks::{
     check_all, download, gpu, gpu_lock, poisoned, poisoned_ranks, refill, round, upload,
     upload_ranks,
 };
-use common::{assert_same_bits, Bits};
+use common::{assert_same_bits, shape, Bits};
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaContext, CudaGraph, CudaSlice, DevicePtr, DevicePtrMut};
@@ -76,7 +76,16 @@ const WORLDS: [usize; 3] = [2, 4, 8];
 /// Lengths of the all-reduce matrix (plus one close to the capacity, see [`lengths`]): one
 /// element, below / at / above one 16-byte vector, around a block's share, a scalar tail
 /// after many vectors, and sizes that need many iterations of every block.
-const LENGTHS: [usize; 8] = [1, 7, 8, 9, 4095, 4096 * 3 + 5, 1 << 16, 1 << 20];
+const LENGTHS: [usize; 8] = [
+    1,
+    7,
+    8,
+    9,
+    4095,
+    4096 * 3 + 5,
+    shape(1 << 16, 1 << 13),
+    shape(1 << 20, 1 << 14),
+];
 /// The algorithms every all-reduce case runs.
 const ALGORITHMS: [Algorithm; 3] = [Algorithm::OneShot, Algorithm::TwoShot, Algorithm::Auto];
 /// RMSNorm epsilon of the fused tests.
@@ -278,7 +287,10 @@ gpu_tests! {
 /// A group of 64 MiB capacity: a bf16 message of exactly the capacity, and an f32 one of the
 /// capacity less 12 bytes (a scalar tail).
 #[test]
-#[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU: 64 MiB messages are beyond the emulator's time budget"
+)]
 fn all_reduce_64_mib_messages_in_a_64_mib_group() {
     let gpu = gpu();
     let capacity = 64 << 20;
@@ -327,8 +339,8 @@ const ALL_PARTS: [Parts; 7] = [
 /// The combinations of the largest row count (keeps the host work bounded).
 const BIG_PARTS: [Parts; 3] = [ALL_PARTS[0], ALL_PARTS[1], ALL_PARTS[2]];
 
-const HIDDENS: [usize; 3] = [64, 4096, 8192];
-const ROWS: [usize; 5] = [1, 3, 16, 64, 256];
+const HIDDENS: [usize; 3] = [64, shape(4096, 520), shape(8192, 1024)];
+const ROWS: [usize; 5] = [1, 3, 16, shape(64, 17), shape(256, 5)];
 
 /// How a fused case is computed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -585,7 +597,7 @@ gpu_tests! {
 // ---------------------------------------------------------------------------------------
 
 /// Per-rank lengths (in 16-byte vectors) of the all-gather and reduce-scatter cases.
-const COLLECTIVE_VECTORS: [usize; 5] = [1, 3, 257, 4097, 1 << 15];
+const COLLECTIVE_VECTORS: [usize; 5] = [1, 3, 257, 4097, shape(1 << 15, 1 << 11)];
 
 fn all_gather_case<T: TestElement>(groups: &[TpGroup], n: usize) {
     let world = groups.len();
@@ -649,7 +661,10 @@ fn collectives_for<T: TestElement>(groups: &[TpGroup]) {
 }
 
 #[test]
-#[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
+#[cfg_attr(
+    not(any(feature = "gpu-tests", feature = "emulator")),
+    ignore = "needs a CUDA GPU (gpu-tests) or the CPU emulator (emulator)"
+)]
 fn all_gather_and_reduce_scatter_match_the_cpu() {
     let gpu = gpu();
     for world in WORLDS {
@@ -665,9 +680,9 @@ fn all_gather_and_reduce_scatter_match_the_cpu() {
 // ---------------------------------------------------------------------------------------
 
 /// Replays of every captured round.
-const REPLAYS: usize = 1000;
+const REPLAYS: usize = shape(1000, 100);
 /// After this many replays, results are checked and the inputs replaced.
-const CHECKPOINTS: [usize; 3] = [1, 10, 500];
+const CHECKPOINTS: [usize; 3] = [1, 10, shape(500, 50)];
 
 /// Captures `enqueue` on `group`'s stream into a graph (thread-local capture mode, so that
 /// other threads' CUDA calls are not affected). `check()` during the capture must refuse to
@@ -920,7 +935,10 @@ fn graph_fused_case<T: TestElement>(
 }
 
 #[test]
-#[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
+#[cfg_attr(
+    not(any(feature = "gpu-tests", feature = "emulator")),
+    ignore = "needs a CUDA GPU (gpu-tests) or the CPU emulator (emulator)"
+)]
 fn cuda_graph_replays_give_the_same_bits_as_eager_calls() {
     let gpu = gpu();
     // cudarc's per-buffer events cannot be recorded in one capture and waited on outside
@@ -945,7 +963,10 @@ fn cuda_graph_replays_give_the_same_bits_as_eager_calls() {
 // ---------------------------------------------------------------------------------------
 
 #[test]
-#[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
+#[cfg_attr(
+    not(any(feature = "gpu-tests", feature = "emulator")),
+    ignore = "needs a CUDA GPU (gpu-tests) or the CPU emulator (emulator)"
+)]
 fn a_missing_peer_is_a_bounded_peer_timeout_that_poisons_the_group() {
     type T = bf16;
     let gpu = gpu();
@@ -1061,7 +1082,10 @@ fn a_missing_peer_is_a_bounded_peer_timeout_that_poisons_the_group() {
 // ---------------------------------------------------------------------------------------
 
 #[test]
-#[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
+#[cfg_attr(
+    not(any(feature = "gpu-tests", feature = "emulator")),
+    ignore = "needs a CUDA GPU (gpu-tests) or the CPU emulator (emulator)"
+)]
 fn invalid_arguments_are_refused_before_anything_runs() {
     type T = bf16;
     let gpu = gpu();
@@ -1526,7 +1550,10 @@ fn child_ipc_all_reduce() {
 }
 
 #[test]
-#[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs a CUDA GPU: CUDA IPC or NCCL between processes"
+)]
 fn two_processes_on_one_gpu_all_reduce_over_ipc_or_nccl() {
     // Held so that no test of this process shares the GPU meanwhile.
     let _lock = gpu_lock();

@@ -445,10 +445,10 @@ fn multi_process_collectives(world: usize) {
     );
 }
 
-gpu_tests! {
+gpu_only_tests! { "needs a CUDA GPU: NCCL" => {
     multi_process_collectives_world_2 => multi_process_collectives(2);
     multi_process_collectives_world_4 => multi_process_collectives(4);
-}
+} }
 
 const ENV_DEAD_AFTER: &str = "TPFUSE_TEST_DEAD_PEER_AFTER";
 
@@ -540,7 +540,7 @@ fn dead_peer(after: &str) {
     );
 }
 
-gpu_tests! {
+gpu_only_tests! { "needs a CUDA GPU: NCCL" => {
     multi_process_dead_peer_after_first_collective_is_an_error_not_a_hang => dead_peer("sanity");
     multi_process_dead_peer_before_first_collective_is_an_error_not_a_hang => dead_peer("init");
-}
+} }

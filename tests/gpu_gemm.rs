@@ -625,7 +625,7 @@ where
     }
 }
 
-gpu_tests! {
+gpu_only_tests! { "needs a CUDA GPU: not yet run on the emulator (cuBLASLt baselines)" => {
     reference_shapes_bf16 => reference_shapes::<bf16>();
     reference_shapes_f16 => reference_shapes::<f16>();
     awkward_shapes_bf16 => awkward_shapes::<bf16>();
@@ -641,4 +641,4 @@ gpu_tests! {
     validation_f16 => validation::<f16>();
     matches_cublaslt_bf16 => matches_cublaslt::<bf16>();
     matches_cublaslt_f16 => matches_cublaslt::<f16>();
-}
+} }

@@ -377,10 +377,10 @@ fn mlp_matrix<T: TestElement>() {
     }
 }
 
-gpu_tests! {
+gpu_only_tests! { "needs a CUDA GPU: not yet run on the emulator" => {
     tp_mlp_equals_the_unsharded_mlp_bf16 => mlp_matrix::<bf16>();
     tp_mlp_equals_the_unsharded_mlp_f16 => mlp_matrix::<f16>();
-}
+} }
 
 // ---------------------------------------------------------------------------------------
 // Column-parallel, gathered or not.

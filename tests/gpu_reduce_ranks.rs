@@ -16,11 +16,11 @@
 //! [`reduce_ranks_f64`]: tpfuse::reference::reduce_ranks_f64
 
 mod common;
-use common::assert_same_bits;
 use common::gpu::{
     assert_close, base_seed, download, expect_invalid, gpu_stream, mix_seed, poisoned,
     random_ranks, splitmix64, sum_references_of, upload, TestElement,
 };
+use common::{assert_same_bits, shape};
 
 use cudarc::driver::{CudaSlice, CudaStream, CudaView};
 use half::{bf16, f16};
@@ -31,10 +31,22 @@ use tpfuse::ops::reduce_ranks;
 const WORLDS: [usize; 6] = [1, 2, 3, 4, 8, 16];
 /// Lengths of the main matrix: below, at and around one 16-byte vector (4 f32 or 8 f16/bf16
 /// elements) and its multiples, then sizes that need several grid strides.
-const LENGTHS: [usize; 11] = [1, 2, 7, 8, 9, 15, 16, 17, 1000, 4097, 1 << 20];
+const LENGTHS: [usize; 11] = [
+    1,
+    2,
+    7,
+    8,
+    9,
+    15,
+    16,
+    17,
+    1000,
+    4097,
+    shape(1 << 20, 1 << 14),
+];
 /// About 16M elements (32 MiB and a bit per buffer in bf16, 64 MiB in f32), with a scalar
 /// tail of 3 after the vectorised part.
-const HUGE_LEN: usize = (1 << 24) + 3;
+const HUGE_LEN: usize = shape(1 << 24, 1 << 16) + 3;
 /// World sizes of the huge cases (every W costs W x HUGE_LEN random elements on the host).
 const HUGE_WORLDS: [usize; 4] = [1, 2, 3, 16];
 /// Lengths of the unaligned cases.

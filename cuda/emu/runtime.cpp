@@ -13,10 +13,6 @@ namespace {
 
 thread_local cudaError_t last_error = cudaSuccess;
 
-Stream *stream_of(cudaStream_t s) {
-  return s == nullptr ? device().default_stream : reinterpret_cast<Stream *>(s);
-}
-
 uint64_t env_u64(const char *name, uint64_t fallback) {
   const char *v = std::getenv(name);
   if (v == nullptr || *v == '\0') return fallback;
@@ -121,13 +117,67 @@ bool exceeds_shared_memory_limit(Device &dev, const LaunchSpec &spec) {
 
 } // namespace
 
+Stream *stream_of(cudaStream_t s) {
+  return s == nullptr ? device().default_stream : reinterpret_cast<Stream *>(s);
+}
+
+void enqueue_op(std::unique_ptr<Launch> launch) {
+  Device &dev = device();
+  {
+    std::lock_guard<std::mutex> lk(dev.mu);
+    Stream *s = launch->stream;
+    launch->seq = dev.launch_seq++;
+    if (s->capturing) {
+      s->captured.push_back(std::move(launch));
+    } else {
+      s->queue.push_back(std::move(launch));
+      ++s->enqueued;
+    }
+  }
+  dev.wake_device.notify_one();
+}
+
+std::unique_ptr<Launch> clone_op(const Launch &op) {
+  auto copy = std::make_unique<Launch>();
+  copy->stream = op.stream;
+  copy->func = op.func;
+  copy->name = op.name;
+  copy->grid = op.grid;
+  copy->block = op.block;
+  copy->smem = op.smem;
+  copy->body = op.body;
+  copy->host_work = op.host_work;
+  copy->ready = op.ready;
+  return copy;
+}
+
+cudaError_t synchronize_stream(Stream *only) {
+  Device &dev = device();
+  std::unique_lock<std::mutex> lk(dev.mu);
+  std::vector<std::pair<Stream *, uint64_t>> targets;
+  for (auto &s : dev.streams)
+    if (only == nullptr || s.get() == only) targets.emplace_back(s.get(), s->enqueued);
+  ++dev.waiters;
+  dev.wake_device.notify_one();
+  dev.work_done.wait(lk, [&] {
+    for (auto &t : targets)
+      if (t.first->completed < t.second) return false;
+    return true;
+  });
+  --dev.waiters;
+  cudaError_t error = cudaSuccess;
+  for (auto &t : targets)
+    if (error == cudaSuccess) error = t.first->error;
+  return error;
+}
+
 tpfuse_emu_config config_from_env() {
   tpfuse_emu_config c{};
-  c.sms = static_cast<int32_t>(env_u64("TPFUSE_EMU_SMS", 8));
+  c.sms = static_cast<int32_t>(env_u64("TPFUSE_EMU_SMS", 132));
   c.schedule = schedule_from_env();
   c.seed = env_u64("TPFUSE_EMU_SEED", 1);
   c.deadlock_ns = env_u64("TPFUSE_EMU_DEADLOCK_NS", 60ull * 1000 * 1000 * 1000);
-  if (c.sms < 1 || c.sms > 1024) c.sms = 8;
+  if (c.sms < 1 || c.sms > 1024) c.sms = 132;
   std::atexit(append_report_at_exit);
   return c;
 }
@@ -151,22 +201,15 @@ void enqueue_launch(const LaunchSpec &spec, std::function<void()> body) {
          "more than 48 KiB of dynamic shared memory without cudaFuncAttributeMaxDynamicSharedMemorySize", spec);
     return;
   }
-  {
-    std::lock_guard<std::mutex> lk(dev.mu);
-    auto launch = std::make_unique<Launch>();
-    launch->stream = stream_of(spec.stream);
-    launch->func = spec.func;
-    launch->name = instantiation_name(spec.name, spec.context);
-    launch->grid = dim3(spec.grid);
-    launch->block = dim3(spec.block);
-    launch->smem = spec.smem;
-    launch->body = std::move(body);
-    launch->seq = dev.launch_seq++;
-    Stream *s = launch->stream;
-    s->queue.push_back(std::move(launch));
-    ++s->enqueued;
-  }
-  dev.wake_device.notify_one();
+  auto launch = std::make_unique<Launch>();
+  launch->stream = stream_of(spec.stream);
+  launch->func = spec.func;
+  launch->name = instantiation_name(spec.name, spec.context);
+  launch->grid = dim3(spec.grid);
+  launch->block = dim3(spec.block);
+  launch->smem = spec.smem;
+  launch->body = std::move(body);
+  enqueue_op(std::move(launch));
   last_error = cudaSuccess;
 }
 
@@ -276,15 +319,7 @@ void tpfuse_emu_stream_destroy(void *stream) {
 }
 
 int32_t tpfuse_emu_stream_synchronize(void *stream) {
-  Device &dev = device();
-  Stream *s = stream_of(static_cast<cudaStream_t>(stream));
-  std::unique_lock<std::mutex> lk(dev.mu);
-  const uint64_t target = s->enqueued;
-  ++dev.waiters;
-  dev.wake_device.notify_one();
-  dev.work_done.wait(lk, [&] { return s->completed >= target; });
-  --dev.waiters;
-  return s->error;
+  return synchronize_stream(stream_of(static_cast<cudaStream_t>(stream)));
 }
 
 size_t tpfuse_emu_stream_error(void *stream, char *buf, size_t cap) {

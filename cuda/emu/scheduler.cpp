@@ -23,6 +23,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <atomic>
 #include <cstdio>
@@ -279,13 +280,13 @@ void sweep(Device &dev) {
                      dev.resident.end());
 }
 
-void start_heads(Device &dev);
+void start_heads(Device &dev, std::unique_lock<std::mutex> &lk);
 
-// Starts the next launch of every stream that has none running and lists the streams with a
-// running launch.
+// Starts the next operation of every stream that has none running and lists the streams
+// with a running launch.
 void refresh_active(Device &dev) {
-  std::lock_guard<std::mutex> lk(dev.mu);
-  start_heads(dev);
+  std::unique_lock<std::mutex> lk(dev.mu);
+  start_heads(dev, lk);
   dev.active.clear();
   for (auto &s : dev.streams)
     if (s->running) dev.active.push_back(s.get());
@@ -375,12 +376,22 @@ int run_pass(Device &dev, std::vector<Fiber *> &scratch) {
   return ran;
 }
 
-void start_heads(Device &dev) {
-  for (auto &s : dev.streams) {
+// Starts the head operation of every stream that has none running; called and returns with
+// `lk` (on mu) held, which it releases while host work runs.
+void start_heads(Device &dev, std::unique_lock<std::mutex> &lk) {
+  for (size_t i = 0; i < dev.streams.size(); ++i) {
+    Stream *s = dev.streams[i].get();
     while (!s->running && !s->queue.empty() && dev.clock_ns >= s->not_before) {
+      Launch &head = *s->queue.front();
+      if (head.ready && !head.ready()) break;  // waits for an event of another stream
       std::unique_ptr<Launch> l = std::move(s->queue.front());
       s->queue.pop_front();
-      if (s->stop) {  // a rank that never arrives: dropped, never run
+      if (!l->body || s->stop) {  // host work or a wait; or a rank that never arrives
+        if (l->host_work && !s->stop) {
+          lk.unlock();
+          l->host_work();
+          lk.lock();
+        }
         ++s->completed;
         dev.work_done.notify_all();
         continue;
@@ -490,7 +501,12 @@ void device_loop(Device &dev) {
     refresh_active(dev);
     admit(dev);
     if (dev.resident.empty()) {
-      if (uint64_t next = next_delayed_start(dev)) set_clock(dev, next);
+      if (uint64_t next = next_delayed_start(dev)) {
+        set_clock(dev, next);
+      } else {  // every stream with work waits for an event no stream will record yet
+        std::unique_lock<std::mutex> lk(dev.mu);
+        dev.wake_device.wait_for(lk, std::chrono::milliseconds(1));
+      }
       continue;
     }
     dev.progress = false;

@@ -77,6 +77,9 @@ struct Block {
   bool gone = false;  // finished or failed; its SM resources are free
 };
 
+// One operation of a stream: a kernel launch (`body` set), or host work the device thread does
+// when the operation reaches the head of its stream (copies, memsets, event records,
+// frees), or a wait that starts only once `ready` holds (an event of another stream).
 struct Launch {
   Stream *stream = nullptr;
   const void *func = nullptr;
@@ -84,6 +87,8 @@ struct Launch {
   dim3 grid, block;
   size_t smem = 0;
   std::function<void()> body;
+  std::function<void()> host_work;
+  std::function<bool()> ready;
   uint64_t seq = 0;
   unsigned next_block = 0;
   unsigned done_blocks = 0;
@@ -95,6 +100,8 @@ struct Launch {
 
 struct Stream {
   std::deque<std::unique_ptr<Launch>> queue;  // under mu
+  bool capturing = false;                     // under mu: operations go to `captured`
+  std::vector<std::unique_ptr<Launch>> captured;
   std::unique_ptr<Launch> running;            // device thread
   uint64_t enqueued = 0, completed = 0;       // under mu
   cudaError_t error = cudaSuccess;            // sticky, under mu
@@ -147,6 +154,16 @@ void yield_to_scheduler();
 // Ends the current launch with an error (reported at the stream's synchronize); the fiber is
 // never resumed.
 [[noreturn]] void fail_launch(cudaError_t code, const std::string &why);
+// Enqueues an operation on `launch->stream` (or records it, while the stream captures);
+// takes mu.
+void enqueue_op(std::unique_ptr<Launch> launch);
+// A copy of an operation, for a CUDA graph's replay.
+std::unique_ptr<Launch> clone_op(const Launch &op);
+// Runs the device until everything enqueued on `stream` so far has completed (every stream
+// when null); the stream's sticky error.
+cudaError_t synchronize_stream(Stream *stream);
+// The stream a cudaStream_t / CUstream names (null: the default stream).
+Stream *stream_of(cudaStream_t s);
 // Re-checks a block's barrier after a thread arrived at it or exited.
 void release_barrier_if_complete(Block &block);
 // Virtual time, readable from any thread.

@@ -24,7 +24,7 @@ extern "C" {
 #define TPFUSE_EMU_SCHEDULE_RANDOM 2  /* a fresh permutation per pass, from `seed` */
 
 typedef struct tpfuse_emu_config {
-  int32_t sms;          /* SMs of the emulated device (TPFUSE_EMU_SMS, default 8) */
+  int32_t sms;          /* SMs of the emulated device (TPFUSE_EMU_SMS, default 132: an H100) */
   int32_t schedule;     /* TPFUSE_EMU_SCHEDULE_* (TPFUSE_EMU_SCHEDULE=forward|reverse|random) */
   uint64_t seed;        /* for RANDOM (TPFUSE_EMU_SEED, default 1) */
   uint64_t deadlock_ns; /* virtual time without progress after which the device reports a

@@ -11,15 +11,35 @@ pub mod emu;
 pub mod gpu;
 pub mod ranks;
 
-/// GPU tests, `name => body;` each (doc comments allowed before the name): listed as
-/// ignored without the `gpu-tests` feature.
+/// GPU tests, `name => body;` each (doc comments allowed before the name): run on a GPU
+/// (`gpu-tests`) or on the CPU emulator (`emulator`), listed as ignored otherwise.
 #[macro_export]
 macro_rules! gpu_tests {
     ($($(#[$meta:meta])* $name:ident => $body:expr;)*) => {
         $(
             $(#[$meta])*
             #[test]
-            #[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
+            #[cfg_attr(
+                not(any(feature = "gpu-tests", feature = "emulator")),
+                ignore = "needs a CUDA GPU (gpu-tests) or the CPU emulator (emulator)"
+            )]
+            fn $name() {
+                $body
+            }
+        )*
+    };
+}
+
+/// GPU tests that do not run on the emulator (NCCL, CUDA IPC between processes, cuBLASLt, or
+/// not moved there yet): `"why" => { name => body; ... }`; listed as ignored, with the
+/// reason, without the `gpu-tests` feature.
+#[macro_export]
+macro_rules! gpu_only_tests {
+    ($why:literal => { $($(#[$meta:meta])* $name:ident => $body:expr;)* }) => {
+        $(
+            $(#[$meta])*
+            #[test]
+            #[cfg_attr(not(feature = "gpu-tests"), ignore = $why)]
             fn $name() {
                 $body
             }
@@ -28,6 +48,20 @@ macro_rules! gpu_tests {
 }
 
 use half::{bf16, f16};
+
+/// Whether the kernels run on the CPU emulator (feature `emulator`), where GPU tests use the
+/// reduced shapes of [`shape`].
+pub const EMULATED: bool = cfg!(feature = "emulator");
+
+/// The one knob of shapes: `full` on a GPU, `reduced` on the emulator (its kernels run at
+/// tens of millions of operations a second on one core).
+pub const fn shape(full: usize, reduced: usize) -> usize {
+    if EMULATED {
+        reduced
+    } else {
+        full
+    }
+}
 use std::fmt::Debug;
 
 /// A type whose values the tests compare bit for bit.

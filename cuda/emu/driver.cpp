@@ -1,0 +1,583 @@
+// driver.cpp: the CUDA driver API on the emulated device, for cudarc and tpfuse's Rust side.
+//
+// The emulator library carries the soname libcuda.so: a test binary links it, and cudarc's
+// dlopen("libcuda.so") then finds it already loaded and resolves its cu* symbols here (one
+// emulator instance serves the driver calls and the kernels' launches). Device memory is host
+// memory (a CUdeviceptr is a host address); contexts, streams, events and graphs are the
+// emulator's. What a GPU refuses during stream capture is refused here too. Every entry point
+// cudarc resolves that is not implemented here is a weak stub (driver_stubs.cpp) that logs its
+// name and returns CUDA_ERROR_NOT_SUPPORTED.
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "scheduler.hpp"
+
+namespace tpfuse_emu {
+namespace {
+
+using CUresult = int;
+using CUdevice = int;
+using CUdeviceptr = unsigned long long;
+
+constexpr CUresult kSuccess = 0;
+constexpr CUresult kInvalidValue = 1;
+constexpr CUresult kOutOfMemory = 2;
+constexpr CUresult kInvalidDevice = 101;
+constexpr CUresult kInvalidContext = 201;
+constexpr CUresult kPeerAccessUnsupported = 217;
+constexpr CUresult kInvalidHandle = 400;
+constexpr CUresult kNotSupported = 801;
+constexpr CUresult kCaptureUnsupported = 900;
+constexpr CUresult kCaptureInvalidated = 901;
+
+struct Context {
+  CUdevice device = 0;
+};
+
+struct Event {
+  uint64_t recorded = 0;  // records enqueued (under mu)
+  std::atomic<uint64_t> completed{0};
+  std::atomic<uint64_t> time_ns{0};
+};
+
+struct Graph {
+  std::vector<std::unique_ptr<Launch>> ops;
+};
+
+Context primary_context;
+thread_local std::vector<Context *> context_stack;
+
+int device_count() {
+  static const int count = [] {
+    const char *v = std::getenv("TPFUSE_EMU_DEVICES");
+    const int n = v ? std::atoi(v) : 1;
+    return n >= 1 && n <= 16 ? n : 1;
+  }();
+  return count;
+}
+
+bool any_stream_capturing() {
+  Device &dev = device();
+  std::lock_guard<std::mutex> lk(dev.mu);
+  for (auto &s : dev.streams)
+    if (s->capturing) return true;
+  return false;
+}
+
+bool capturing(Stream *s) {
+  Device &dev = device();
+  std::lock_guard<std::mutex> lk(dev.mu);
+  return s->capturing;
+}
+
+// An operation that is host work on `stream`, in stream order.
+void enqueue_host_work(Stream *stream, const char *name, std::function<void()> work) {
+  auto op = std::make_unique<Launch>();
+  op->stream = stream;
+  op->name = name;
+  op->host_work = std::move(work);
+  enqueue_op(std::move(op));
+}
+
+void *device_alloc(size_t bytes) {
+  void *p = nullptr;
+  if (posix_memalign(&p, 256, bytes > 0 ? bytes : 1) != 0) return nullptr;
+  std::memset(p, 0xFF, bytes);  // cudaMalloc'd memory holds garbage: make it NaN
+  return p;
+}
+
+void *host_ptr(CUdeviceptr p) { return reinterpret_cast<void *>(static_cast<uintptr_t>(p)); }
+
+} // namespace
+} // namespace tpfuse_emu
+
+using namespace tpfuse_emu;
+
+extern "C" {
+
+CUresult cuInit(unsigned) {
+  device();
+  return kSuccess;
+}
+
+CUresult cuDriverGetVersion(int *version) {
+  if (version == nullptr) return kInvalidValue;
+  *version = 13000;
+  return kSuccess;
+}
+
+CUresult cuGetErrorString(CUresult error, const char **str) {
+  if (str == nullptr) return kInvalidValue;
+  *str = cudaGetErrorString(static_cast<cudaError_t>(error));
+  return kSuccess;
+}
+
+CUresult cuGetErrorName(CUresult error, const char **str) {
+  if (str == nullptr) return kInvalidValue;
+  static thread_local char name[48];
+  std::snprintf(name, sizeof(name), "CUDA_ERROR_%d", error);
+  *str = error == 0 ? "CUDA_SUCCESS" : name;
+  return kSuccess;
+}
+
+// ---- Devices.
+
+CUresult cuDeviceGetCount(int *count) {
+  if (count == nullptr) return kInvalidValue;
+  *count = device_count();
+  return kSuccess;
+}
+
+CUresult cuDeviceGet(CUdevice *d, int ordinal) {
+  if (d == nullptr) return kInvalidValue;
+  if (ordinal < 0 || ordinal >= device_count()) return kInvalidDevice;
+  *d = ordinal;
+  return kSuccess;
+}
+
+CUresult cuDeviceGetName(char *name, int len, CUdevice d) {
+  if (name == nullptr || len <= 0) return kInvalidValue;
+  std::snprintf(name, static_cast<size_t>(len), "tpfuse CPU emulator %d (sm_90, %d SMs)", d, device().config.sms);
+  return kSuccess;
+}
+
+CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice) {
+  if (bytes == nullptr) return kInvalidValue;
+  *bytes = size_t{80} << 30;
+  return kSuccess;
+}
+
+CUresult cuDeviceGetUuid(unsigned char *uuid, CUdevice d) {
+  if (uuid == nullptr) return kInvalidValue;
+  for (int i = 0; i < 16; ++i) uuid[i] = static_cast<unsigned char>(0xE0 + (i == 15 ? d : i));
+  return kSuccess;
+}
+CUresult cuDeviceGetUuid_v2(unsigned char *uuid, CUdevice d) { return cuDeviceGetUuid(uuid, d); }
+
+CUresult cuDeviceGetPCIBusId(char *bus, int len, CUdevice d) {
+  if (bus == nullptr || len <= 0) return kInvalidValue;
+  std::snprintf(bus, static_cast<size_t>(len), "00000000:%02X:00.0", 0xE0 + d);
+  return kSuccess;
+}
+
+// The attributes of an H100 SXM (compute capability 9.0), with the configured SM count.
+CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice d) {
+  if (value == nullptr) return kInvalidValue;
+  if (d < 0 || d >= device_count()) return kInvalidDevice;
+  switch (attribute) {
+  case 1: *value = 1024; break;                                    // MAX_THREADS_PER_BLOCK
+  case 2: case 3: *value = 1024; break;                            // MAX_BLOCK_DIM_X/Y
+  case 4: *value = 64; break;                                      // MAX_BLOCK_DIM_Z
+  case 5: *value = 2147483647; break;                              // MAX_GRID_DIM_X
+  case 6: case 7: *value = 65535; break;                           // MAX_GRID_DIM_Y/Z
+  case 8: *value = static_cast<int>(kSmemPerBlockDefault); break;  // MAX_SHARED_MEMORY_PER_BLOCK
+  case 10: *value = 32; break;                                     // WARP_SIZE
+  case 16: *value = device().config.sms; break;                    // MULTIPROCESSOR_COUNT
+  case 31: *value = 1; break;                                      // CONCURRENT_KERNELS
+  case 33: *value = 0xE0 + d; break;                               // PCI_BUS_ID
+  case 39: *value = kThreadsPerSm; break;                          // MAX_THREADS_PER_MULTIPROCESSOR
+  case 41: *value = 1; break;                                      // UNIFIED_ADDRESSING
+  case 75: *value = 9; break;                                      // COMPUTE_CAPABILITY_MAJOR
+  case 76: *value = 0; break;                                      // COMPUTE_CAPABILITY_MINOR
+  case 81: *value = static_cast<int>(kSmemPerSm); break;           // MAX_SHARED_MEMORY_PER_MULTIPROCESSOR
+  case 97: *value = static_cast<int>(kSmemPerBlockOptIn); break;   // MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+  case 106: *value = kBlocksPerSm; break;                          // MAX_BLOCKS_PER_MULTIPROCESSOR
+  case 115: *value = 1; break;                                     // MEMORY_POOLS_SUPPORTED
+  default: *value = 0; break;  // not modelled: reads as absent
+  }
+  return kSuccess;
+}
+
+CUresult cuDeviceCanAccessPeer(int *can, CUdevice d, CUdevice peer) {
+  if (can == nullptr) return kInvalidValue;
+  *can = d != peer && d < device_count() && peer < device_count() ? 1 : 0;
+  return kSuccess;
+}
+
+// ---- Contexts: one primary context per process; the current one is per host thread.
+
+CUresult cuDevicePrimaryCtxRetain(void **ctx, CUdevice d) {
+  if (ctx == nullptr) return kInvalidValue;
+  if (d < 0 || d >= device_count()) return kInvalidDevice;
+  if (d != 0) {
+    std::fprintf(stderr, "tpfuse emulator: cuDevicePrimaryCtxRetain: only device 0 has a context\n");
+    return kNotSupported;
+  }
+  *ctx = &primary_context;
+  return kSuccess;
+}
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice) { return kSuccess; }
+
+CUresult cuCtxSetCurrent(void *ctx) {
+  if (ctx == nullptr) {
+    if (!context_stack.empty()) context_stack.pop_back();
+    return kSuccess;
+  }
+  if (context_stack.empty()) {
+    context_stack.push_back(static_cast<Context *>(ctx));
+  } else {
+    context_stack.back() = static_cast<Context *>(ctx);
+  }
+  return kSuccess;
+}
+
+CUresult cuCtxGetCurrent(void **ctx) {
+  if (ctx == nullptr) return kInvalidValue;
+  *ctx = context_stack.empty() ? nullptr : context_stack.back();
+  return kSuccess;
+}
+
+CUresult cuCtxPushCurrent_v2(void *ctx) {
+  if (ctx == nullptr) return kInvalidContext;
+  context_stack.push_back(static_cast<Context *>(ctx));
+  return kSuccess;
+}
+
+CUresult cuCtxPopCurrent_v2(void **ctx) {
+  if (context_stack.empty()) return kInvalidContext;
+  if (ctx != nullptr) *ctx = context_stack.back();
+  context_stack.pop_back();
+  return kSuccess;
+}
+
+CUresult cuCtxGetDevice(CUdevice *d) {
+  if (d == nullptr) return kInvalidValue;
+  if (context_stack.empty()) return kInvalidContext;
+  *d = context_stack.back()->device;
+  return kSuccess;
+}
+
+CUresult cuCtxSynchronize(void) {
+  if (any_stream_capturing()) return kCaptureUnsupported;
+  return synchronize_stream(nullptr);
+}
+
+CUresult cuCtxGetStreamPriorityRange(int *least, int *greatest) {
+  if (least) *least = 0;
+  if (greatest) *greatest = 0;
+  return kSuccess;
+}
+
+CUresult cuCtxSetLimit(int, size_t) { return kSuccess; }
+CUresult cuCtxGetLimit(size_t *value, int) {
+  if (value) *value = 0;
+  return kSuccess;
+}
+CUresult cuCtxSetFlags(unsigned) { return kSuccess; }
+
+CUresult cuCtxEnablePeerAccess(void *, unsigned) {
+  std::fprintf(stderr, "tpfuse emulator: cuCtxEnablePeerAccess: one emulated device per process\n");
+  return kPeerAccessUnsupported;
+}
+
+// ---- Memory.
+
+CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes) {
+  if (dptr == nullptr) return kInvalidValue;
+  if (any_stream_capturing()) return kCaptureUnsupported;
+  void *p = device_alloc(bytes);
+  if (p == nullptr) return kOutOfMemory;
+  *dptr = reinterpret_cast<uintptr_t>(p);
+  return kSuccess;
+}
+
+CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytes, void *) {
+  if (dptr == nullptr) return kInvalidValue;
+  void *p = device_alloc(bytes);
+  if (p == nullptr) return kOutOfMemory;
+  *dptr = reinterpret_cast<uintptr_t>(p);
+  return kSuccess;
+}
+
+CUresult cuMemFree_v2(CUdeviceptr dptr) {
+  if (any_stream_capturing()) return kCaptureUnsupported;
+  synchronize_stream(nullptr);  // cuMemFree waits for the work that may use it
+  std::free(host_ptr(dptr));
+  return kSuccess;
+}
+
+CUresult cuMemFreeAsync(CUdeviceptr dptr, void *stream) {
+  Stream *s = stream_of(static_cast<cudaStream_t>(stream));
+  // A free recorded in a graph would run at every replay: leave it to the process's end.
+  if (capturing(s)) return kSuccess;
+  enqueue_host_work(s, "cuMemFreeAsync", [dptr] { std::free(host_ptr(dptr)); });
+  return kSuccess;
+}
+
+CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
+  if (free_bytes) *free_bytes = size_t{64} << 30;
+  if (total) *total = size_t{80} << 30;
+  return kSuccess;
+}
+
+CUresult cuMemHostAlloc(void **pp, size_t bytes, unsigned) {
+  if (pp == nullptr) return kInvalidValue;
+  *pp = device_alloc(bytes);
+  return *pp ? kSuccess : kOutOfMemory;
+}
+CUresult cuMemFreeHost(void *p) {
+  std::free(p);
+  return kSuccess;
+}
+
+// Synchronous copies and memsets wait for all work first, as the legacy default stream does.
+static CUresult sync_then(std::function<void()> work) {
+  if (any_stream_capturing()) return kCaptureUnsupported;
+  const CUresult r = synchronize_stream(nullptr);
+  work();
+  return r;
+}
+
+CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
+  return sync_then([=] { std::memcpy(host_ptr(dst), src, n); });
+}
+CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
+  return sync_then([=] { std::memcpy(dst, host_ptr(src), n); });
+}
+CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
+  return sync_then([=] { std::memmove(host_ptr(dst), host_ptr(src), n); });
+}
+CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char value, size_t n) {
+  return sync_then([=] { std::memset(host_ptr(dst), value, n); });
+}
+
+static CUresult async_copy(void *stream, const char *name, void *dst, const void *src, size_t n) {
+  enqueue_host_work(stream_of(static_cast<cudaStream_t>(stream)), name,
+                    [=] { std::memmove(dst, src, n); });
+  return kSuccess;
+}
+// From pageable host memory CUDA copies the source before it returns (the caller may free or
+// reuse it at once): so does the emulator, and the device copy happens in stream order.
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, void *stream) {
+  auto staged = std::make_shared<std::vector<unsigned char>>(static_cast<const unsigned char *>(src),
+                                                             static_cast<const unsigned char *>(src) + n);
+  void *d = host_ptr(dst);
+  enqueue_host_work(stream_of(static_cast<cudaStream_t>(stream)), "cuMemcpyHtoDAsync",
+                    [d, staged] { std::memcpy(d, staged->data(), staged->size()); });
+  return kSuccess;
+}
+// To pageable host memory CUDA returns only once the copy is done (cudarc relies on it: its
+// dtoh copies do not synchronize): the emulator waits for the stream and copies. While the
+// stream captures, the copy is recorded like any other.
+CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, void *stream) {
+  Stream *s = stream_of(static_cast<cudaStream_t>(stream));
+  if (capturing(s)) return async_copy(stream, "cuMemcpyDtoHAsync", dst, host_ptr(src), n);
+  const CUresult r = synchronize_stream(s);
+  if (r == kSuccess) std::memcpy(dst, host_ptr(src), n);
+  return r;
+}
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, void *stream) {
+  return async_copy(stream, "cuMemcpyDtoDAsync", host_ptr(dst), host_ptr(src), n);
+}
+CUresult cuMemcpyPeerAsync(CUdeviceptr dst, void *, CUdeviceptr src, void *, size_t n, void *stream) {
+  return async_copy(stream, "cuMemcpyPeerAsync", host_ptr(dst), host_ptr(src), n);
+}
+CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char value, size_t n, void *stream) {
+  enqueue_host_work(stream_of(static_cast<cudaStream_t>(stream)), "cuMemsetD8Async",
+                    [=] { std::memset(host_ptr(dst), value, n); });
+  return kSuccess;
+}
+
+// CUDA_MEMCPY2D (cuda.h): every memory type is host memory here.
+struct Memcpy2D {
+  size_t srcXInBytes, srcY;
+  int srcMemoryType;
+  const void *srcHost;
+  CUdeviceptr srcDevice;
+  void *srcArray;
+  size_t srcPitch;
+  size_t dstXInBytes, dstY;
+  int dstMemoryType;
+  void *dstHost;
+  CUdeviceptr dstDevice;
+  void *dstArray;
+  size_t dstPitch;
+  size_t WidthInBytes, Height;
+};
+
+CUresult cuMemcpy2DAsync_v2(const Memcpy2D *c, void *stream) {
+  if (c == nullptr) return kInvalidValue;
+  constexpr int kHost = 1, kDevice = 2;
+  auto base = [](int type, const void *host, CUdeviceptr dev) -> const unsigned char * {
+    return static_cast<const unsigned char *>(type == kHost ? host : type == kDevice ? host_ptr(dev) : nullptr);
+  };
+  const unsigned char *src = base(c->srcMemoryType, c->srcHost, c->srcDevice);
+  unsigned char *dst = const_cast<unsigned char *>(base(c->dstMemoryType, c->dstHost, c->dstDevice));
+  if (src == nullptr || dst == nullptr) return kNotSupported;  // arrays are not emulated
+  const Memcpy2D copy = *c;
+  enqueue_host_work(stream_of(static_cast<cudaStream_t>(stream)), "cuMemcpy2DAsync", [=] {
+    for (size_t row = 0; row < copy.Height; ++row) {
+      std::memmove(dst + (copy.dstY + row) * copy.dstPitch + copy.dstXInBytes,
+                   src + (copy.srcY + row) * copy.srcPitch + copy.srcXInBytes, copy.WidthInBytes);
+    }
+  });
+  return kSuccess;
+}
+
+// ---- Streams.
+
+CUresult cuStreamCreate(void **stream, unsigned) {
+  if (stream == nullptr) return kInvalidValue;
+  *stream = tpfuse_emu_stream_create();
+  return kSuccess;
+}
+CUresult cuStreamCreateWithPriority(void **stream, unsigned flags, int) { return cuStreamCreate(stream, flags); }
+CUresult cuStreamDestroy_v2(void *) { return kSuccess; }  // its work still completes
+
+CUresult cuStreamSynchronize(void *stream) {
+  Stream *s = stream_of(static_cast<cudaStream_t>(stream));
+  if (capturing(s)) return kCaptureUnsupported;
+  return synchronize_stream(s);
+}
+
+// The device runs while a host thread waits, so a query waits for the stream: it returns
+// CUDA_SUCCESS or the stream's error, never CUDA_ERROR_NOT_READY (a hung kernel ends in a
+// reported deadlock or its own deadline, in virtual time).
+CUresult cuStreamQuery(void *stream) { return cuStreamSynchronize(stream); }
+
+CUresult cuLaunchHostFunc(void *stream, void (*fn)(void *), void *data) {
+  if (fn == nullptr) return kInvalidValue;
+  enqueue_host_work(stream_of(static_cast<cudaStream_t>(stream)), "cuLaunchHostFunc", [fn, data] { fn(data); });
+  return kSuccess;
+}
+
+// ---- Events.
+
+CUresult cuEventCreate(void **event, unsigned) {
+  if (event == nullptr) return kInvalidValue;
+  *event = new Event();
+  return kSuccess;
+}
+CUresult cuEventDestroy_v2(void *) { return kSuccess; }  // may still be recorded or waited on
+
+CUresult cuEventRecord(void *event, void *stream) {
+  if (event == nullptr) return kInvalidHandle;
+  Event *e = static_cast<Event *>(event);
+  uint64_t generation;
+  {
+    Device &dev = device();
+    std::lock_guard<std::mutex> lk(dev.mu);
+    generation = ++e->recorded;
+  }
+  enqueue_host_work(stream_of(static_cast<cudaStream_t>(stream)), "cuEventRecord", [e, generation] {
+    e->time_ns.store(now_ns());
+    uint64_t seen = e->completed.load();
+    while (seen < generation && !e->completed.compare_exchange_weak(seen, generation)) {
+    }
+  });
+  return kSuccess;
+}
+CUresult cuEventRecordWithFlags(void *event, void *stream, unsigned) { return cuEventRecord(event, stream); }
+
+CUresult cuStreamWaitEvent(void *stream, void *event, unsigned) {
+  if (event == nullptr) return kInvalidHandle;
+  Event *e = static_cast<Event *>(event);
+  uint64_t generation;
+  {
+    Device &dev = device();
+    std::lock_guard<std::mutex> lk(dev.mu);
+    generation = e->recorded;
+  }
+  if (generation == 0 || e->completed.load() >= generation) return kSuccess;  // nothing to wait for
+  auto op = std::make_unique<Launch>();
+  op->stream = stream_of(static_cast<cudaStream_t>(stream));
+  op->name = "cuStreamWaitEvent";
+  op->ready = [e, generation] { return e->completed.load() >= generation; };
+  enqueue_op(std::move(op));
+  return kSuccess;
+}
+
+CUresult cuEventSynchronize(void *event) {
+  if (event == nullptr) return kInvalidHandle;
+  Event *e = static_cast<Event *>(event);
+  // Runs the device until the last record has happened: every stream, as the record may sit
+  // behind work on any of them.
+  while (true) {
+    uint64_t want;
+    {
+      Device &dev = device();
+      std::lock_guard<std::mutex> lk(dev.mu);
+      want = e->recorded;
+    }
+    if (e->completed.load() >= want) return kSuccess;
+    const CUresult r = synchronize_stream(nullptr);
+    if (r != kSuccess) return r;
+  }
+}
+CUresult cuEventQuery(void *event) { return cuEventSynchronize(event); }
+
+CUresult cuEventElapsedTime(float *ms, void *start, void *end) {
+  if (ms == nullptr || start == nullptr || end == nullptr) return kInvalidValue;
+  const uint64_t a = static_cast<Event *>(start)->time_ns.load();
+  const uint64_t b = static_cast<Event *>(end)->time_ns.load();
+  *ms = static_cast<float>(static_cast<double>(b - a) / 1e6);  // virtual time
+  return kSuccess;
+}
+CUresult cuEventElapsedTime_v2(float *ms, void *start, void *end) { return cuEventElapsedTime(ms, start, end); }
+
+// ---- Graphs: a capture records what the stream enqueues (launches with their arguments as
+// they were at capture, copies, memsets, event records); a replay enqueues it again in order.
+
+CUresult cuStreamBeginCapture_v2(void *stream, int) {
+  Stream *s = stream_of(static_cast<cudaStream_t>(stream));
+  Device &dev = device();
+  std::lock_guard<std::mutex> lk(dev.mu);
+  if (s->capturing || s == dev.default_stream) return kCaptureUnsupported;
+  s->capturing = true;
+  s->captured.clear();
+  return kSuccess;
+}
+
+CUresult cuStreamEndCapture(void *stream, void **graph) {
+  if (graph == nullptr) return kInvalidValue;
+  Stream *s = stream_of(static_cast<cudaStream_t>(stream));
+  Device &dev = device();
+  std::lock_guard<std::mutex> lk(dev.mu);
+  if (!s->capturing) return kCaptureInvalidated;
+  auto *g = new Graph();
+  g->ops = std::move(s->captured);
+  s->captured.clear();
+  s->capturing = false;
+  *graph = g;
+  return kSuccess;
+}
+
+CUresult cuStreamIsCapturing(void *stream, int *status) {
+  if (status == nullptr) return kInvalidValue;
+  *status = capturing(stream_of(static_cast<cudaStream_t>(stream))) ? 1 : 0;
+  return kSuccess;
+}
+
+CUresult cuGraphInstantiateWithFlags(void **exec, void *graph, unsigned long long) {
+  if (exec == nullptr || graph == nullptr) return kInvalidValue;
+  auto *copy = new Graph();
+  for (auto &op : static_cast<Graph *>(graph)->ops) copy->ops.push_back(clone_op(*op));
+  *exec = copy;
+  return kSuccess;
+}
+
+CUresult cuGraphLaunch(void *exec, void *stream) {
+  if (exec == nullptr) return kInvalidValue;
+  Stream *s = stream_of(static_cast<cudaStream_t>(stream));
+  for (auto &op : static_cast<Graph *>(exec)->ops) {
+    auto replay = clone_op(*op);
+    replay->stream = s;
+    enqueue_op(std::move(replay));
+  }
+  return kSuccess;
+}
+
+CUresult cuGraphUpload(void *, void *) { return kSuccess; }
+CUresult cuGraphDestroy(void *graph) {
+  delete static_cast<Graph *>(graph);
+  return kSuccess;
+}
+CUresult cuGraphExecDestroy(void *exec) {
+  delete static_cast<Graph *>(exec);
+  return kSuccess;
+}
+
+} // extern "C"
