@@ -24,10 +24,11 @@ done
 echo "== emulator suite: 3 schedules in $(($(date +%s) - started)) s"
 
 # The GPU tests that already run on the emulator, through cudarc and the emulated driver
-# (the Rust layer above the kernels), once, in the forward schedule.
+# (TpGroup, symmetric memory, ops, CUDA graphs: the Rust layer above the kernels), once, in
+# the forward schedule, on a device of 16 SMs (the CTA budgets follow the SM count).
 gpu_started=$(date +%s)
-echo "== GPU tests on the emulator: gpu_reduce_ranks"
-TPFUSE_EMU_REPORT=$report cargo test --features emulator --test gpu_reduce_ranks
+echo "== GPU tests on the emulator: gpu_reduce_ranks, gpu_all_reduce"
+TPFUSE_EMU_REPORT=$report TPFUSE_EMU_SMS=16 cargo test --features emulator --test gpu_reduce_ranks --test gpu_all_reduce
 echo "== GPU tests on the emulator in $(($(date +%s) - gpu_started)) s"
 
 # The report: launches and blocks per kernel instantiation, summed over every test process.

@@ -21,9 +21,10 @@ test_binary() {
 }
 probe=$(test_binary emu_ops)
 [ -x "$probe" ] || { echo "mutants: no emu_ops test binary" >&2; exit 1; }
-emu_lib=$(ldd "$probe" | grep -o '/[^ ]*libtpfuse_emu\.so' | head -n 1)
-build="$(dirname "$emu_lib")/build.sh"
-[ -f "$build" ] || { echo "mutants: no emulator build script beside $emu_lib" >&2; exit 1; }
+# The emulator library is linked as libcuda.so (its soname), beside the generated build.sh.
+emu_lib=$(ldd "$probe" | grep -o '/[^ ]*/libcuda\.so' | head -n 1 || true)
+build="$(dirname "${emu_lib:-.}")/build.sh"
+[ -f "$build" ] || { echo "mutants: no emulator build script beside ${emu_lib:-libcuda.so (not found by ldd)}" >&2; exit 1; }
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
