@@ -86,6 +86,41 @@ impl Ranks {
         }
     }
 
+    /// A flat f32 all-reduce of `n` elements, no epilogue, on `rank`'s stream.
+    fn plain_all_reduce(
+        &self,
+        rank: usize,
+        path: Path,
+        input: &DeviceBuffer<f32>,
+        out: &DeviceBuffer<f32>,
+        n: usize,
+    ) {
+        let algo = if path == Path::TwoShot {
+            abi::TPFUSE_ALGO_TWO_SHOT
+        } else {
+            abi::TPFUSE_ALGO_ONE_SHOT
+        };
+        // SAFETY: both buffers hold n elements and live until the caller synchronizes.
+        let code = unsafe {
+            abi::tpfuse_all_reduce(
+                abi::TPFUSE_DTYPE_F32 as i32,
+                algo as i32,
+                &self.peers(),
+                &self.args(rank),
+                input.ptr().cast(),
+                std::ptr::null(),
+                std::ptr::null_mut(),
+                std::ptr::null(),
+                EPS,
+                out.ptr().cast(),
+                1,
+                n,
+                self.stream(rank),
+            )
+        };
+        launched(&format!("all_reduce rank {rank}"), code);
+    }
+
     fn error_word(&self, rank: usize) -> u32 {
         self.signals[rank].to_vec()[abi::TPFUSE_SIGNAL_ERROR_OFFSET as usize / 4]
     }
@@ -500,7 +535,6 @@ fn launch_survivors(
     skip: &[usize],
     seed: u64,
 ) -> Vec<Option<DeviceBuffer<f32>>> {
-    let peers = ranks.peers();
     let inputs: Vec<Vec<f32>> = random_ranks(ranks.world, n, |r| mix_seed(seed, &[r as u64]));
     (0..ranks.world)
         .map(|r| {
@@ -509,26 +543,8 @@ fn launch_survivors(
             }
             let input = DeviceBuffer::from_slice(&inputs[r]);
             let out = DeviceBuffer::<f32>::new(n);
-            // SAFETY: buffers of n elements; the input is copied by the kernel before the
-            // first barrier, and kept alive by `input` until the synchronize below.
-            let code = unsafe {
-                abi::tpfuse_all_reduce(
-                    abi::TPFUSE_DTYPE_F32 as i32,
-                    abi::TPFUSE_ALGO_ONE_SHOT as i32,
-                    &peers,
-                    &ranks.args(r),
-                    input.ptr().cast(),
-                    std::ptr::null(),
-                    std::ptr::null_mut(),
-                    std::ptr::null(),
-                    EPS,
-                    out.ptr().cast(),
-                    1,
-                    n,
-                    ranks.stream(r),
-                )
-            };
-            launched("all_reduce", code);
+            // The input is copied by the kernel before its first barrier.
+            ranks.plain_all_reduce(r, Path::OneShot, &input, &out, n);
             ranks.streams[r].synchronize().ok();
             Some(out)
         })
@@ -547,7 +563,6 @@ fn a_missing_rank_times_out_on_every_survivor_within_the_deadline() {
         stop: true,
         ..Fault::default()
     });
-    let peers = ranks.peers();
     let n = 1000;
     let inputs: Vec<Vec<f32>> =
         random_ranks(4, n, |r| mix_seed(base_seed(0xa11_0006), &[r as u64]));
@@ -555,25 +570,7 @@ fn a_missing_rank_times_out_on_every_survivor_within_the_deadline() {
     let outs: Vec<DeviceBuffer<f32>> = (0..4).map(|_| DeviceBuffer::new(n)).collect();
     let start = emulator::now_ns();
     for r in 0..4 {
-        // SAFETY: buffers of n elements.
-        let code = unsafe {
-            abi::tpfuse_all_reduce(
-                abi::TPFUSE_DTYPE_F32 as i32,
-                abi::TPFUSE_ALGO_ONE_SHOT as i32,
-                &peers,
-                &ranks.args(r),
-                bufs[r].ptr().cast(),
-                std::ptr::null(),
-                std::ptr::null_mut(),
-                std::ptr::null(),
-                EPS,
-                outs[r].ptr().cast(),
-                1,
-                n,
-                ranks.stream(r),
-            )
-        };
-        launched("all_reduce", code);
+        ranks.plain_all_reduce(r, Path::OneShot, &bufs[r], &outs[r], n);
     }
     ranks.synchronize();
     let elapsed = emulator::now_ns() - start;
@@ -628,29 +625,10 @@ fn a_rank_whose_timer_is_frozen_learns_of_the_timeout_from_its_peers() {
         freeze_timer: true,
         ..Fault::default()
     });
-    let peers = ranks.peers();
     let input = DeviceBuffer::from_slice(&vec![1.0f32; 64]);
     let outs: Vec<DeviceBuffer<f32>> = (0..2).map(|_| DeviceBuffer::new(64)).collect();
     for (r, out) in outs.iter().enumerate() {
-        // SAFETY: buffers of 64 elements.
-        let code = unsafe {
-            abi::tpfuse_all_reduce(
-                abi::TPFUSE_DTYPE_F32 as i32,
-                abi::TPFUSE_ALGO_TWO_SHOT as i32,
-                &peers,
-                &ranks.args(r),
-                input.ptr().cast(),
-                std::ptr::null(),
-                std::ptr::null_mut(),
-                std::ptr::null(),
-                EPS,
-                out.ptr().cast(),
-                1,
-                64,
-                ranks.stream(r),
-            )
-        };
-        launched("all_reduce", code);
+        ranks.plain_all_reduce(r, Path::TwoShot, &input, out, 64);
     }
     ranks.streams[0].synchronize().expect("rank 0 returns");
     ranks.streams[1].synchronize().expect("rank 1 returns");
