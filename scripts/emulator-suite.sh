@@ -27,8 +27,9 @@ echo "== emulator suite: 3 schedules in $(($(date +%s) - started)) s"
 # (TpGroup, symmetric memory, ops, CUDA graphs: the Rust layer above the kernels), once, in
 # the forward schedule, on a device of 16 SMs (the CTA budgets follow the SM count).
 gpu_started=$(date +%s)
-echo "== GPU tests on the emulator: gpu_reduce_ranks, gpu_all_reduce"
-TPFUSE_EMU_REPORT=$report TPFUSE_EMU_SMS=16 cargo test --features emulator --test gpu_reduce_ranks --test gpu_all_reduce
+echo "== GPU tests on the emulator: the crate's unit tests, gpu_reduce_ranks, gpu_all_reduce, gpu_group"
+TPFUSE_EMU_REPORT=$report TPFUSE_EMU_SMS=16 cargo test --features emulator --lib \
+  --test gpu_reduce_ranks --test gpu_all_reduce --test gpu_group
 echo "== GPU tests on the emulator in $(($(date +%s) - gpu_started)) s"
 
 # The report: launches and blocks per kernel instantiation, summed over every test process.
@@ -43,7 +44,7 @@ echo "== $count kernel instantiations executed"
 missing=0
 for kernel in $(grep -h -A2 '__global__' cuda/*.cu cuda/*.cuh | grep -o '[a-z_0-9]*_kernel(' | tr -d '(' | sort -u); do
   stem=${kernel%_kernel}
-  if ! cut -f3 "$report" | grep -q "^$stem"; then
+  if ! awk -F'\t' -v stem="$stem" 'index($3, stem) == 1 { found = 1 } END { exit !found }' "$report"; then
     echo "NOT EXECUTED: $kernel"
     missing=1
   fi

@@ -1160,7 +1160,10 @@ mod gpu_tests {
     }
 
     #[test]
-    #[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
+    #[cfg_attr(
+        not(any(feature = "gpu-tests", feature = "emulator")),
+        ignore = "needs a CUDA GPU (gpu-tests) or the CPU emulator (emulator)"
+    )]
     fn an_all_gather_leaves_every_rank_healthy() {
         let ctx = crate::device::open(0).unwrap();
         for world in [2, 4, 8] {
@@ -1188,7 +1191,10 @@ mod gpu_tests {
     }
 
     #[test]
-    #[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
+    #[cfg_attr(
+        not(any(feature = "gpu-tests", feature = "emulator")),
+        ignore = "needs a CUDA GPU (gpu-tests) or the CPU emulator (emulator)"
+    )]
     fn a_peer_that_never_launches_poisons_the_group() {
         let ctx = crate::device::open(0).unwrap();
         let options = GroupOptions {

@@ -62,7 +62,10 @@ fn assert_one_table(workspaces: &[&SymmetricWorkspace], world: usize) {
 }
 
 #[test]
-#[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
+#[cfg_attr(
+    not(any(feature = "gpu-tests", feature = "emulator")),
+    ignore = "needs a CUDA GPU (gpu-tests) or the CPU emulator (emulator)"
+)]
 fn virtual_ranks_build_with_one_table_and_zeroed_pads() {
     let ctx = tpfuse::device::open(0).unwrap();
     let sms = sm_count(&ctx);
@@ -103,7 +106,10 @@ fn virtual_ranks_build_with_one_table_and_zeroed_pads() {
 }
 
 #[test]
-#[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
+#[cfg_attr(
+    not(any(feature = "gpu-tests", feature = "emulator")),
+    ignore = "needs a CUDA GPU (gpu-tests) or the CPU emulator (emulator)"
+)]
 fn groups_drop_in_any_order() {
     let ctx = tpfuse::device::open(0).unwrap();
     let mut groups = TpGroup::virtual_ranks(&ctx, 4, GroupOptions::default()).unwrap();
@@ -118,7 +124,10 @@ fn groups_drop_in_any_order() {
 }
 
 #[test]
-#[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
+#[cfg_attr(
+    not(any(feature = "gpu-tests", feature = "emulator")),
+    ignore = "needs a CUDA GPU (gpu-tests) or the CPU emulator (emulator)"
+)]
 fn options_shape_the_group() {
     let ctx = tpfuse::device::open(0).unwrap();
     let sms = sm_count(&ctx);
@@ -154,7 +163,10 @@ fn options_shape_the_group() {
 }
 
 #[test]
-#[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
+#[cfg_attr(
+    not(any(feature = "gpu-tests", feature = "emulator")),
+    ignore = "needs a CUDA GPU (gpu-tests) or the CPU emulator (emulator)"
+)]
 fn symmetric_virtual_ranks_share_their_allocations() {
     let ctx = tpfuse::device::open(0).unwrap();
     let workspaces = symmetric::virtual_ranks(&ctx, 3, 4096).unwrap();
@@ -175,7 +187,10 @@ fn symmetric_virtual_ranks_share_their_allocations() {
 }
 
 #[test]
-#[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
+#[cfg_attr(
+    not(feature = "gpu-tests"),
+    ignore = "needs CUDA GPUs: several devices with peer access and NCCL"
+)]
 fn one_process_several_gpus() {
     let n = tpfuse::device::device_count().unwrap();
     if n < 2 {
