@@ -269,7 +269,7 @@ pub mod probe {
     use crate::error::Result;
 
     /// A probe's result; a failure carries the emulator's message of the failed launch.
-    fn emulator_result(context: &'static str, code: i32, _: String) -> Result<()> {
+    fn probe_result(context: &'static str, code: i32) -> Result<()> {
         let message = if code == 0 {
             String::new()
         } else {
@@ -292,7 +292,7 @@ pub mod probe {
                 d.as_mut_ptr(),
             )
         };
-        emulator_result("probe mma", code, String::new()).map(|_| d)
+        probe_result("probe mma", code).map(|_| d)
     }
 
     /// `ldmatrix.x4` from shared memory holding `smem`, lane `l` giving row address `addr[l]`
@@ -308,7 +308,7 @@ pub mod probe {
                 out.as_mut_ptr(),
             )
         };
-        emulator_result("probe ldmatrix", code, String::new()).map(|_| out)
+        probe_result("probe ldmatrix", code).map(|_| out)
     }
 
     /// `__shfl_xor_sync(0xffffffff, input[l], lane_mask)` in every lane.
@@ -317,7 +317,7 @@ pub mod probe {
         // SAFETY: 32 floats in and out.
         let code =
             unsafe { sys::tpfuse_emu_probe_shfl_xor(input.as_ptr(), lane_mask, out.as_mut_ptr()) };
-        emulator_result("probe shfl", code, String::new()).map(|_| out)
+        probe_result("probe shfl", code).map(|_| out)
     }
 
     /// Three cp.async groups of 16 bytes from `src` (the third with src-size 0) into
@@ -326,7 +326,7 @@ pub mod probe {
         let mut out = [0u8; 144];
         // SAFETY: 48 bytes in, 144 out.
         let code = unsafe { sys::tpfuse_emu_probe_cp_async(src.as_ptr().cast(), out.as_mut_ptr()) };
-        emulator_result("probe cp.async", code, String::new())?;
+        probe_result("probe cp.async", code)?;
         let mut snaps = [[0u8; 48]; 3];
         for (i, snap) in snaps.iter_mut().enumerate() {
             snap.copy_from_slice(&out[48 * i..48 * (i + 1)]);
@@ -338,7 +338,7 @@ pub mod probe {
     pub fn partial_warp(active_lanes: i32) -> Result<()> {
         // SAFETY: no pointers.
         let code = unsafe { sys::tpfuse_emu_probe_partial_warp(active_lanes) };
-        emulator_result("probe partial warp", code, String::new())
+        probe_result("probe partial warp", code)
     }
 
     /// A launch of `threads` threads with `smem_bytes` of dynamic shared memory, opted in
@@ -347,7 +347,7 @@ pub mod probe {
         // SAFETY: no pointers.
         let code =
             unsafe { sys::tpfuse_emu_probe_smem_launch(threads, smem_bytes, i32::from(opt_in)) };
-        emulator_result("probe shared-memory launch", code, String::new())
+        probe_result("probe shared-memory launch", code)
     }
 
     /// `blocks` blocks of 1024 threads on `stream`, every block but the last waiting without
@@ -356,11 +356,9 @@ pub mod probe {
         // SAFETY: a live stream.
         let code = unsafe { sys::tpfuse_emu_probe_wait_for_last_block(blocks, stream.raw()) };
         if code != 0 {
-            return stream.synchronize().and(emulator_result(
-                "probe wait for last block",
-                code,
-                String::new(),
-            ));
+            return stream
+                .synchronize()
+                .and(probe_result("probe wait for last block", code));
         }
         Ok(())
     }

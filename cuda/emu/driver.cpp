@@ -82,12 +82,6 @@ void enqueue_host_work(Stream *stream, const char *name, std::function<void()> w
   enqueue_op(std::move(op));
 }
 
-void *device_alloc(size_t bytes) {
-  void *p = nullptr;
-  if (posix_memalign(&p, 256, bytes > 0 ? bytes : 1) != 0) return nullptr;
-  std::memset(p, 0xFF, bytes);  // cudaMalloc'd memory holds garbage: make it NaN
-  return p;
-}
 
 void *host_ptr(CUdeviceptr p) { return reinterpret_cast<void *>(static_cast<uintptr_t>(p)); }
 
@@ -278,7 +272,7 @@ CUresult cuCtxEnablePeerAccess(void *, unsigned) {
 CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes) {
   if (dptr == nullptr) return kInvalidValue;
   if (any_stream_capturing()) return kCaptureUnsupported;
-  void *p = device_alloc(bytes);
+  void *p = tpfuse_emu_malloc(bytes);
   if (p == nullptr) return kOutOfMemory;
   *dptr = reinterpret_cast<uintptr_t>(p);
   return kSuccess;
@@ -286,7 +280,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes) {
 
 CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytes, void *) {
   if (dptr == nullptr) return kInvalidValue;
-  void *p = device_alloc(bytes);
+  void *p = tpfuse_emu_malloc(bytes);
   if (p == nullptr) return kOutOfMemory;
   *dptr = reinterpret_cast<uintptr_t>(p);
   return kSuccess;
@@ -315,7 +309,7 @@ CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
 
 CUresult cuMemHostAlloc(void **pp, size_t bytes, unsigned) {
   if (pp == nullptr) return kInvalidValue;
-  *pp = device_alloc(bytes);
+  *pp = tpfuse_emu_malloc(bytes);
   return *pp ? kSuccess : kOutOfMemory;
 }
 CUresult cuMemFreeHost(void *p) {

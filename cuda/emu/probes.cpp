@@ -128,9 +128,7 @@ extern "C" int32_t tpfuse_emu_probe_smem_launch(int32_t threads, size_t smem_byt
   ProbeStream s;
   unsigned char out[1024];
   TPFUSE_LAUNCH(smem_probe, 1, threads, smem_bytes, s.get())(out);
-  const cudaError_t launched = cudaGetLastError();
-  if (launched != cudaSuccess) return launched;
-  return tpfuse_emu_stream_synchronize(s.stream);
+  return s.finish();
 }
 
 extern "C" int32_t tpfuse_emu_probe_wait_for_last_block(int32_t blocks, void *stream) {
