@@ -47,6 +47,21 @@ macro_rules! gpu_only_tests {
     };
 }
 
+/// The clock the kernels' deadlines run on, as time since some fixed start: wall-clock time
+/// on a GPU, the emulator's virtual `%globaltimer` under `emulator` (where a CPU runs the
+/// kernels far slower than a GPU and the deadlines follow that virtual clock).
+pub fn device_clock() -> std::time::Duration {
+    #[cfg(feature = "emulator")]
+    {
+        std::time::Duration::from_nanos(tpfuse::emulator::now_ns())
+    }
+    #[cfg(not(feature = "emulator"))]
+    {
+        static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+        START.get_or_init(std::time::Instant::now).elapsed()
+    }
+}
+
 use half::{bf16, f16};
 
 /// Whether the kernels run on the CPU emulator (feature `emulator`), where GPU tests use the
