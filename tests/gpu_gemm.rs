@@ -1,5 +1,6 @@
-//! GPU tests of [`tpfuse::ops::gemm`] (feature `gpu-tests`; without it every test here is
-//! listed as ignored).
+//! GPU tests of [`tpfuse::ops::gemm`] (feature `gpu-tests`, or `emulator` on the CPU with
+//! the shapes of [`common::shape`]'s reduced side; with neither every test here is listed as
+//! ignored; the cuBLASLt comparison needs a GPU).
 //!
 //! Every case uploads fresh random inputs (seeded per case from `TPFUSE_TEST_SEED`, a fixed
 //! default when unset, so a failure names the seed that reproduces it), poisons the output
@@ -9,17 +10,17 @@
 //! - relative Frobenius error against the f64 reference [`gemm_f64`] below 1e-2 (bf16) or
 //!   2e-3 (f16), on every row for small m and on a random subset of rows (first and last
 //!   included) for large m, where the host reference would cost minutes;
-//! - batch invariance, bitwise: rows of m = 1 runs equal the same rows of an m = 4096 run,
+//! - batch invariance, bitwise: rows of m = 1 runs equal the same rows of an m = 4096 run (1024 emulated),
 //!   m = 16 (small-m path) and m = 17 (tiled path) agree on their common rows, and every tile
 //!   configuration gives the same bits;
 //! - agreement with cuBLASLt (when libcublasLt can be loaded) within the same tolerance.
 
 mod common;
-use common::assert_same_bits;
 use common::gpu::{
     self, assert_close, base_seed, download, expect_invalid, gpu_stream, mix_seed, random_vec,
     splitmix64, upload,
 };
+use common::{assert_same_bits, shape};
 
 use cudarc::cublaslt::{CudaBlasLT, Matmul, MatmulConfig};
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, ValidAsZeroBits};
@@ -32,25 +33,28 @@ use tpfuse::ops::gemm::{
 };
 use tpfuse::reference::{gemm_f64, relative_error};
 
-/// The DESIGN reference shapes, Llama-3-70B at TP = 8: (name, n, k).
+/// The DESIGN reference shapes, Llama-3-70B at TP = 8: (name, n, k); on the emulator each
+/// dimension divided by 8 (the tile edges and the k loop's stages are still crossed).
 const REFERENCE_SHAPES: [(&str, usize, usize); 4] = [
-    ("qkv", 1280, 8192),
-    ("o_proj", 8192, 1024),
-    ("gate_up", 7168, 8192),
-    ("down", 8192, 3584),
+    ("qkv", shape(1280, 160), shape(8192, 1024)),
+    ("o_proj", shape(8192, 1024), shape(1024, 128)),
+    ("gate_up", shape(7168, 896), shape(8192, 1024)),
+    ("down", shape(8192, 1024), shape(3584, 448)),
 ];
-const REFERENCE_MS: [usize; 5] = [1, 16, 64, 256, 1024];
+const REFERENCE_MS: [usize; 5] = [1, 16, 64, 256, shape(1024, 384)];
 /// Awkward shapes: m below, at and across tile edges; n and k at 8 and off every tile size.
-const AWKWARD_MS: [usize; 5] = [1, 3, 17, 129, 1000];
+const AWKWARD_MS: [usize; 5] = [1, 3, 17, 129, shape(1000, 200)];
 const AWKWARD_NK: [(usize, usize); 7] = [
     (8, 8),
     (8, 1000),
     (24, 8),
     (136, 40),
     (1288, 72),
-    (200, 8200),
-    (4104, 264),
+    (200, shape(8200, 2056)),
+    (shape(4104, 1032), 264),
 ];
+/// The m of the batch the invariance tests slice rows from (at least 768).
+const BIG_M: usize = shape(4096, 1024);
 /// Rows checked against the host reference when m is larger than this.
 const CHECKED_ROWS: usize = 16;
 /// Poisoned elements after the end of every output.
@@ -304,10 +308,10 @@ fn awkward_shapes<T: TestElement>() {
 }
 
 /// Rows of m = 1 runs, m = 16 and m = 17 runs and every forced configuration equal the same
-/// rows of an m = 4096 run, bit for bit (bias and residual included).
+/// rows of an m = [`BIG_M`] run, bit for bit (bias and residual included).
 fn batch_invariance<T: TestElement>() {
     let stream = gpu_stream();
-    let big_m = 4096;
+    let big_m = BIG_M;
     for (i, &(name, n, k)) in REFERENCE_SHAPES.iter().enumerate().take(2) {
         let seed = case_seed::<T>(&[3, i as u64]);
         let problem = Problem::<T>::new(seed, GemmShape { m: big_m, n, k }, true, true);
@@ -331,7 +335,22 @@ fn batch_invariance<T: TestElement>() {
 
         // Decode: one row at a time, at positions across tile edges.
         let mut rng = StdRng::seed_from_u64(seed);
-        let mut rows = vec![0, 1, 7, 8, 15, 16, 17, 63, 64, 127, 128, 1000, 2047, 4095];
+        let mut rows = vec![
+            0,
+            1,
+            7,
+            8,
+            15,
+            16,
+            17,
+            63,
+            64,
+            127,
+            128,
+            1000,
+            big_m / 2 - 1,
+        ];
+        rows.push(big_m - 1);
         rows.extend((0..6).map(|_| rng.random_range(0..big_m)));
         for &r in &rows {
             let got = run_rows(
@@ -428,7 +447,10 @@ fn paths_on_this_gpu() {
 /// gemm_accumulate (c += a·bᵀ + bias) gives the bits of gemm with a separate residual.
 fn accumulate_in_place<T: TestElement>() {
     let stream = gpu_stream();
-    for &(m, n, k) in &[(1usize, 1280usize, 8192usize), (300, 520, 136)] {
+    for &(m, n, k) in &[
+        (1usize, shape(1280, 160), shape(8192, 1024)),
+        (300, 520, 136),
+    ] {
         let shape = GemmShape { m, n, k };
         let seed = case_seed::<T>(&[4, m as u64, n as u64]);
         let problem = Problem::<T>::new(seed, shape, true, true);
@@ -456,8 +478,8 @@ fn deterministic<T: TestElement>() {
     let stream = gpu_stream();
     let shape = GemmShape {
         m: 777,
-        n: 1288,
-        k: 1032,
+        n: shape(1288, 136),
+        k: shape(1032, 264),
     };
     let seed = case_seed::<T>(&[5]);
     let problem = Problem::<T>::new(seed, shape, true, true);
@@ -604,7 +626,7 @@ where
     let stream = gpu_stream();
     let blas = CudaBlasLT::new(stream.clone()).expect("creating a cuBLASLt handle");
     for (i, &(name, n, k)) in REFERENCE_SHAPES.iter().enumerate() {
-        for &m in &[1usize, 64, 1024] {
+        for &m in &[1usize, 64, REFERENCE_MS[4]] {
             let shape = GemmShape { m, n, k };
             let seed = case_seed::<T>(&[7, i as u64, m as u64]);
             let problem = Problem::<T>::new(seed, shape, false, false);
@@ -625,7 +647,7 @@ where
     }
 }
 
-gpu_only_tests! { "needs a CUDA GPU: not yet run on the emulator (cuBLASLt baselines)" => {
+gpu_tests! {
     reference_shapes_bf16 => reference_shapes::<bf16>();
     reference_shapes_f16 => reference_shapes::<f16>();
     awkward_shapes_bf16 => awkward_shapes::<bf16>();
@@ -639,6 +661,9 @@ gpu_only_tests! { "needs a CUDA GPU: not yet run on the emulator (cuBLASLt basel
     deterministic_f16 => deterministic::<f16>();
     validation_bf16 => validation::<bf16>();
     validation_f16 => validation::<f16>();
+}
+
+gpu_only_tests! { "needs a CUDA GPU: cuBLASLt" => {
     matches_cublaslt_bf16 => matches_cublaslt::<bf16>();
     matches_cublaslt_f16 => matches_cublaslt::<f16>();
 } }
