@@ -23,14 +23,19 @@ for schedule in forward reverse random; do
 done
 echo "== emulator suite: 3 schedules in $(($(date +%s) - started)) s"
 
-# The GPU tests that already run on the emulator, through cudarc and the emulated driver
-# (TpGroup, symmetric memory, ops, CUDA graphs: the Rust layer above the kernels), once, in
-# the forward schedule, on a device of 16 SMs (the CTA budgets follow the SM count).
+# The GPU suite on the emulator: the crate's unit tests and every tests/gpu_*.rs, through
+# cudarc and the emulated driver (TpGroup, symmetric memory, ops, linear layers, CUDA graphs:
+# the Rust layer above the kernels), once, in the forward schedule, on a device of 16 SMs (the
+# CTA budgets follow the SM count). Tests that need NCCL, IPC between processes, cuBLASLt or
+# NVML are listed as ignored with their reason.
+gpu=(--lib)
+for f in tests/gpu_*.rs; do
+  gpu+=(--test "$(basename "$f" .rs)")
+done
 gpu_started=$(date +%s)
-echo "== GPU tests on the emulator: the crate's unit tests, gpu_reduce_ranks, gpu_all_reduce, gpu_group"
-TPFUSE_EMU_REPORT=$report TPFUSE_EMU_SMS=16 cargo test --features emulator --lib \
-  --test gpu_reduce_ranks --test gpu_all_reduce --test gpu_group
-echo "== GPU tests on the emulator in $(($(date +%s) - gpu_started)) s"
+echo "== the GPU suite on the emulator: the crate's unit tests, ${gpu[*]}"
+TPFUSE_EMU_REPORT=$report TPFUSE_EMU_SMS=16 cargo test --features emulator "${gpu[@]}"
+echo "== the GPU suite on the emulator in $(($(date +%s) - gpu_started)) s"
 
 # The report: launches and blocks per kernel instantiation, summed over every test process.
 echo "== kernel instantiations executed on the emulator (launches, blocks, kernel)"

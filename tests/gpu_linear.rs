@@ -1,5 +1,6 @@
 //! GPU tests of the tensor-parallel linear layers ([`tpfuse::ops::linear`]; feature
-//! `gpu-tests`, without it every test here is listed as ignored), on virtual ranks
+//! `gpu-tests`, or `emulator` on the CPU; with neither every test here is listed as
+//! ignored), on virtual ranks
 //! ([`TpGroup::virtual_ranks`]) W = 2, 4, 8 of GPU 0.
 //!
 //! Every case builds each rank's layer from the full host weights (the shard cut on the host,
@@ -377,10 +378,10 @@ fn mlp_matrix<T: TestElement>() {
     }
 }
 
-gpu_only_tests! { "needs a CUDA GPU: not yet run on the emulator" => {
+gpu_tests! {
     tp_mlp_equals_the_unsharded_mlp_bf16 => mlp_matrix::<bf16>();
     tp_mlp_equals_the_unsharded_mlp_f16 => mlp_matrix::<f16>();
-} }
+}
 
 // ---------------------------------------------------------------------------------------
 // Column-parallel, gathered or not.
@@ -457,7 +458,10 @@ fn column_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usize) {
 }
 
 #[test]
-#[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
+#[cfg_attr(
+    not(any(feature = "gpu-tests", feature = "emulator")),
+    ignore = "needs a CUDA GPU (gpu-tests) or the CPU emulator (emulator)"
+)]
 fn column_parallel_gathers_the_full_output() {
     let gpu = gpu();
     for world in WORLDS {
@@ -561,7 +565,10 @@ fn qkv_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, q_heads: usize
 }
 
 #[test]
-#[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
+#[cfg_attr(
+    not(any(feature = "gpu-tests", feature = "emulator")),
+    ignore = "needs a CUDA GPU (gpu-tests) or the CPU emulator (emulator)"
+)]
 fn qkv_sections_hold_the_ranks_heads() {
     let gpu = gpu();
     for world in WORLDS {
@@ -581,7 +588,10 @@ fn qkv_sections_hold_the_ranks_heads() {
 // ---------------------------------------------------------------------------------------
 
 #[test]
-#[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
+#[cfg_attr(
+    not(any(feature = "gpu-tests", feature = "emulator")),
+    ignore = "needs a CUDA GPU (gpu-tests) or the CPU emulator (emulator)"
+)]
 fn bad_calls_are_refused_before_anything_runs() {
     type T = bf16;
     let gpu = gpu();
