@@ -24,13 +24,6 @@
 namespace tpfuse {
 namespace {
 
-// Reads 16 bytes of a peer's buffer, bypassing L1 (the data changes between launches).
-template <typename T> __device__ __forceinline__ Vec16<T> load16_peer(const T *p) {
-  Vec16<T> out;
-  *reinterpret_cast<uint4 *>(&out) = __ldcg(reinterpret_cast<const uint4 *>(p));
-  return out;
-}
-
 // The contiguous share [begin, end) of `n` items that block `b` of `blocks` handles.
 struct Range {
   size_t begin, end;
@@ -52,7 +45,7 @@ template <typename T> __device__ __forceinline__ void copy_range(const T *src, T
   for (size_t i = r.begin + threadIdx.x * kVec; i < full_end; i += kThreads * kVec) {
     store16(dst + i, load16(src + i));
   }
-  for (size_t i = full_end + threadIdx.x; i < r.end; i += kThreads) dst[i] = src[i];
+  for (size_t i = full_end + threadIdx.x; i < r.end; i += kThreads) st_global(dst + i, ld_global(src + i));
 }
 
 // Copies from a peer's buffer (L2 loads).
@@ -63,7 +56,7 @@ template <typename T> __device__ __forceinline__ void copy_range_from_peer(const
     store16(dst + i, load16_peer(src + i));
   }
   for (size_t i = full_end + threadIdx.x; i < r.end; i += kThreads) {
-    dst[i] = __ldcg(src + i);
+    st_global(dst + i, ld_global_cg(src + i));
   }
 }
 
@@ -93,13 +86,13 @@ __device__ __forceinline__ void reduce_range(const tpfuse_peers &peers, int worl
     if (publish != nullptr) store16(publish + i, y);
   }
   for (size_t i = full_end + threadIdx.x; i < r.end; i += kThreads) {
-    float acc = Elem<T>::to_f32(__ldcg(static_cast<const T *>(peers.data[0]) + peer_offset + i));
+    float acc = Elem<T>::to_f32(ld_global_cg(static_cast<const T *>(peers.data[0]) + peer_offset + i));
     for (int p = 1; p < world; ++p) {
-      acc += Elem<T>::to_f32(__ldcg(static_cast<const T *>(peers.data[p]) + peer_offset + i));
+      acc += Elem<T>::to_f32(ld_global_cg(static_cast<const T *>(peers.data[p]) + peer_offset + i));
     }
     const T y = epi.apply(acc, i);
-    out[i] = y;
-    if (publish != nullptr) publish[i] = y;
+    st_global(out + i, y);
+    if (publish != nullptr) st_global(publish + i, y);
   }
 }
 
@@ -180,12 +173,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (barrier.poisoned()) return;
   const Range r = share(len_vectors, blockIdx.x, gridDim.x);
   uint4 *staging = static_cast<uint4 *>(peers.data[g.rank]);
-  for (size_t i = r.begin + threadIdx.x; i < r.end; i += kThreads) staging[i] = input[i];
+  for (size_t i = r.begin + threadIdx.x; i < r.end; i += kThreads) st_global(staging + i, ld_global(input + i));
   if (!barrier.arrive_and_wait()) return;
   for (int p = 0; p < g.world; ++p) {
     const uint4 *src = static_cast<const uint4 *>(peers.data[p]);
     uint4 *dst = out + p * len_vectors;
-    for (size_t i = r.begin + threadIdx.x; i < r.end; i += kThreads) dst[i] = __ldcg(src + i);
+    for (size_t i = r.begin + threadIdx.x; i < r.end; i += kThreads) st_global(dst + i, ld_global_cg(src + i));
   }
   if (!barrier.arrive_and_wait()) return;
   barrier.commit();

@@ -79,7 +79,9 @@ public:
       }
     }
     __syncthreads();
-    return *failures_ == 0;
+    const bool passed = *failures_ == 0;
+    if (passed && threadIdx.x == 0) note_barrier_passed();
+    return passed;
   }
 
   // Records "rank `missing` did not arrive" in this rank's error word and in every peer's,

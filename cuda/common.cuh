@@ -29,6 +29,38 @@ template <> struct Elem<__nv_bfloat16> {
   }
 };
 
+// ---- Global memory. Every load and store of the kernels' data goes through these helpers
+// (or cp.async, cuda/ptx.cuh): the emulator counts their bytes there (tpfuse_emu.h,
+// "Counters"); on a GPU they are the plain accesses. ld_global_cg reads through L2 only
+// (a peer's buffer, which changes between launches).
+template <typename T> __device__ __forceinline__ T ld_global(const T *p) {
+#ifdef TPFUSE_EMULATOR
+  ::tpfuse_emu::count_load(p, sizeof(T));
+#endif
+  return *p;
+}
+
+template <typename T> __device__ __forceinline__ T ld_global_cg(const T *p) {
+#ifdef TPFUSE_EMULATOR
+  ::tpfuse_emu::count_load(p, sizeof(T));
+#endif
+  return __ldcg(p);
+}
+
+template <typename T> __device__ __forceinline__ void st_global(T *p, const T &v) {
+#ifdef TPFUSE_EMULATOR
+  ::tpfuse_emu::count_store(p, sizeof(T));
+#endif
+  *p = v;
+}
+
+// A cross-rank barrier passed (cuda/barrier.cuh): counted by the emulator, nothing on a GPU.
+__device__ __forceinline__ void note_barrier_passed() {
+#ifdef TPFUSE_EMULATOR
+  ::tpfuse_emu::count_barrier();
+#endif
+}
+
 // 16 bytes of elements, moved with one 128-bit load or store.
 template <typename T> struct alignas(16) Vec16 {
   static constexpr int kLen = 16 / sizeof(T);
@@ -37,12 +69,19 @@ template <typename T> struct alignas(16) Vec16 {
 
 template <typename T> __device__ __forceinline__ Vec16<T> load16(const T *p) {
   Vec16<T> out;
-  *reinterpret_cast<uint4 *>(&out) = *reinterpret_cast<const uint4 *>(p);
+  *reinterpret_cast<uint4 *>(&out) = ld_global(reinterpret_cast<const uint4 *>(p));
+  return out;
+}
+
+// 16 bytes of a peer's buffer, through L2 only.
+template <typename T> __device__ __forceinline__ Vec16<T> load16_peer(const T *p) {
+  Vec16<T> out;
+  *reinterpret_cast<uint4 *>(&out) = ld_global_cg(reinterpret_cast<const uint4 *>(p));
   return out;
 }
 
 template <typename T> __device__ __forceinline__ void store16(T *p, const Vec16<T> &x) {
-  *reinterpret_cast<uint4 *>(p) = *reinterpret_cast<const uint4 *>(&x);
+  st_global(reinterpret_cast<uint4 *>(p), *reinterpret_cast<const uint4 *>(&x));
 }
 
 __host__ __device__ __forceinline__ bool is_aligned16(const void *p) {

@@ -21,7 +21,7 @@ __global__ void __launch_bounds__(kThreads)
                          size_t hidden) {
   const Epilogue<T> epi{bias, residual, hidden};
   for (size_t i = global_thread_index(); i < n; i += global_thread_count()) {
-    out[i] = epi.apply(Elem<T>::to_f32(x[i]), i);
+    st_global(out + i, epi.apply(Elem<T>::to_f32(ld_global(x + i)), i));
   }
 }
 

@@ -23,10 +23,10 @@ template <typename T> struct Epilogue {
     const T sum = Elem<T>::from_f32(acc);
     if (bias == nullptr && residual == nullptr) return sum;
     float h = Elem<T>::to_f32(sum);
-    if (bias != nullptr) h += Elem<T>::to_f32(bias[i % hidden]);
-    if (residual != nullptr) h += Elem<T>::to_f32(residual[i]);
+    if (bias != nullptr) h += Elem<T>::to_f32(ld_global(bias + i % hidden));
+    if (residual != nullptr) h += Elem<T>::to_f32(ld_global(residual + i));
     const T out = Elem<T>::from_f32(h);
-    if (residual != nullptr) residual[i] = out;
+    if (residual != nullptr) st_global(residual + i, out);
     return out;
   }
 };
@@ -51,12 +51,12 @@ template <typename T>
 __device__ __forceinline__ void rms_norm_row(const T *x, const T *gamma, float eps, T *out, size_t hidden) {
   float ss = 0.f;
   for (size_t i = threadIdx.x; i < hidden; i += kThreads) {
-    const float v = Elem<T>::to_f32(x[i]);
+    const float v = Elem<T>::to_f32(ld_global(x + i));
     ss = fmaf(v, v, ss);
   }
   const float rstd = rsqrtf(block_sum(ss) / static_cast<float>(hidden) + eps);
   for (size_t i = threadIdx.x; i < hidden; i += kThreads) {
-    out[i] = Elem<T>::from_f32(Elem<T>::to_f32(x[i]) * rstd * Elem<T>::to_f32(gamma[i]));
+    st_global(out + i, Elem<T>::from_f32(Elem<T>::to_f32(ld_global(x + i)) * rstd * Elem<T>::to_f32(ld_global(gamma + i))));
   }
 }
 

@@ -45,9 +45,9 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   for (size_t i = vec_len * kVec + first; i < len; i += stride) {
-    float acc = Elem<T>::to_f32(static_cast<const T *>(inputs.ptr[0])[i]);
-    for (int r = 1; r < num_inputs; ++r) acc += Elem<T>::to_f32(static_cast<const T *>(inputs.ptr[r])[i]);
-    out[i] = Elem<T>::from_f32(acc);
+    float acc = Elem<T>::to_f32(ld_global(static_cast<const T *>(inputs.ptr[0]) + i));
+    for (int r = 1; r < num_inputs; ++r) acc += Elem<T>::to_f32(ld_global(static_cast<const T *>(inputs.ptr[r]) + i));
+    st_global(out + i, Elem<T>::from_f32(acc));
   }
 }
 

@@ -12,6 +12,8 @@
 /// directly on the emulator's streams and memory.
 pub use crate::ffi::kernels as abi;
 
+pub mod counters;
+
 use crate::error::{Error, Result};
 use crate::ffi::emu as sys;
 use std::ffi::c_void;
@@ -83,6 +85,13 @@ pub fn set_config(config: &Config) -> Result<()> {
 pub fn now_ns() -> u64 {
     // SAFETY: no arguments.
     unsafe { sys::tpfuse_emu_now_ns() }
+}
+
+/// Runs the device until everything enqueued on every stream so far has completed (frees
+/// that cudarc enqueued when its buffers dropped included); errors stay with their streams.
+pub fn drain() {
+    // SAFETY: no arguments.
+    unsafe { sys::tpfuse_emu_device_synchronize() }
 }
 
 /// One line per kernel instantiation that ran in this process: launches, blocks, name.

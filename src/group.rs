@@ -307,6 +307,8 @@ impl TpGroup {
             let stream = ctx
                 .new_stream()
                 .map_err(cuda("creating a virtual rank's stream"))?;
+            #[cfg(feature = "emulator")]
+            crate::emulator::counters::tag_stream(stream.cu_stream().cast(), rank);
             groups.push(TpGroup {
                 rank,
                 world,

@@ -388,8 +388,13 @@ pub fn virtual_ranks(
     require_driver()?;
     let mut data = Vec::with_capacity(world);
     let mut signals = Vec::with_capacity(world);
-    for _ in 0..world {
+    for _rank in 0..world {
         let (d, s) = allocate_rank(ctx, capacity)?;
+        // The ranks share one device: the emulator's counters tell their memory apart.
+        #[cfg(feature = "emulator")]
+        for m in [&d, &s] {
+            crate::emulator::counters::tag_memory(m.ptr, m.bytes, _rank);
+        }
         data.push(Arc::new(d));
         signals.push(Arc::new(s));
     }

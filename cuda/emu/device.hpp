@@ -41,7 +41,11 @@ unsigned char *dynamic_shared();
 uint32_t cvta_shared(const void *p);
 void shared_zero16(uint32_t dst);
 
-// ---- Global memory. Loads of other ranks' buffers are plain host loads.
+// ---- Global memory. Loads of other ranks' buffers are plain host loads. The counters
+// (counters.cpp) see every access the kernels make through cuda/common.cuh and cp.async.
+void count_load(const void *p, size_t bytes);
+void count_store(const void *p, size_t bytes);
+void count_barrier();
 template <typename T> inline T load_global(const T *p) {
   T v;
   memcpy(static_cast<void *>(&v), static_cast<const void *>(p), sizeof(T));

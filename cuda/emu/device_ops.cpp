@@ -145,6 +145,7 @@ uint64_t global_timer_ns() {
 void cp_async(uint32_t dst, const void *src, int src_bytes) {
   if (dst % 16 != 0) fail_launch(cudaErrorMisalignedAddress, "cp.async to a shared address not 16-byte aligned");
   std::memset(shared_at(dst, 16), 0xFF, 16);
+  if (src_bytes > 0) count_load(src, static_cast<size_t>(src_bytes));
   current_fiber().open_group.push_back(Copy{dst, src, src_bytes});
 }
 

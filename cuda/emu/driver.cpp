@@ -289,7 +289,7 @@ CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytes, void *) {
 CUresult cuMemFree_v2(CUdeviceptr dptr) {
   if (any_stream_capturing()) return kCaptureUnsupported;
   synchronize_stream(nullptr);  // cuMemFree waits for the work that may use it
-  std::free(host_ptr(dptr));
+  free_device_memory(host_ptr(dptr));
   return kSuccess;
 }
 
@@ -297,7 +297,7 @@ CUresult cuMemFreeAsync(CUdeviceptr dptr, void *stream) {
   Stream *s = stream_of(static_cast<cudaStream_t>(stream));
   // A free recorded in a graph would run at every replay: leave it to the process's end.
   if (capturing(s)) return kSuccess;
-  enqueue_host_work(s, "cuMemFreeAsync", [dptr] { std::free(host_ptr(dptr)); });
+  enqueue_host_work(s, "cuMemFreeAsync", [dptr] { free_device_memory(host_ptr(dptr)); });
   return kSuccess;
 }
 

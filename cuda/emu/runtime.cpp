@@ -68,14 +68,6 @@ std::string instantiation_name(const char *name, const char *context) {
   return out;
 }
 
-size_t copy_out(const std::string &text, char *buf, size_t cap) {
-  if (buf != nullptr && cap > 0) {
-    const size_t n = text.size() < cap - 1 ? text.size() : cap - 1;
-    std::memcpy(buf, text.data(), n);
-    buf[n] = '\0';
-  }
-  return text.size();
-}
 
 std::string report_text() {
   Device &dev = device();
@@ -116,6 +108,15 @@ bool exceeds_shared_memory_limit(Device &dev, const LaunchSpec &spec) {
 }
 
 } // namespace
+
+size_t copy_out(const std::string &text, char *buf, size_t cap) {
+  if (buf != nullptr && cap > 0) {
+    const size_t n = text.size() < cap - 1 ? text.size() : cap - 1;
+    std::memcpy(buf, text.data(), n);
+    buf[n] = '\0';
+  }
+  return text.size();
+}
 
 Stream *stream_of(cudaStream_t s) {
   return s == nullptr ? device().default_stream : reinterpret_cast<Stream *>(s);
@@ -322,6 +323,8 @@ int32_t tpfuse_emu_stream_synchronize(void *stream) {
   return synchronize_stream(stream_of(static_cast<cudaStream_t>(stream)));
 }
 
+void tpfuse_emu_device_synchronize(void) { synchronize_stream(nullptr); }
+
 size_t tpfuse_emu_stream_error(void *stream, char *buf, size_t cap) {
   Device &dev = device();
   Stream *s = stream_of(static_cast<cudaStream_t>(stream));
@@ -354,7 +357,7 @@ void *tpfuse_emu_malloc(size_t bytes) {
   return p;
 }
 
-void tpfuse_emu_free(void *ptr) { std::free(ptr); }
+void tpfuse_emu_free(void *ptr) { free_device_memory(ptr); }
 
 uint64_t tpfuse_emu_now_ns(void) { return now_ns(); }
 

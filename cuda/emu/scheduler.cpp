@@ -208,6 +208,7 @@ void complete(Device &dev, Stream &s) {
   std::lock_guard<std::mutex> lk(dev.mu);
   std::unique_ptr<Launch> l = std::move(s.running);
   if (l->failed) dev.last_failure = l->error;
+  counters_launch_done(dev, *l);
   if (l->failed && s.error == cudaSuccess) {
     s.error = l->code;
     s.message = l->error;
@@ -259,10 +260,12 @@ void retire(Device &dev) {
     if (b->gone) continue;
     if (b->launch->failed) {
       b->gone = true;
+      counters_block_done(*b);
       release_block(dev, *b);
     } else if (b->live == 0) {
       trace(dev, *b, "finished");
       b->gone = true;
+      counters_block_done(*b);
       release_block(dev, *b);
       ++b->launch->done_blocks;
     }
@@ -400,6 +403,7 @@ void start_heads(Device &dev, std::unique_lock<std::mutex> &lk) {
       if (st.name.empty()) st.name = l->name;
       st.launches += 1;
       st.blocks += total_blocks(*l);
+      counters_launch_starts(dev, *s, *l);
       s->running = std::move(l);
     }
   }

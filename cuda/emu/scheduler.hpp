@@ -61,8 +61,22 @@ struct Warp {
   alignas(16) unsigned char out[32][16];
 };
 
+// Memory tagged with a rank (tpfuse_emu_tag_memory).
+struct Tag {
+  uintptr_t begin, end;
+  int rank;
+};
+using Tags = std::vector<Tag>;
+
+// What a finished launch leaves while counting (counters.cpp).
+struct LaunchRecord {
+  std::string name;
+  std::vector<tpfuse_emu_block_counters> blocks;
+};
+
 struct Block {
   Launch *launch = nullptr;
+  tpfuse_emu_block_counters counters{};
   uint3 idx{0, 0, 0};
   int sm = 0;
   uint64_t order = 0;  // residency order
@@ -90,6 +104,11 @@ struct Launch {
   std::function<void()> host_work;
   std::function<bool()> ready;
   uint64_t seq = 0;
+  // Counting (set when the launch starts): the stream's rank, the tags then, per-block records.
+  bool counting = false;
+  int rank = -1;
+  std::shared_ptr<const Tags> tags;
+  std::vector<tpfuse_emu_block_counters> block_counters;
   unsigned next_block = 0;
   unsigned done_blocks = 0;
   unsigned resident = 0;
@@ -110,6 +129,7 @@ struct Stream {
   bool stop = false;
   bool frozen = false;
   uint64_t frozen_at = 0;
+  int rank = -1;  // tpfuse_emu_tag_stream, under mu
 };
 
 struct KernelStats {
@@ -129,6 +149,9 @@ struct Device {
   std::map<const void *, int> max_dynamic_smem;  // cudaFuncAttributeMaxDynamicSharedMemorySize
   std::map<const void *, KernelStats> stats;     // under mu
   std::string last_failure;                      // under mu
+  bool counting = false;                         // under mu, like the two below
+  std::shared_ptr<const Tags> tags = std::make_shared<Tags>();  // replaced, never changed
+  std::vector<LaunchRecord> records;
 
   // Device thread only.
   std::vector<Stream *> active;  // streams with a running launch, refreshed every pass
@@ -166,6 +189,15 @@ cudaError_t synchronize_stream(Stream *stream);
 Stream *stream_of(cudaStream_t s);
 // Re-checks a block's barrier after a thread arrived at it or exited.
 void release_barrier_if_complete(Block &block);
+// Counters (counters.cpp). A launch leaving its stream's queue (mu held); a block that
+// finished or failed; a launch that completed (mu held).
+void counters_launch_starts(Device &dev, Stream &s, Launch &l);
+void counters_block_done(Block &b);
+void counters_launch_done(Device &dev, Launch &l);
+// Copies `text` into buf (NUL-terminated, truncated to cap); returns its full length.
+size_t copy_out(const std::string &text, char *buf, size_t cap);
+// Frees device memory (and drops its rank tags).
+void free_device_memory(void *ptr);
 // Virtual time, readable from any thread.
 uint64_t now_ns();
 // A description of a block for error messages: "kernel K, block B (stream S)".

@@ -44,6 +44,9 @@ void tpfuse_emu_stream_destroy(void *stream);
 /* Runs the device until everything enqueued on `stream` so far has completed; returns 0 or
  * the stream's sticky error. */
 int32_t tpfuse_emu_stream_synchronize(void *stream);
+/* Runs the device until everything enqueued on every stream so far has completed (frees
+ * included); errors stay with their streams. */
+void tpfuse_emu_device_synchronize(void);
 /* The message of the stream's sticky error ("" when none), copied into buf (NUL-terminated,
  * truncated to cap); returns its full length. */
 size_t tpfuse_emu_stream_error(void *stream, char *buf, size_t cap);
@@ -69,6 +72,39 @@ uint64_t tpfuse_emu_now_ns(void);
  * copied into buf (NUL-terminated, truncated to cap); returns the full length. At exit the
  * same lines are appended to the file named by TPFUSE_EMU_REPORT, when set. */
 size_t tpfuse_emu_report(char *buf, size_t cap);
+
+/* ---- Counters: the performance evidence a CPU can give (docs/emulator.md, "Counters").
+ * Between counters_start and counters_stop every launch that completes leaves one record per
+ * block. Bytes are those of the kernels' data accesses through the load and store helpers of
+ * cuda/common.cuh and cp.async; the barriers' flags and epochs are counted as barriers, not
+ * bytes. */
+typedef struct tpfuse_emu_block_counters {
+  uint64_t launch;             /* the launch's index among the records (completion order) */
+  uint32_t block;              /* blockIdx.x */
+  int32_t rank;                /* the rank tag of the launch's stream; -1 when untagged */
+  uint64_t global_read_bytes;  /* loads from global memory, peers' buffers included */
+  uint64_t global_write_bytes; /* stores to global memory */
+  uint64_t peer_read_bytes;    /* loads from memory tagged with a rank other than `rank` */
+  uint64_t barriers;           /* cross-rank barriers passed */
+  uint64_t ldmatrix_conflicts; /* per 8-row phase of an ldmatrix: the most rows in one
+                                  shared-memory bank, less one */
+} tpfuse_emu_block_counters;
+
+/* Tags [ptr, ptr + bytes) as rank `rank`'s memory (virtual ranks share one device); freeing
+ * the allocation drops its tags. */
+void tpfuse_emu_tag_memory(const void *ptr, size_t bytes, int32_t rank);
+/* Tags a stream with the rank whose work it runs. */
+void tpfuse_emu_tag_stream(void *stream, int32_t rank);
+/* Clears the records and starts recording; launches already running are not recorded. */
+void tpfuse_emu_counters_start(void);
+/* Stops recording (the records stay). */
+void tpfuse_emu_counters_stop(void);
+/* Copies up to cap block records (ordered by launch, then block) into out; returns how many
+ * there are. */
+size_t tpfuse_emu_counters_blocks(tpfuse_emu_block_counters *out, size_t cap);
+/* The kernel instantiation of record `launch`, copied like tpfuse_emu_stream_error; returns
+ * its full length (0 when there is no such record). */
+size_t tpfuse_emu_counters_launch_name(uint64_t launch, char *buf, size_t cap);
 
 /* ---- Probes: one warp runs one emulated operation; for the emulator's own tests. Each
  * returns 0 or the launch's error. */

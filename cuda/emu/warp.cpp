@@ -2,6 +2,7 @@
 // collective; the last one to arrive computes every lane's result from every lane's operands,
 // as the PTX ISA defines the instruction, and releases them. A collective reached by only part
 // of a warp (the rest exited), or lanes at different collectives, fails the launch.
+#include <algorithm>
 #include <cstring>
 
 #include <cuda_bf16.h>
@@ -102,6 +103,18 @@ void ldmatrix_x4(uint32_t addr, uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32
             fail_launch(cudaErrorMisalignedAddress,
                         "ldmatrix row address " + std::to_string(in[l].addr) + " of lane " + std::to_string(l) +
                             " is not a 16-byte aligned row inside dynamic shared memory");
+          }
+        }
+        if (b.launch->counting) {
+          // Bank conflicts: shared memory has 32 banks of 4 bytes, so a 16-byte aligned row
+          // covers the 4 banks of quad (addr / 16) % 8. Each matrix's 8 rows are one phase;
+          // rows of a phase in the same quad are serialised: conflicts = most rows in one
+          // quad, less one (0 when the 8 rows cover the 8 quads).
+          for (int i = 0; i < 4; ++i) {
+            int rows_in_quad[8] = {};
+            int most = 0;
+            for (int r = 0; r < 8; ++r) most = std::max(most, ++rows_in_quad[(in[8 * i + r].addr >> 4) & 7]);
+            b.counters.ldmatrix_conflicts += static_cast<uint64_t>(most - 1);
           }
         }
         for (int l = 0; l < 32; ++l) {

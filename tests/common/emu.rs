@@ -22,6 +22,8 @@ pub fn session_with(file: &'static str, test: &'static str, sms: u32, deadlock_n
     let mut config = emulator::config();
     config.sms = sms;
     config.deadlock_ns = deadlock_ns;
+    // What the previous test left queued (cudarc's frees of its dropped buffers).
+    emulator::drain();
     emulator::set_config(&config).expect("emulator idle between tests");
     Session {
         test,

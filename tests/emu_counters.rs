@@ -1,0 +1,297 @@
+//! The emulator's counters ([`tpfuse::emulator::counters`]) on the crate's ops, through
+//! cudarc and the emulated driver: bytes of global memory, bytes read from other ranks,
+//! cross-rank barriers and ldmatrix bank conflicts, per launch and per block.
+//!
+//! Asserted where the kernels already do exactly what the op must do:
+//! - one-shot all-reduce: every rank reads each peer's n elements once ((W-1)·n peer bytes),
+//!   its own input and the W stagings (n + W·n), writes its staging and its output (2n), and
+//!   passes 2 barriers per block; the peer reads are balanced across blocks;
+//! - two-shot: 2·(W-1)/W·n peer bytes per rank (the lower bound of an all-reduce in which
+//!   every rank ends with the whole sum), 3 barriers per block;
+//! - all-gather and reduce-scatter: (W-1)·len peer bytes per rank, 2 barriers per block;
+//! - GEMM: every configuration reads each A row once per column tile and each B row once
+//!   per row tile (no more), writes m·n elements once, and its ldmatrix loads have no bank
+//!   conflicts (the swizzled shared-memory layout);
+//! - reduce_ranks: W·n read, n written, no peer bytes (its stream has no rank).
+#![cfg(feature = "emulator")]
+
+mod common;
+use common::emu::session_with;
+use common::gpu::{random_vec, splitmix64, upload};
+use common::ranks::{gpu, poisoned_ranks, round, upload_ranks, virtual_group};
+
+use cudarc::driver::CudaSlice;
+use half::bf16;
+use tpfuse::emulator::counters::{self, LaunchCounters};
+use tpfuse::ops::gemm::{gemm_with_config, GemmConfig, GemmShape};
+use tpfuse::ops::{self, Algorithm};
+use tpfuse::{GroupOptions, TpGroup};
+
+const FILE: &str = "emu_counters";
+/// Bytes of a bf16 element.
+const S: u64 = 2;
+/// SMs of the emulated device (a W = 8 group needs W x blocks of them).
+const SMS: u32 = 16;
+
+/// `n` random bf16 values per rank.
+fn inputs(seed: u64, world: usize, n: usize) -> Vec<Vec<bf16>> {
+    (0..world)
+        .map(|r| random_vec(splitmix64(seed ^ r as u64), n, -4.0, 4.0))
+        .collect()
+}
+
+/// The records of one round of `op` on every rank: one launch per rank, of `kernel`, with
+/// the group's blocks, tagged with its rank (in any order of completion).
+fn count_round(
+    groups: &[TpGroup],
+    label: &str,
+    kernel: &str,
+    op: impl FnMut(usize) -> tpfuse::Result<()>,
+) -> Vec<LaunchCounters> {
+    let ((), records) = counters::count(|| {
+        round(groups, label, op);
+    });
+    assert_eq!(
+        records.len(),
+        groups.len(),
+        "{label}: launches {records:#?}"
+    );
+    let mut by_rank: Vec<Option<LaunchCounters>> = vec![None; groups.len()];
+    for rec in records {
+        assert!(rec.kernel.contains(kernel), "{label}: ran {}", rec.kernel);
+        assert_eq!(rec.blocks.len(), groups[0].blocks(), "{label}: blocks");
+        let r = rec
+            .rank
+            .unwrap_or_else(|| panic!("{label}: a launch without a rank tag"));
+        assert!(by_rank[r].is_none(), "{label}: rank {r} launched twice");
+        by_rank[r] = Some(rec);
+    }
+    by_rank
+        .into_iter()
+        .map(|r| r.expect("every rank launched"))
+        .collect()
+}
+
+fn assert_barriers(label: &str, rec: &LaunchCounters, per_block: u64) {
+    for (b, c) in rec.blocks.iter().enumerate() {
+        assert_eq!(
+            c.barriers, per_block,
+            "{label}: block {b} passed {} barriers",
+            c.barriers
+        );
+    }
+}
+
+#[test]
+fn one_shot_reads_each_peer_once_and_balances_the_blocks() {
+    let _session = session_with(
+        FILE,
+        "one_shot_reads_each_peer_once_and_balances_the_blocks",
+        SMS,
+        60_000_000_000,
+    );
+    let gpu = gpu();
+    for world in [2usize, 4, 8] {
+        let groups = virtual_group(&gpu.ctx, world, GroupOptions::default());
+        let n = 8 * 4096 + 3; // vectors and a scalar tail
+        let label = format!("one-shot W={world} n={n}");
+        let ins: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0x1e, world, n));
+        let mut outs: Vec<CudaSlice<bf16>> = poisoned_ranks(&groups, n);
+        let recs = count_round(&groups, &label, "one_shot", |r| {
+            ops::all_reduce(&groups[r], &ins[r], &mut outs[r], Algorithm::OneShot).map(|_| ())
+        });
+        let (n, w) = (n as u64, world as u64);
+        for (r, rec) in recs.iter().enumerate() {
+            let t = rec.total();
+            let l = format!("{label} rank {r}");
+            assert_eq!(t.peer_read_bytes, (w - 1) * n * S, "{l}: peer bytes");
+            assert_eq!(t.global_read_bytes, (1 + w) * n * S, "{l}: bytes read");
+            assert_eq!(t.global_write_bytes, 2 * n * S, "{l}: bytes written");
+            assert_barriers(&l, rec, 2);
+            let balance = rec.peer_read_balance().expect("peer reads");
+            assert!(
+                balance < 1.01,
+                "{l}: the busiest block reads {balance}x the mean"
+            );
+        }
+    }
+}
+
+#[test]
+fn two_shot_reads_twice_the_peers_share() {
+    let _session = session_with(
+        FILE,
+        "two_shot_reads_twice_the_peers_share",
+        SMS,
+        60_000_000_000,
+    );
+    let gpu = gpu();
+    for world in [2usize, 4, 8] {
+        let groups = virtual_group(&gpu.ctx, world, GroupOptions::default());
+        let n = 8 * world * 1000; // slices of whole vectors
+        let label = format!("two-shot W={world} n={n}");
+        let ins: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0x2e, world, n));
+        let mut outs: Vec<CudaSlice<bf16>> = poisoned_ranks(&groups, n);
+        let recs = count_round(&groups, &label, "two_shot", |r| {
+            ops::all_reduce(&groups[r], &ins[r], &mut outs[r], Algorithm::TwoShot).map(|_| ())
+        });
+        let (n, w) = (n as u64, world as u64);
+        let slice = n / w;
+        for (r, rec) in recs.iter().enumerate() {
+            let t = rec.total();
+            let l = format!("{label} rank {r}");
+            // Reduce: its slice from W-1 peers; gather: the W-1 other slices.
+            assert_eq!(
+                t.peer_read_bytes,
+                2 * (w - 1) * slice * S,
+                "{l}: peer bytes"
+            );
+            // Input, W slices to reduce, W-1 slices to gather.
+            assert_eq!(
+                t.global_read_bytes,
+                (n + w * slice + (w - 1) * slice) * S,
+                "{l}: bytes read"
+            );
+            // Staging, the slice to out and to the published result, W-1 slices to out.
+            assert_eq!(
+                t.global_write_bytes,
+                (n + 2 * slice + (w - 1) * slice) * S,
+                "{l}: bytes written"
+            );
+            assert_barriers(&l, rec, 3);
+        }
+    }
+}
+
+#[test]
+fn all_gather_and_reduce_scatter_read_each_peer_once() {
+    let _session = session_with(
+        FILE,
+        "all_gather_and_reduce_scatter_read_each_peer_once",
+        SMS,
+        60_000_000_000,
+    );
+    let gpu = gpu();
+    for world in [2usize, 4, 8] {
+        let groups = virtual_group(&gpu.ctx, world, GroupOptions::default());
+        let len = 8 * 1001;
+        let w = world as u64;
+        let l64 = len as u64;
+
+        let label = format!("all-gather W={world} len={len}");
+        let ins: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0x3e, world, len));
+        let mut outs: Vec<CudaSlice<bf16>> = poisoned_ranks(&groups, world * len);
+        let recs = count_round(&groups, &label, "all_gather", |r| {
+            ops::all_gather(&groups[r], &ins[r], &mut outs[r])
+        });
+        for (r, rec) in recs.iter().enumerate() {
+            let t = rec.total();
+            let l = format!("{label} rank {r}");
+            assert_eq!(t.peer_read_bytes, (w - 1) * l64 * S, "{l}: peer bytes");
+            assert_eq!(t.global_read_bytes, (1 + w) * l64 * S, "{l}: bytes read");
+            assert_eq!(
+                t.global_write_bytes,
+                (1 + w) * l64 * S,
+                "{l}: bytes written"
+            );
+            assert_barriers(&l, rec, 2);
+        }
+
+        let label = format!("reduce-scatter W={world} len={len}");
+        let ins: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0x4e, world, world * len));
+        let mut outs: Vec<CudaSlice<bf16>> = poisoned_ranks(&groups, len);
+        let recs = count_round(&groups, &label, "reduce_scatter", |r| {
+            ops::reduce_scatter(&groups[r], &ins[r], &mut outs[r])
+        });
+        for (r, rec) in recs.iter().enumerate() {
+            let t = rec.total();
+            let l = format!("{label} rank {r}");
+            assert_eq!(t.peer_read_bytes, (w - 1) * l64 * S, "{l}: peer bytes");
+            // Its W slices to staging, then slice r of the W stagings.
+            assert_eq!(t.global_read_bytes, 2 * w * l64 * S, "{l}: bytes read");
+            assert_eq!(
+                t.global_write_bytes,
+                (w + 1) * l64 * S,
+                "{l}: bytes written"
+            );
+            assert_barriers(&l, rec, 2);
+        }
+    }
+}
+
+#[test]
+fn gemm_reads_each_tile_once_without_bank_conflicts() {
+    let _session = session_with(
+        FILE,
+        "gemm_reads_each_tile_once_without_bank_conflicts",
+        SMS,
+        60_000_000_000,
+    );
+    let gpu = gpu();
+    let stream = gpu.ctx.default_stream();
+    let shape = GemmShape {
+        m: 130,
+        n: 136,
+        k: 264,
+    };
+    let GemmShape { m, n, k } = shape;
+    let a = upload(&stream, &random_vec::<bf16>(0x5e, m * k, -1.0, 1.0));
+    let b = upload(&stream, &random_vec::<bf16>(0x6e, n * k, -0.1, 0.1));
+    let mut c = upload(&stream, &vec![bf16::NAN; m * n]);
+    for config in GemmConfig::ALL {
+        let info = config.info();
+        let label = format!("gemm {} m={m} n={n} k={k}", config.name());
+        let ((), recs) = counters::count(|| {
+            gemm_with_config(&stream, &a, &b, None, None, &mut c, shape, config)
+                .unwrap_or_else(|e| panic!("{label}: {e}"));
+            stream.synchronize().expect("the GEMM runs");
+        });
+        assert_eq!(recs.len(), 1, "{label}: launches");
+        let t = recs[0].total();
+        let tiles_m = m.div_ceil(info.block_m) as u64;
+        let tiles_n = n.div_ceil(info.block_n) as u64;
+        let (m, n, k) = (m as u64, n as u64, k as u64);
+        println!(
+            "{label}: read {} bytes, {:.2}x the {} of A and B once",
+            t.global_read_bytes,
+            t.global_read_bytes as f64 / ((m + n) * k * S) as f64,
+            (m + n) * k * S
+        );
+        assert_eq!(
+            t.global_read_bytes,
+            (tiles_n * m + tiles_m * n) * k * S,
+            "{label}: bytes read"
+        );
+        assert_eq!(t.global_write_bytes, m * n * S, "{label}: bytes written");
+        assert_eq!(t.ldmatrix_conflicts, 0, "{label}: ldmatrix bank conflicts");
+        assert_eq!(t.peer_read_bytes, 0, "{label}: peer bytes");
+        assert_eq!(t.barriers, 0, "{label}: barriers");
+    }
+}
+
+#[test]
+fn reduce_ranks_moves_its_inputs_and_output_once() {
+    let _session = session_with(
+        FILE,
+        "reduce_ranks_moves_its_inputs_and_output_once",
+        SMS,
+        60_000_000_000,
+    );
+    let gpu = gpu();
+    let stream = gpu.ctx.default_stream();
+    let (world, n) = (5usize, 8 * 777 + 5);
+    let hosts = inputs(0x7e, world, n);
+    let ins: Vec<CudaSlice<bf16>> = hosts.iter().map(|h| upload(&stream, h)).collect();
+    let mut out = upload(&stream, &vec![bf16::NAN; n]);
+    let ((), recs) = counters::count(|| {
+        let refs: Vec<&CudaSlice<bf16>> = ins.iter().collect();
+        ops::reduce_ranks(&stream, &refs, &mut out).expect("reduce_ranks");
+        stream.synchronize().expect("reduce_ranks runs");
+    });
+    assert_eq!(recs.len(), 1);
+    let t = recs[0].total();
+    assert_eq!(recs[0].rank, None, "the default stream has no rank");
+    assert_eq!(t.global_read_bytes, (world * n) as u64 * S);
+    assert_eq!(t.global_write_bytes, n as u64 * S);
+    assert_eq!(t.peer_read_bytes, 0);
+}
