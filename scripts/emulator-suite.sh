@@ -4,6 +4,7 @@
 # instantiations that ran and a check that every __global__ kernel of cuda/ is among them.
 # Extra arguments go to each cargo test (e.g. a test name filter).
 #   TPFUSE_EMU_SEED=N    the random schedule's seed (default: the time)
+#   TPFUSE_TEST_SEED=N   the tests' data seed (default: the same as TPFUSE_EMU_SEED)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 eval "$(scripts/setup.sh)"
@@ -15,6 +16,9 @@ done
 report=$(mktemp)
 trap 'rm -f "$report"' EXIT
 seed=${TPFUSE_EMU_SEED:-$(date +%s)}
+# Fresh data every run (the tests' inputs derive from it; a failure prints it).
+export TPFUSE_TEST_SEED=${TPFUSE_TEST_SEED:-$seed}
+echo "== data seed TPFUSE_TEST_SEED=$TPFUSE_TEST_SEED"
 started=$(date +%s)
 for schedule in forward reverse random; do
   echo "== emulator suite, schedule $schedule$([ "$schedule" = random ] && echo " (TPFUSE_EMU_SEED=$seed)")"

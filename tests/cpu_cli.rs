@@ -95,3 +95,24 @@ fn unknown_arguments_exit_with_usage() {
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("usage: tpfuse"));
 }
+
+#[test]
+#[cfg_attr(
+    feature = "emulator",
+    ignore = "asserts the refusal of a build without the emulator"
+)]
+fn selftest_counters_need_the_emulator_build() {
+    let o = tpfuse(&["selftest", "--counters"], &[]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("--features emulator"), "{err}");
+}
+
+#[test]
+fn selftest_refuses_unknown_options() {
+    let o = tpfuse(&["selftest", "--fast"], &[]);
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("\"--fast\""), "{err}");
+    assert!(err.contains("usage: tpfuse"), "{err}");
+}

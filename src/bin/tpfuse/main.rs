@@ -2,14 +2,17 @@
 //!
 //! - `tpfuse doctor [--build] [--json] [--topology FILE]`: what was built, what this machine
 //!   has and what connects its GPUs, what is missing, and which algorithms each GPU set can use.
-//! - `tpfuse selftest`: checks that run here (NCCL, unique ids) and, with a GPU, the kernels
-//!   against the CPU reference and a one-rank NCCL communicator.
+//! - `tpfuse selftest [--counters]`: checks that run here (NCCL, unique ids) and, with a GPU
+//!   or the CPU emulator, every kernel family on virtual ranks against the references (and a
+//!   one-rank NCCL communicator on a GPU); `--counters` prints the emulator's counters.
 //! - `tpfuse bench`: a quick reduce_ranks bandwidth figure (needs a GPU; the criterion
 //!   benches are the real measurement).
 
 mod bench;
 mod doctor;
+mod kernel_checks;
 mod selftest;
+mod traffic;
 
 use std::process::ExitCode;
 
@@ -23,7 +26,11 @@ commands:
                        --json      the same facts as JSON (the topology included)
                        --topology  examines a topology recorded elsewhere (--json output
                                    or a bare topology) instead of this machine's
-  selftest           run the checks this machine can run
+  selftest [--counters]
+                     run the checks this machine can run: with a GPU, or on the CPU
+                     emulator (--features emulator), every kernel family on virtual ranks
+                     against the f64 and bit-exact references
+                       --counters  the emulator's counters per op (emulator builds)
   bench              quick reduce_ranks bandwidth on GPU 0
   help               this text";
 
@@ -38,7 +45,13 @@ fn main() -> ExitCode {
                 ExitCode::from(2)
             }
         },
-        ["selftest"] => selftest::run(),
+        ["selftest", rest @ ..] => match selftest::Options::parse(rest) {
+            Ok(options) => selftest::run(&options),
+            Err(e) => {
+                eprintln!("tpfuse selftest: {e}\n\n{USAGE}");
+                ExitCode::from(2)
+            }
+        },
         ["bench"] => bench::run(),
         [] | ["help"] | ["--help"] | ["-h"] => {
             println!("{USAGE}");
