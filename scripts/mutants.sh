@@ -113,10 +113,10 @@ mutant() {
 # The unmutated copy must pass, or every "caught" below would mean nothing.
 if wanted baseline; then
   apply baseline
-  for t in emu_ops emu_reduce_ranks emu_all_reduce emu_gemm; do
+  for t in emu_ops emu_reduce_ranks emu_all_reduce emu_gemm emu_counters; do
     run_tests baseline "$t" || { echo "mutants: the unmutated cuda/ fails $t; see $work/baseline/test.log" >&2; cat "$work/baseline/test.log" >&2; exit 1; }
   done
-  echo "baseline  unmutated cuda/ passes emu_ops, emu_reduce_ranks, emu_all_reduce, emu_gemm"
+  echo "baseline  unmutated cuda/ passes emu_ops, emu_reduce_ranks, emu_all_reduce, emu_gemm, emu_counters"
 fi
 
 mutant closing-barrier emu_all_reduce "one-shot without its closing barrier" \
@@ -137,7 +137,7 @@ mutant wait-own-rank-only emu_all_reduce "a barrier that waits only for rank 0" 
 mutant no-timeout-broadcast emu_all_reduce "a timed-out rank does not tell its peers" \
   barrier.cuh 'if (p != g_.rank && p != missing) st_release_sys' 'if (false) st_release_sys'
 mutant residual-not-written emu_all_reduce "the epilogue does not write the residual back" \
-  epilogue.cuh 'if (residual != nullptr) residual[i] = out;' ''
+  epilogue.cuh 'if (residual != nullptr) st_global(residual + i, out);' ''
 mutant two-shot-residual emu_all_reduce "two-shot does not gather peers' slices into residual" \
   all_reduce.cu 'if (residual != nullptr) copy_range_from_peer(result, residual, r);' ''
 mutant half-warp-sum emu_all_reduce "RMSNorm's warp sum skips the first shuffle" \
@@ -164,9 +164,20 @@ mutant last-slice-steps emu_gemm "the last k-slice runs one k16-step too few" \
   'const int last_steps = (k - (slices - 1) * BK) / 16;'
 mutant epilogue-no-bias emu_gemm "the GEMM epilogue reads bias at column 0" \
   gemm_epilogue.cuh 'const Vec16<T> b = load16(bias + col);' 'const Vec16<T> b = load16(bias);'
+# Right results, wasted work: only the counters see these.
+mutant double-peer-read emu_counters "the reduction loads every peer's vector twice" \
+  all_reduce.cu $'for (int p = 1; p < world; ++p) {\n      x = load16_peer(static_cast<const T *>(peers.data[p]) + peer_offset + i);' \
+  $'for (int p = 1; p < world; ++p) {\n      x = load16_peer(static_cast<const T *>(peers.data[p]) + peer_offset + i);\n      x = load16_peer(static_cast<const T *>(peers.data[p]) + peer_offset + i);'
+mutant no-swizzle emu_counters "the GEMM's shared memory unswizzled (bank conflicts, same results)" \
+  gemm_sm80.cuh 'return kChunks == 8 ? (row & 7) : ((row >> 1) & 3);' 'return 0;'
+mutant extra-barrier emu_counters "one-shot passes a third barrier" \
+  all_reduce.cu $'  if (!barrier.arrive_and_wait()) return;\n  barrier.commit();\n  if (gamma' \
+  $'  if (!barrier.arrive_and_wait()) return;\n  if (!barrier.arrive_and_wait()) return;\n  barrier.commit();\n  if (gamma'
 # The emulator's own twins: a wrong emulation must fail its own tests.
 mutant emu-cp-async-lands-early emu_ops "the emulator lands every cp.async group at any wait" \
   emu/device_ops.cpp 'while (f.committed.size() > static_cast<size_t>(pending)) {' 'while (!f.committed.empty()) {'
+mutant emu-ldmatrix-banks emu_counters "the emulator counts a phase's bank conflicts by 4-byte bank" \
+  emu/warp.cpp '++rows_in_quad[(in[8 * i + r].addr >> 4) & 7]' '++rows_in_quad[(in[8 * i + r].addr >> 2) & 7]'
 mutant emu-mma-b-rows emu_ops "the emulated mma reads b1 as k rows 2t..2t+1" \
   emu/warp.cpp 'B[2 * t + 8 * r][g] =' 'B[2 * t + 0 * r][g] ='
 
