@@ -308,7 +308,7 @@ impl TpGroup {
                 .new_stream()
                 .map_err(cuda("creating a virtual rank's stream"))?;
             #[cfg(feature = "emulator")]
-            crate::emulator::counters::tag_stream(stream.cu_stream().cast(), rank);
+            crate::emulator::counters::tag_stream(&stream, rank);
             groups.push(TpGroup {
                 rank,
                 world,

@@ -140,9 +140,8 @@ pub fn tag_memory(ptr: u64, bytes: usize, rank: usize) {
     unsafe { sys::tpfuse_emu_tag_memory(ptr as *const c_void, bytes, rank as i32) }
 }
 
-/// Tags a stream (a `CUstream` of cudarc, or an emulator [`Stream`](super::Stream)'s raw
-/// handle) as rank `rank`'s.
-pub fn tag_stream(stream: *mut c_void, rank: usize) {
-    // SAFETY: the emulator looks the stream up; a live stream is the caller's to give.
-    unsafe { sys::tpfuse_emu_tag_stream(stream, rank as i32) }
+/// Tags a stream of the emulated driver as rank `rank`'s.
+pub fn tag_stream(stream: &cudarc::driver::CudaStream, rank: usize) {
+    // SAFETY: a live stream of the emulated driver (its CUstream is the emulator's stream).
+    unsafe { sys::tpfuse_emu_tag_stream(stream.cu_stream().cast(), rank as i32) }
 }

@@ -20,6 +20,7 @@ pub struct Traffic {
     /// Of the launch that read the most peer bytes: its busiest block's peer bytes over the
     /// mean (0: no peer reads).
     pub balance: f64,
+    #[cfg(feature = "emulator")]
     largest_peer_launch: u64,
     pub conflicts: u64,
 }
