@@ -55,13 +55,13 @@ use common::gpu::{
     self, assert_close, assert_poisoned, base_seed, expect_invalid_saying, mix_seed, par_chunks,
     random_vec, slices, splitmix64, sum_references, TestElement as _,
 };
+use common::graphs::{capture_on, launch_all};
 use common::ranks::{
     check_all, download, gpu, gpu_lock, poisoned, poisoned_ranks, refill, round, upload,
     upload_ranks,
 };
 use common::{assert_same_bits, device_clock, shape, Bits};
 
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaContext, CudaGraph, CudaSlice, DevicePtr, DevicePtrMut};
 use half::{bf16, f16};
 use std::sync::Arc;
@@ -294,16 +294,16 @@ gpu_tests! {
     all_reduce_bf16_every_world_length_and_algorithm => all_reduce_matrix::<bf16>();
 }
 
-/// A group of 64 MiB capacity: a bf16 message of exactly the capacity, and an f32 one of the
-/// capacity less 12 bytes (a scalar tail).
+/// A group of 64 MiB capacity (2 MiB on the emulator): a bf16 message of exactly the
+/// capacity, and an f32 one of the capacity less 12 bytes (a scalar tail).
 #[test]
 #[cfg_attr(
-    not(feature = "gpu-tests"),
-    ignore = "needs a CUDA GPU: 64 MiB messages are beyond the emulator's time budget"
+    not(any(feature = "gpu-tests", feature = "emulator")),
+    ignore = "needs a CUDA GPU (gpu-tests) or the CPU emulator (emulator)"
 )]
-fn all_reduce_64_mib_messages_in_a_64_mib_group() {
+fn all_reduce_messages_that_fill_a_large_group() {
     let gpu = gpu();
-    let capacity = 64 << 20;
+    let capacity = shape(64 << 20, 2 << 20);
     let options = GroupOptions {
         capacity_bytes: capacity,
         ..GroupOptions::default()
@@ -694,21 +694,17 @@ const REPLAYS: usize = shape(1000, 100);
 /// After this many replays, results are checked and the inputs replaced.
 const CHECKPOINTS: [usize; 3] = [1, 10, shape(500, 50)];
 
-/// Captures `enqueue` on `group`'s stream into a graph (thread-local capture mode, so that
-/// other threads' CUDA calls are not affected). `check()` during the capture must refuse to
-/// wait (it names the stream) and leave the group healthy.
+/// Captures `enqueue` on `group`'s stream into a graph ([`capture_on`]). `check()` during
+/// the capture must refuse to wait (it names the stream) and leave the group healthy.
 fn capture<R>(
     group: &TpGroup,
     label: &str,
     enqueue: impl FnOnce() -> tpfuse::Result<R>,
 ) -> CudaGraph {
-    let stream = group.stream();
-    stream
-        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .unwrap_or_else(|e| panic!("{label}: beginning a capture: {e}"));
-    let during = group.check();
-    let enqueued = enqueue();
-    let graph = stream.end_capture(CUgraphInstantiate_flags(0));
+    let (graph, (during, enqueued)) = capture_on(group.stream(), label, || {
+        let during = group.check();
+        (during, enqueue())
+    });
     match during {
         Err(Error::InvalidArgument { arg, .. }) if arg == "stream" => {}
         other => panic!(
@@ -720,20 +716,7 @@ fn capture<R>(
         "{label}: check() during a capture poisoned the group"
     );
     enqueued.unwrap_or_else(|e| panic!("{label}: enqueue during the capture: {e}"));
-    let graph = graph
-        .unwrap_or_else(|e| panic!("{label}: ending the capture: {e}"))
-        .unwrap_or_else(|| panic!("{label}: the capture recorded nothing"));
     graph
-        .upload()
-        .unwrap_or_else(|e| panic!("{label}: uploading the graph: {e}"));
-    graph
-}
-
-fn launch_all(graphs: &[CudaGraph], label: &str) {
-    for (r, g) in graphs.iter().enumerate() {
-        g.launch()
-            .unwrap_or_else(|e| panic!("{label}: launching rank {r}'s graph: {e}"));
-    }
 }
 
 /// One all-reduce per rank captured into a graph per rank, replayed [`REPLAYS`] times, with

@@ -196,8 +196,17 @@ void admit(Device &dev) {
   }
 }
 
+// Frees a finished (or failed) block's SM resources, stacks and per-thread state at once.
+// The Block itself stays until sweep() (a pass may hold a pointer to it and checks `gone`):
+// in the forward schedule one pass can run a whole large grid, block after block, and
+// keeping every finished block's fibers until the pass ends costs ~200 KB a block.
 void release_block(Device &dev, Block &b) {
   for (auto &f : b.fibers) dev.free_stacks.push_back(f->stack);
+  std::vector<std::unique_ptr<Fiber>>().swap(b.fibers);
+  std::vector<Fiber *>().swap(b.runnable);
+  std::vector<Warp>().swap(b.warps);
+  std::vector<unsigned char>().swap(b.dynamic_smem);
+  b.statics.clear();
   dev.sm_blocks[b.sm] -= 1;
   dev.sm_threads[b.sm] -= static_cast<int>(b.launch->block.x);
   dev.sm_smem[b.sm] -= b.launch->smem;

@@ -9,6 +9,7 @@ pub mod children;
 #[cfg(feature = "emulator")]
 pub mod emu;
 pub mod gpu;
+pub mod graphs;
 pub mod ranks;
 
 /// GPU tests, `name => body;` each (doc comments allowed before the name): run on a GPU
