@@ -32,6 +32,7 @@ constexpr CUresult kInvalidHandle = 400;
 constexpr CUresult kNotSupported = 801;
 constexpr CUresult kCaptureUnsupported = 900;
 constexpr CUresult kCaptureInvalidated = 901;
+constexpr CUresult kCapturedEvent = 907;  // CUDA_ERROR_CAPTURED_EVENT
 
 struct Context {
   CUdevice device = 0;
@@ -39,6 +40,7 @@ struct Context {
 
 struct Event {
   uint64_t recorded = 0;  // records enqueued (under mu)
+  bool captured = false;  // the last record was made in a capturing stream (under mu)
   std::atomic<uint64_t> completed{0};
   std::atomic<uint64_t> time_ns{0};
 };
@@ -451,10 +453,12 @@ CUresult cuEventRecord(void *event, void *stream) {
   if (event == nullptr) return kInvalidHandle;
   Event *e = static_cast<Event *>(event);
   uint64_t generation;
+  Stream *s = stream_of(static_cast<cudaStream_t>(stream));
   {
     Device &dev = device();
     std::lock_guard<std::mutex> lk(dev.mu);
     generation = ++e->recorded;
+    e->captured = s->capturing;
   }
   enqueue_host_work(stream_of(static_cast<cudaStream_t>(stream)), "cuEventRecord", [e, generation] {
     e->time_ns.store(now_ns());
@@ -466,18 +470,31 @@ CUresult cuEventRecord(void *event, void *stream) {
 }
 CUresult cuEventRecordWithFlags(void *event, void *stream, unsigned) { return cuEventRecord(event, stream); }
 
+// An event whose last record was made in a capturing stream stands for captured work, not
+// for work that will run: outside a capture CUDA refuses to wait for it, query it or
+// synchronise on it (CUDA_ERROR_CAPTURED_EVENT). So does the emulator, with a log line,
+// instead of waiting for a record that only a replay would make.
+static bool refuse_captured(const Event &e, const char *call) {
+  if (!e.captured) return false;
+  std::fprintf(stderr, "tpfuse emulator: %s: the event was last recorded in a capturing stream "
+               "(CUDA_ERROR_CAPTURED_EVENT)\n", call);
+  return true;
+}
+
 CUresult cuStreamWaitEvent(void *stream, void *event, unsigned) {
   if (event == nullptr) return kInvalidHandle;
   Event *e = static_cast<Event *>(event);
+  Stream *s = stream_of(static_cast<cudaStream_t>(stream));
   uint64_t generation;
   {
     Device &dev = device();
     std::lock_guard<std::mutex> lk(dev.mu);
+    if (!s->capturing && refuse_captured(*e, "cuStreamWaitEvent")) return kCapturedEvent;
     generation = e->recorded;
   }
   if (generation == 0 || e->completed.load() >= generation) return kSuccess;  // nothing to wait for
   auto op = std::make_unique<Launch>();
-  op->stream = stream_of(static_cast<cudaStream_t>(stream));
+  op->stream = s;
   op->name = "cuStreamWaitEvent";
   op->ready = [e, generation] { return e->completed.load() >= generation; };
   enqueue_op(std::move(op));
@@ -494,6 +511,7 @@ CUresult cuEventSynchronize(void *event) {
     {
       Device &dev = device();
       std::lock_guard<std::mutex> lk(dev.mu);
+      if (refuse_captured(*e, "cuEventSynchronize / cuEventQuery")) return kCapturedEvent;
       want = e->recorded;
     }
     if (e->completed.load() >= want) return kSuccess;
