@@ -27,7 +27,8 @@ constexpr CUresult kInvalidValue = 1;
 constexpr CUresult kOutOfMemory = 2;
 constexpr CUresult kInvalidDevice = 101;
 constexpr CUresult kInvalidContext = 201;
-constexpr CUresult kPeerAccessUnsupported = 217;
+constexpr CUresult kPeerAccessAlreadyEnabled = 704;
+constexpr CUresult kPeerAccessNotEnabled = 705;
 constexpr CUresult kInvalidHandle = 400;
 constexpr CUresult kNotSupported = 801;
 constexpr CUresult kCaptureUnsupported = 900;
@@ -49,17 +50,13 @@ struct Graph {
   std::vector<std::unique_ptr<Launch>> ops;
 };
 
-Context primary_context;
+// One primary context per emulated device.
+Context primary_contexts[kMaxDevices];
+// Peer access enabled from a context's device to another's: enabled[from][to] (under mu).
+bool peer_enabled[kMaxDevices][kMaxDevices];
 thread_local std::vector<Context *> context_stack;
 
-int device_count() {
-  static const int count = [] {
-    const char *v = std::getenv("TPFUSE_EMU_DEVICES");
-    const int n = v ? std::atoi(v) : 1;
-    return n >= 1 && n <= 16 ? n : 1;
-  }();
-  return count;
-}
+int device_count() { return emulated_devices(); }
 
 bool any_stream_capturing() {
   Device &dev = device();
@@ -198,11 +195,8 @@ CUresult cuDeviceCanAccessPeer(int *can, CUdevice d, CUdevice peer) {
 CUresult cuDevicePrimaryCtxRetain(void **ctx, CUdevice d) {
   if (ctx == nullptr) return kInvalidValue;
   if (d < 0 || d >= device_count()) return kInvalidDevice;
-  if (d != 0) {
-    std::fprintf(stderr, "tpfuse emulator: cuDevicePrimaryCtxRetain: only device 0 has a context\n");
-    return kNotSupported;
-  }
-  *ctx = &primary_context;
+  primary_contexts[d].device = d;
+  *ctx = &primary_contexts[d];
   return kSuccess;
 }
 CUresult cuDevicePrimaryCtxRelease_v2(CUdevice) { return kSuccess; }
@@ -264,9 +258,31 @@ CUresult cuCtxGetLimit(size_t *value, int) {
 }
 CUresult cuCtxSetFlags(unsigned) { return kSuccess; }
 
-CUresult cuCtxEnablePeerAccess(void *, unsigned) {
-  std::fprintf(stderr, "tpfuse emulator: cuCtxEnablePeerAccess: one emulated device per process\n");
-  return kPeerAccessUnsupported;
+// Peer access: every device's memory is host memory, so a kernel can read any of it; these
+// calls keep CUDA's bookkeeping (an access enabled twice, or disabled when it was not, is an
+// error) so that the code that enables it runs as on a GPU.
+CUresult cuCtxEnablePeerAccess(void *peer, unsigned flags) {
+  if (peer == nullptr) return kInvalidContext;
+  if (flags != 0) return kInvalidValue;
+  if (context_stack.empty()) return kInvalidContext;
+  const int from = context_stack.back()->device, to = static_cast<Context *>(peer)->device;
+  if (from == to) return kInvalidDevice;
+  Device &dev = device();
+  std::lock_guard<std::mutex> lk(dev.mu);
+  if (peer_enabled[from][to]) return kPeerAccessAlreadyEnabled;
+  peer_enabled[from][to] = true;
+  return kSuccess;
+}
+
+CUresult cuCtxDisablePeerAccess(void *peer) {
+  if (peer == nullptr) return kInvalidContext;
+  if (context_stack.empty()) return kInvalidContext;
+  const int from = context_stack.back()->device, to = static_cast<Context *>(peer)->device;
+  Device &dev = device();
+  std::lock_guard<std::mutex> lk(dev.mu);
+  if (!peer_enabled[from][to]) return kPeerAccessNotEnabled;
+  peer_enabled[from][to] = false;
+  return kSuccess;
 }
 
 // ---- Memory.
@@ -415,9 +431,14 @@ CUresult cuMemcpy2DAsync_v2(const Memcpy2D *c, void *stream) {
 
 // ---- Streams.
 
+// A stream belongs to the device of the current context: its blocks take that device's SMs.
 CUresult cuStreamCreate(void **stream, unsigned) {
   if (stream == nullptr) return kInvalidValue;
   *stream = tpfuse_emu_stream_create();
+  const int d = context_stack.empty() ? 0 : context_stack.back()->device;
+  Device &dev = device();
+  std::lock_guard<std::mutex> lk(dev.mu);
+  static_cast<Stream *>(*stream)->device = d;
   return kSuccess;
 }
 CUresult cuStreamCreateWithPriority(void **stream, unsigned flags, int) { return cuStreamCreate(stream, flags); }

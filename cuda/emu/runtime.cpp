@@ -172,6 +172,15 @@ cudaError_t synchronize_stream(Stream *only) {
   return error;
 }
 
+int emulated_devices() {
+  static const int count = [] {
+    const char *v = std::getenv("TPFUSE_EMU_DEVICES");
+    const int n = v ? std::atoi(v) : 1;
+    return n >= 1 && n <= kMaxDevices ? n : 1;
+  }();
+  return count;
+}
+
 tpfuse_emu_config config_from_env() {
   tpfuse_emu_config c{};
   c.sms = static_cast<int32_t>(env_u64("TPFUSE_EMU_SMS", 132));
@@ -300,9 +309,10 @@ int32_t tpfuse_emu_set_config(const tpfuse_emu_config *config) {
   dev.work_done.wait(lk, [&] { return dev.parked; });
   dev.config = *config;
   dev.rng.seed(config->seed);
-  dev.sm_threads.assign(config->sms, 0);
-  dev.sm_blocks.assign(config->sms, 0);
-  dev.sm_smem.assign(config->sms, 0);
+  const size_t sms = static_cast<size_t>(config->sms) * emulated_devices();
+  dev.sm_threads.assign(sms, 0);
+  dev.sm_blocks.assign(sms, 0);
+  dev.sm_smem.assign(sms, 0);
   return cudaSuccess;
 }
 

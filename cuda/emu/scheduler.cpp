@@ -188,9 +188,11 @@ void admit(Device &dev) {
   std::sort(launches.begin(), launches.end(), [](Launch *a, Launch *b) { return a->seq < b->seq; });
   for (Launch *l : launches) {
     while (l->next_block < total_blocks(*l)) {
-      int sm = 0;
-      while (sm < dev.config.sms && !fits(dev, sm, *l)) ++sm;
-      if (sm == dev.config.sms) break;
+      // The SMs of the launch's device only.
+      const int first = l->stream->device * dev.config.sms, end = first + dev.config.sms;
+      int sm = first;
+      while (sm < end && !fits(dev, sm, *l)) ++sm;
+      if (sm == end) break;
       make_resident(dev, *l, sm);
     }
   }
@@ -543,9 +545,10 @@ Device &device() {
     Device *d = new Device();  // never destroyed: the device thread outlives main's statics
     d->config = config_from_env();
     d->rng.seed(d->config.seed);
-    d->sm_threads.assign(d->config.sms, 0);
-    d->sm_blocks.assign(d->config.sms, 0);
-    d->sm_smem.assign(d->config.sms, 0);
+    const size_t sms = static_cast<size_t>(d->config.sms) * emulated_devices();
+    d->sm_threads.assign(sms, 0);
+    d->sm_blocks.assign(sms, 0);
+    d->sm_smem.assign(sms, 0);
     d->streams.push_back(std::make_unique<Stream>());
     d->default_stream = d->streams.back().get();
     std::thread(device_loop, std::ref(*d)).detach();

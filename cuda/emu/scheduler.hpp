@@ -130,6 +130,7 @@ struct Stream {
   bool frozen = false;
   uint64_t frozen_at = 0;
   int rank = -1;  // tpfuse_emu_tag_stream, under mu
+  int device = 0;  // the emulated device whose SMs run its blocks (set at creation)
 };
 
 struct KernelStats {
@@ -169,6 +170,11 @@ struct Device {
 };
 
 Device &device();
+// Emulated devices (TPFUSE_EMU_DEVICES, 1..16, default 1); each has config.sms SMs of its own,
+// SM indices [d * sms, (d + 1) * sms) of the scheduler's tables. The null stream runs on
+// device 0.
+constexpr int kMaxDevices = 16;
+int emulated_devices();
 // The configuration the environment asks for (TPFUSE_EMU_*), read when the device starts.
 tpfuse_emu_config config_from_env();
 Fiber &current_fiber();
