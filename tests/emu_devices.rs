@@ -8,8 +8,8 @@
 #![cfg(feature = "emulator")]
 
 mod common;
-use common::gpu::{random_ranks, splitmix64};
 use common::assert_same_bits;
+use common::gpu::{random_ranks, splitmix64};
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
@@ -36,7 +36,10 @@ fn contexts() -> Vec<Arc<CudaContext>> {
 fn four_devices_each_with_its_context() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let ctxs = contexts();
-    assert_eq!(tpfuse::device::device_count().expect("device count"), DEVICES);
+    assert_eq!(
+        tpfuse::device::device_count().expect("device count"),
+        DEVICES
+    );
     for (d, ctx) in ctxs.iter().enumerate() {
         assert_eq!(ctx.ordinal(), d);
     }
@@ -118,7 +121,10 @@ fn peer_access_all_reduce_across_four_devices() {
         assert_eq!(ws.data_pointers(), workspaces[0].data_pointers());
         assert_eq!(ws.signal_pointers(), workspaces[0].signal_pointers());
     }
-    let streams: Vec<Arc<CudaStream>> = ctxs.iter().map(|c| c.new_stream().expect("stream")).collect();
+    let streams: Vec<Arc<CudaStream>> = ctxs
+        .iter()
+        .map(|c| c.new_stream().expect("stream"))
+        .collect();
     let blocks = 8;
     for (i, (algo, n)) in [
         (abi::TPFUSE_ALGO_ONE_SHOT, 8 * 1000 + 3),
@@ -128,8 +134,9 @@ fn peer_access_all_reduce_across_four_devices() {
     .enumerate()
     {
         let label = format!("algo {algo} n={n}");
-        let hosts: Vec<Vec<bf16>> =
-            random_ranks(DEVICES, n, |r| splitmix64(0xde71 ^ (i as u64) << 8 ^ r as u64));
+        let hosts: Vec<Vec<bf16>> = random_ranks(DEVICES, n, |r| {
+            splitmix64(0xde71 ^ (i as u64) << 8 ^ r as u64)
+        });
         let ins: Vec<CudaSlice<bf16>> = streams
             .iter()
             .zip(&hosts)
@@ -140,12 +147,21 @@ fn peer_access_all_reduce_across_four_devices() {
             .map(|s| s.clone_htod(&vec![bf16::NAN; n]).expect("upload"))
             .collect();
         for r in 0..DEVICES {
-            launch(&workspaces[r], algo as i32, blocks, &ins[r], &mut outs[r], &streams[r]);
+            launch(
+                &workspaces[r],
+                algo as i32,
+                blocks,
+                &ins[r],
+                &mut outs[r],
+                &streams[r],
+            );
         }
         let slices: Vec<&[bf16]> = hosts.iter().map(Vec::as_slice).collect();
         let want = reduce_ranks_exact(&slices);
         for r in 0..DEVICES {
-            streams[r].synchronize().unwrap_or_else(|e| panic!("{label}: rank {r}: {e}"));
+            streams[r]
+                .synchronize()
+                .unwrap_or_else(|e| panic!("{label}: rank {r}: {e}"));
             let got = streams[r].clone_dtoh(&outs[r]).expect("download");
             assert_same_bits(&format!("{label}: rank {r} on device {r}"), &got, &want);
         }
