@@ -97,24 +97,12 @@ const DEFAULT_SEED: u64 = 0x7470_6675_7365_0a11;
 // Elements, seeds, random data.
 // ---------------------------------------------------------------------------------------
 
-/// What the tests need of an element type beyond [`gpu::TestElement`] (whose `TOLERANCE`
-/// bounds the relative Frobenius error of a sum against the f64 reference).
-trait TestElement: gpu::TestElement + NcclType {
-    /// The same bound for an RMSNorm output (one more rounding, and `rsqrtf`).
-    const NORM_TOLERANCE: f64;
-}
+/// The element types of the collectives: [`gpu::TestElement`] (whose `TOLERANCE` bounds the
+/// relative Frobenius error of a sum against the f64 reference, `NORM_TOLERANCE` that of an
+/// RMSNorm output) that NCCL also takes.
+trait TestElement: gpu::TestElement + NcclType {}
 
-impl TestElement for f32 {
-    const NORM_TOLERANCE: f64 = 2e-6;
-}
-
-impl TestElement for f16 {
-    const NORM_TOLERANCE: f64 = 2e-3;
-}
-
-impl TestElement for bf16 {
-    const NORM_TOLERANCE: f64 = 1e-2;
-}
+impl<T: gpu::TestElement + NcclType> TestElement for T {}
 
 /// Distinguishes the data of the different kinds of case.
 #[derive(Clone, Copy)]

@@ -41,22 +41,7 @@ const SHAPES: [(usize, usize); 7] = [
 /// More rows than one RMSNorm launch has blocks (65535, one row each): the blocks loop.
 const MANY_ROWS: usize = shape(70_000, 65_537);
 
-trait TestElement: gpu::TestElement {
-    /// The bound of an RMSNorm output against f64.
-    const NORM_TOLERANCE: f64;
-}
-
-impl TestElement for f32 {
-    const NORM_TOLERANCE: f64 = 2e-6;
-}
-
-impl TestElement for f16 {
-    const NORM_TOLERANCE: f64 = 2e-3;
-}
-
-impl TestElement for bf16 {
-    const NORM_TOLERANCE: f64 = 1e-2;
-}
+use gpu::TestElement;
 
 fn case_seed<T: TestElement>(parts: &[u64]) -> u64 {
     mix_seed(base_seed(0x7470_6675_7365_e91c) ^ T::ID, parts)

@@ -28,21 +28,27 @@ pub trait TestElement: Element + Bits {
     const ID: u64;
     /// Bound on the relative Frobenius error of one op against the f64 reference.
     const TOLERANCE: f64;
+    /// The same bound for an RMSNorm output (one more rounding, and `rsqrtf`, accurate to 2
+    /// ulp in f32).
+    const NORM_TOLERANCE: f64;
 }
 
 impl TestElement for f32 {
     const ID: u64 = 1;
     const TOLERANCE: f64 = 1e-6;
+    const NORM_TOLERANCE: f64 = 2e-6;
 }
 
 impl TestElement for f16 {
     const ID: u64 = 2;
     const TOLERANCE: f64 = 2e-3;
+    const NORM_TOLERANCE: f64 = 2e-3;
 }
 
 impl TestElement for bf16 {
     const ID: u64 = 3;
     const TOLERANCE: f64 = 1e-2;
+    const NORM_TOLERANCE: f64 = 1e-2;
 }
 
 // ---------------------------------------------------------------------------------------
