@@ -158,7 +158,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     const Range r = chunk<T>(n, p, g.world, blockIdx.x, gridDim.x);
     const T *result = static_cast<const T *>(peers.data[p]) + result_offset;
     copy_range_from_peer(result, out, r);
-    if (residual != nullptr) copy_range_from_peer(result, residual, r);
+    // The residual takes the same values from `out`, not from the link again: copy_range and
+    // copy_range_from_peer give each thread the same elements, so every thread reads back
+    // only what it has just written itself (program order; no barrier needed).
+    if (residual != nullptr) copy_range(static_cast<const T *>(out), residual, r);
   }
   if (!barrier.arrive_and_wait()) return;
   barrier.commit();

@@ -139,7 +139,7 @@ mutant no-timeout-broadcast emu_all_reduce "a timed-out rank does not tell its p
 mutant residual-not-written emu_all_reduce "the epilogue does not write the residual back" \
   epilogue.cuh 'if (residual != nullptr) st_global(residual + i, out);' ''
 mutant two-shot-residual emu_all_reduce "two-shot does not gather peers' slices into residual" \
-  all_reduce.cu 'if (residual != nullptr) copy_range_from_peer(result, residual, r);' ''
+  all_reduce.cu 'if (residual != nullptr) copy_range(static_cast<const T *>(out), residual, r);' ''
 mutant half-warp-sum emu_all_reduce "RMSNorm's warp sum skips the first shuffle" \
   epilogue.cuh 'for (int offset = 16; offset > 0; offset >>= 1)' 'for (int offset = 8; offset > 0; offset >>= 1)'
 mutant all-gather-offset emu_all_reduce "all-gather writes every rank's part at its own offset" \
@@ -168,6 +168,8 @@ mutant epilogue-no-bias emu_gemm "the GEMM epilogue reads bias at column 0" \
 mutant double-peer-read emu_counters "the reduction loads every peer's vector twice" \
   all_reduce.cu $'for (int p = 1; p < world; ++p) {\n      x = load16_peer(static_cast<const T *>(peers.data[p]) + peer_offset + i);' \
   $'for (int p = 1; p < world; ++p) {\n      x = load16_peer(static_cast<const T *>(peers.data[p]) + peer_offset + i);\n      x = load16_peer(static_cast<const T *>(peers.data[p]) + peer_offset + i);'
+mutant residual-over-the-link emu_counters "two-shot reads the peers' results again for the residual" \
+  all_reduce.cu 'copy_range(static_cast<const T *>(out), residual, r);' 'copy_range_from_peer(result, residual, r);'
 mutant no-swizzle emu_counters "the GEMM's shared memory unswizzled (bank conflicts, same results)" \
   gemm_sm80.cuh 'return kChunks == 8 ? (row & 7) : ((row >> 1) & 3);' 'return 0;'
 mutant extra-barrier emu_counters "one-shot passes a third barrier" \

@@ -7,7 +7,7 @@
 //!   its own input and the W stagings (n + W·n), writes its staging and its output (2n), and
 //!   passes 2 barriers per block; the peer reads are balanced across blocks;
 //! - two-shot: 2·(W-1)/W·n peer bytes per rank (the lower bound of an all-reduce in which
-//!   every rank ends with the whole sum), 3 barriers per block;
+//!   every rank ends with the whole sum), with or without a residual, 3 barriers per block;
 //! - all-gather and reduce-scatter: (W-1)·len peer bytes per rank, 2 barriers per block;
 //! - GEMM: every configuration reads each A row once per column tile and each B row once
 //!   per row tile (no more), writes m·n elements once, and its ldmatrix loads have no bank
@@ -20,11 +20,11 @@ use common::emu::session_with;
 use common::gpu::{random_vec, splitmix64, upload};
 use common::ranks::{gpu, poisoned_ranks, round, upload_ranks, virtual_group};
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, DevicePtrMut};
 use half::bf16;
 use tpfuse::emulator::counters::{self, LaunchCounters};
 use tpfuse::ops::gemm::{gemm_with_config, GemmConfig, GemmShape};
-use tpfuse::ops::{self, Algorithm};
+use tpfuse::ops::{self, Algorithm, Epilogue};
 use tpfuse::{GroupOptions, TpGroup};
 
 const FILE: &str = "emu_counters";
@@ -129,36 +129,54 @@ fn two_shot_reads_twice_the_peers_share() {
     for world in [2usize, 4, 8] {
         let groups = virtual_group(&gpu.ctx, world, GroupOptions::default());
         let n = 8 * world * 1000; // slices of whole vectors
-        let label = format!("two-shot W={world} n={n}");
         let ins: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0x2e, world, n));
+        let mut residuals: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0x2f, world, n));
         let mut outs: Vec<CudaSlice<bf16>> = poisoned_ranks(&groups, n);
-        let recs = count_round(&groups, &label, "two_shot", |r| {
-            ops::all_reduce(&groups[r], &ins[r], &mut outs[r], Algorithm::TwoShot).map(|_| ())
-        });
-        let (n, w) = (n as u64, world as u64);
-        let slice = n / w;
-        for (r, rec) in recs.iter().enumerate() {
-            let t = rec.total();
-            let l = format!("{label} rank {r}");
-            // Reduce: its slice from W-1 peers; gather: the W-1 other slices.
-            assert_eq!(
-                t.peer_read_bytes,
-                2 * (w - 1) * slice * S,
-                "{l}: peer bytes"
-            );
-            // Input, W slices to reduce, W-1 slices to gather.
-            assert_eq!(
-                t.global_read_bytes,
-                (n + w * slice + (w - 1) * slice) * S,
-                "{l}: bytes read"
-            );
-            // Staging, the slice to out and to the published result, W-1 slices to out.
-            assert_eq!(
-                t.global_write_bytes,
-                (n + 2 * slice + (w - 1) * slice) * S,
-                "{l}: bytes written"
-            );
-            assert_barriers(&l, rec, 3);
+        for with_residual in [false, true] {
+            let label = format!("two-shot W={world} n={n} residual={with_residual}");
+            let recs = count_round(&groups, &label, "two_shot", |r| {
+                let epilogue = Epilogue {
+                    residual: with_residual
+                        .then_some(&mut residuals[r] as &mut dyn DevicePtrMut<bf16>),
+                    ..Epilogue::default()
+                };
+                ops::all_reduce_fused(
+                    &groups[r],
+                    &ins[r],
+                    epilogue,
+                    &mut outs[r],
+                    Algorithm::TwoShot,
+                )
+                .map(|_| ())
+            });
+            let (n, w) = (n as u64, world as u64);
+            let slice = n / w;
+            // The residual: its own slice read and written by the epilogue; the W-1 gathered
+            // slices copied from out (read and written locally, not over the link again).
+            let res = u64::from(with_residual);
+            for (r, rec) in recs.iter().enumerate() {
+                let t = rec.total();
+                let l = format!("{label} rank {r}");
+                // Reduce: its slice from W-1 peers; gather: the W-1 other slices.
+                assert_eq!(
+                    t.peer_read_bytes,
+                    2 * (w - 1) * slice * S,
+                    "{l}: peer bytes"
+                );
+                // Input, W slices to reduce, W-1 slices to gather.
+                assert_eq!(
+                    t.global_read_bytes,
+                    (n + w * slice + (w - 1) * slice + res * w * slice) * S,
+                    "{l}: bytes read"
+                );
+                // Staging, the slice to out and to the published result, W-1 slices to out.
+                assert_eq!(
+                    t.global_write_bytes,
+                    (n + 2 * slice + (w - 1) * slice + res * w * slice) * S,
+                    "{l}: bytes written"
+                );
+                assert_barriers(&l, rec, 3);
+            }
         }
     }
 }
