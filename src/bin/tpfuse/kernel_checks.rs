@@ -203,6 +203,25 @@ fn nan_all(groups: &[TpGroup], n: usize) -> Result<Vec<CudaSlice<T>>> {
     groups.iter().map(|g| nan(g.stream(), n)).collect()
 }
 
+/// One out-of-place collective on every rank: `hosts` uploaded, outputs of `out_len` NaNs,
+/// `op` enqueued on each rank and counted against `min` bytes; every rank's output.
+fn collective_round(
+    groups: &[TpGroup],
+    hosts: &[Vec<T>],
+    out_len: usize,
+    min: u64,
+    counting: bool,
+    traffic: &mut Traffic,
+    op: impl Fn(&TpGroup, &CudaSlice<T>, &mut CudaSlice<T>) -> Result<()>,
+) -> Result<Vec<Vec<T>>> {
+    let ins = upload_all(groups, hosts)?;
+    let mut outs = nan_all(groups, out_len)?;
+    traffic.measure(counting, min, || {
+        round(groups, |r| op(&groups[r], &ins[r], &mut outs[r]))
+    })?;
+    download_all(groups, &outs)
+}
+
 fn all_reduce_case(
     groups: &[TpGroup],
     seed: u64,
@@ -213,16 +232,17 @@ fn all_reduce_case(
 ) -> Result<()> {
     let world = groups.len();
     let hosts = rank_inputs(world, seed, n);
-    let ins = upload_all(groups, &hosts)?;
-    let mut outs = nan_all(groups, n)?;
     // Per rank: its input read and its output written once.
     let min = (world * 2 * n * 2) as u64;
-    rep.traffic.measure(counting, min, || {
-        round(groups, |r| {
-            ops::all_reduce(&groups[r], &ins[r], &mut outs[r], algo).map(|_| ())
-        })
-    })?;
-    let got = download_all(groups, &outs)?;
+    let got = collective_round(
+        groups,
+        &hosts,
+        n,
+        min,
+        counting,
+        &mut rep.traffic,
+        |g, i, o| ops::all_reduce(g, i, o, algo).map(|_| ()),
+    )?;
     let slices: Vec<&[T]> = hosts.iter().map(Vec::as_slice).collect();
     rep.case(
         all_equal(&got) && same_bits(&got[0], &reduce_ranks_exact(&slices)),
@@ -295,15 +315,16 @@ fn gather_case(
 ) -> Result<()> {
     let world = groups.len();
     let hosts = rank_inputs(world, seed ^ 0x6a, n);
-    let ins = upload_all(groups, &hosts)?;
-    let mut outs = nan_all(groups, world * n)?;
     let min = (world * (n + world * n) * 2) as u64;
-    rep.traffic.measure(counting, min, || {
-        round(groups, |r| {
-            ops::all_gather(&groups[r], &ins[r], &mut outs[r])
-        })
-    })?;
-    let got = download_all(groups, &outs)?;
+    let got = collective_round(
+        groups,
+        &hosts,
+        world * n,
+        min,
+        counting,
+        &mut rep.traffic,
+        ops::all_gather,
+    )?;
     rep.case(all_equal(&got) && same_bits(&got[0], &hosts.concat()), 0.0);
     Ok(())
 }
@@ -317,15 +338,16 @@ fn scatter_case(
 ) -> Result<()> {
     let world = groups.len();
     let hosts = rank_inputs(world, seed ^ 0x5c, world * n);
-    let ins = upload_all(groups, &hosts)?;
-    let mut outs = nan_all(groups, n)?;
     let min = (world * (world * n + n) * 2) as u64;
-    rep.traffic.measure(counting, min, || {
-        round(groups, |r| {
-            ops::reduce_scatter(&groups[r], &ins[r], &mut outs[r])
-        })
-    })?;
-    let got = download_all(groups, &outs)?;
+    let got = collective_round(
+        groups,
+        &hosts,
+        n,
+        min,
+        counting,
+        &mut rep.traffic,
+        ops::reduce_scatter,
+    )?;
     let slices: Vec<&[T]> = hosts.iter().map(Vec::as_slice).collect();
     let (exact, wide) = (reduce_ranks_exact(&slices), reduce_ranks_f64(&slices));
     let mut bitwise = true;
