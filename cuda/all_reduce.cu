@@ -17,6 +17,12 @@
 // Block b of every rank handles the same part of the data, so the barrier of block b with
 // block b of the peers is all the ordering that part needs. Reductions add in rank order
 // 0..W-1 in f32 and round once, so every rank, and both algorithms, produce the same bits.
+//
+// A block that gives up (the group was poisoned before it started, or a barrier failed:
+// barrier.cuh) publishes the error word to the host and marks every output element it was
+// responsible for failed (failure.cuh), then returns; it never leaves plausible output.
+// Every launch carries a descriptor (launch_descriptor: the kernel, element size, sizes
+// and grid) that the first barrier compares across ranks.
 
 #include "barrier.cuh"
 #include "epilogue.cuh"
@@ -60,6 +66,31 @@ template <typename T> __device__ __forceinline__ void copy_range_from_peer(const
   }
 }
 
+// The 16-byte vectors of [begin, end) (vector-aligned) of reduce_range, for a world of W:
+// all W loads of a vector are issued before the first add (the unrolled loop keeps them in
+// registers), then added in rank order 0..W-1 in f32.
+template <typename T, int W>
+__device__ __forceinline__ void reduce_vectors(const tpfuse_peers &peers, size_t peer_offset, size_t begin,
+                                               size_t end, const Epilogue<T> &epi, T *out, T *publish) {
+  constexpr size_t kVec = Vec16<T>::kLen;
+  for (size_t i = begin + threadIdx.x * kVec; i < end; i += kThreads * kVec) {
+    Vec16<T> x[W];
+#pragma unroll
+    for (int p = 0; p < W; ++p) x[p] = load16_peer(static_cast<const T *>(peers.data[p]) + peer_offset + i);
+    float acc[kVec];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) acc[j] = Elem<T>::to_f32(x[0].v[j]);
+#pragma unroll
+    for (int p = 1; p < W; ++p) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) acc[j] += Elem<T>::to_f32(x[p].v[j]);
+    }
+    const Vec16<T> y = epi.apply_vec(acc, i);
+    store16(out + i, y);
+    if (publish != nullptr) store16(publish + i, y);
+  }
+}
+
 // For elements [r.begin, r.end): the rank-ordered sum of every rank's staging, through the
 // epilogue, into out (and, when `publish` is set, into this rank's result buffer too).
 // `peer_offset` (elements) is added to every rank's staging pointer (reduce-scatter reads
@@ -69,22 +100,16 @@ __device__ __forceinline__ void reduce_range(const tpfuse_peers &peers, int worl
                              const Epilogue<T> &epi, T *out, T *publish) {
   constexpr size_t kVec = Vec16<T>::kLen;
   const size_t full_end = r.begin + (r.end - r.begin) / kVec * kVec;
-  for (size_t i = r.begin + threadIdx.x * kVec; i < full_end; i += kThreads * kVec) {
-    float acc[kVec];
-    Vec16<T> x = load16_peer(static_cast<const T *>(peers.data[0]) + peer_offset + i);
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) acc[j] = Elem<T>::to_f32(x.v[j]);
-    for (int p = 1; p < world; ++p) {
-      x = load16_peer(static_cast<const T *>(peers.data[p]) + peer_offset + i);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) acc[j] += Elem<T>::to_f32(x.v[j]);
-    }
-    Vec16<T> y;
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) y.v[j] = epi.apply(acc[j], i + j);
-    store16(out + i, y);
-    if (publish != nullptr) store16(publish + i, y);
+  switch (world) { // world is 2 ..= TPFUSE_MAX_RANKS (valid())
+  case 2: reduce_vectors<T, 2>(peers, peer_offset, r.begin, full_end, epi, out, publish); break;
+  case 3: reduce_vectors<T, 3>(peers, peer_offset, r.begin, full_end, epi, out, publish); break;
+  case 4: reduce_vectors<T, 4>(peers, peer_offset, r.begin, full_end, epi, out, publish); break;
+  case 5: reduce_vectors<T, 5>(peers, peer_offset, r.begin, full_end, epi, out, publish); break;
+  case 6: reduce_vectors<T, 6>(peers, peer_offset, r.begin, full_end, epi, out, publish); break;
+  case 7: reduce_vectors<T, 7>(peers, peer_offset, r.begin, full_end, epi, out, publish); break;
+  default: reduce_vectors<T, 8>(peers, peer_offset, r.begin, full_end, epi, out, publish); break;
   }
+  static_assert(TPFUSE_MAX_RANKS == 8, "reduce_range dispatches worlds 2..8");
   for (size_t i = full_end + threadIdx.x; i < r.end; i += kThreads) {
     float acc = Elem<T>::to_f32(ld_global_cg(static_cast<const T *>(peers.data[0]) + peer_offset + i));
     for (int p = 1; p < world; ++p) {
@@ -96,14 +121,22 @@ __device__ __forceinline__ void reduce_range(const tpfuse_peers &peers, int worl
   }
 }
 
+// A block gives up: publishes the error and marks its share r of out and residual failed.
+template <typename T>
+__device__ __forceinline__ void give_up(const BlockBarrier &barrier, T *out, T *residual, Range r) {
+  barrier.publish_failure();
+  mark_failed(out, r.begin, r.end);
+  mark_failed(residual, r.begin, r.end);
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1)
     one_shot_kernel(const __grid_constant__ tpfuse_peers peers,
-                    const __grid_constant__ tpfuse_group_args g, const T *input, const T *bias,
-                    T *residual, const T *gamma, float eps, T *out, size_t rows, size_t hidden) {
+                    const __grid_constant__ tpfuse_group_args g, uint32_t descriptor, const T *input,
+                    const T *bias, T *residual, const T *gamma, float eps, T *out, size_t rows,
+                    size_t hidden) {
   TPFUSE_SHARED(int, failures);
-  BlockBarrier barrier(peers, g, &failures);
-  if (barrier.poisoned()) return;
+  BlockBarrier barrier(peers, g, descriptor, &failures);
   const size_t n = rows * hidden;
   // With RMSNorm a block owns whole rows; otherwise an even share of 16-byte vectors.
   const Range rows_mine = share(rows, blockIdx.x, gridDim.x);
@@ -112,11 +145,12 @@ __global__ void __launch_bounds__(kThreads, 1)
                       : element_range<T>(share((n + Vec16<T>::kLen - 1) / Vec16<T>::kLen,
                                                blockIdx.x, gridDim.x),
                                          n);
+  if (barrier.poisoned()) return give_up(barrier, out, residual, r);
   copy_range(input, static_cast<T *>(peers.data[g.rank]), r);
-  if (!barrier.arrive_and_wait()) return;
+  if (!barrier.arrive_and_wait()) return give_up(barrier, out, residual, r);
   reduce_range(peers, g.world, 0, r, Epilogue<T>{bias, residual, hidden}, out,
                static_cast<T *>(nullptr));
-  if (!barrier.arrive_and_wait()) return;
+  if (!barrier.arrive_and_wait()) return give_up(barrier, out, residual, r);
   barrier.commit();
   if (gamma != nullptr) {
     for (size_t row = rows_mine.begin; row < rows_mine.end; ++row) {
@@ -135,24 +169,36 @@ __device__ __forceinline__ Range chunk(size_t n, int p, int world, size_t b, siz
   return element_range<T>(Range{slice.begin + part.begin, slice.begin + part.end}, n);
 }
 
+// A two-shot block gives up: its chunk of every slice of out and residual.
+template <typename T>
+__device__ __forceinline__ void give_up_chunks(const BlockBarrier &barrier, int world, T *out,
+                                               T *residual, size_t n) {
+  for (int p = 0; p < world; ++p) {
+    const Range r = chunk<T>(n, p, world, blockIdx.x, gridDim.x);
+    if (p == 0) barrier.publish_failure();
+    mark_failed(out, r.begin, r.end);
+    mark_failed(residual, r.begin, r.end);
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1)
     two_shot_kernel(const __grid_constant__ tpfuse_peers peers,
-                    const __grid_constant__ tpfuse_group_args g, const T *input, const T *bias,
-                    T *residual, T *out, size_t rows, size_t hidden) {
+                    const __grid_constant__ tpfuse_group_args g, uint32_t descriptor, const T *input,
+                    const T *bias, T *residual, T *out, size_t rows, size_t hidden) {
   TPFUSE_SHARED(int, failures);
-  BlockBarrier barrier(peers, g, &failures);
-  if (barrier.poisoned()) return;
+  BlockBarrier barrier(peers, g, descriptor, &failures);
   const size_t n = rows * hidden;
+  if (barrier.poisoned()) return give_up_chunks(barrier, g.world, out, residual, n);
   T *staging = static_cast<T *>(peers.data[g.rank]);
   for (int p = 0; p < g.world; ++p) {
     copy_range(input, staging, chunk<T>(n, p, g.world, blockIdx.x, gridDim.x));
   }
-  if (!barrier.arrive_and_wait()) return;
+  if (!barrier.arrive_and_wait()) return give_up_chunks(barrier, g.world, out, residual, n);
   const size_t result_offset = g.capacity / sizeof(T);
   reduce_range(peers, g.world, 0, chunk<T>(n, g.rank, g.world, blockIdx.x, gridDim.x),
                Epilogue<T>{bias, residual, hidden}, out, staging + result_offset);
-  if (!barrier.arrive_and_wait()) return;
+  if (!barrier.arrive_and_wait()) return give_up_chunks(barrier, g.world, out, residual, n);
   for (int p = 0; p < g.world; ++p) {
     if (p == g.rank) continue;
     const Range r = chunk<T>(n, p, g.world, blockIdx.x, gridDim.x);
@@ -163,51 +209,63 @@ __global__ void __launch_bounds__(kThreads, 1)
     // only what it has just written itself (program order; no barrier needed).
     if (residual != nullptr) copy_range(static_cast<const T *>(out), residual, r);
   }
-  if (!barrier.arrive_and_wait()) return;
+  if (!barrier.arrive_and_wait()) return give_up_chunks(barrier, g.world, out, residual, n);
   barrier.commit();
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
     all_gather_kernel(const __grid_constant__ tpfuse_peers peers,
-                      const __grid_constant__ tpfuse_group_args g, const uint4 *input, uint4 *out,
-                      size_t len_vectors) {
+                      const __grid_constant__ tpfuse_group_args g, uint32_t descriptor,
+                      const uint4 *input, uint4 *out, size_t len_vectors) {
   TPFUSE_SHARED(int, failures);
-  BlockBarrier barrier(peers, g, &failures);
-  if (barrier.poisoned()) return;
+  BlockBarrier barrier(peers, g, descriptor, &failures);
   const Range r = share(len_vectors, blockIdx.x, gridDim.x);
+  // Gives up: this block's range of every rank's part of out.
+  const auto give_up_gather = [&] {
+    barrier.publish_failure();
+    for (int p = 0; p < g.world; ++p) {
+      mark_failed(reinterpret_cast<uint16_t *>(out + p * len_vectors), r.begin * 8, r.end * 8);
+    }
+  };
+  if (barrier.poisoned()) return give_up_gather();
   uint4 *staging = static_cast<uint4 *>(peers.data[g.rank]);
   for (size_t i = r.begin + threadIdx.x; i < r.end; i += kThreads) st_global(staging + i, ld_global(input + i));
-  if (!barrier.arrive_and_wait()) return;
+  if (!barrier.arrive_and_wait()) return give_up_gather();
   for (int p = 0; p < g.world; ++p) {
     const uint4 *src = static_cast<const uint4 *>(peers.data[p]);
     uint4 *dst = out + p * len_vectors;
     for (size_t i = r.begin + threadIdx.x; i < r.end; i += kThreads) st_global(dst + i, ld_global_cg(src + i));
   }
-  if (!barrier.arrive_and_wait()) return;
+  if (!barrier.arrive_and_wait()) return give_up_gather();
   barrier.commit();
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1)
     reduce_scatter_kernel(const __grid_constant__ tpfuse_peers peers,
-                          const __grid_constant__ tpfuse_group_args g, const T *input, T *out,
-                          size_t len) {
+                          const __grid_constant__ tpfuse_group_args g, uint32_t descriptor,
+                          const T *input, T *out, size_t len) {
   TPFUSE_SHARED(int, failures);
-  BlockBarrier barrier(peers, g, &failures);
-  if (barrier.poisoned()) return;
+  BlockBarrier barrier(peers, g, descriptor, &failures);
   T *staging = static_cast<T *>(peers.data[g.rank]);
   const size_t units = (len + Vec16<T>::kLen - 1) / Vec16<T>::kLen;
   const Range part = element_range<T>(share(units, blockIdx.x, gridDim.x), len);
+  if (barrier.poisoned()) return give_up(barrier, out, static_cast<T *>(nullptr), part);
   for (int p = 0; p < g.world; ++p) {
     copy_range(input + p * len, staging + p * len, part);
   }
-  if (!barrier.arrive_and_wait()) return;
+  if (!barrier.arrive_and_wait()) return give_up(barrier, out, static_cast<T *>(nullptr), part);
   // Reduce slice `rank` (offset rank * len in every staging buffer) into out[0, len).
   reduce_range(peers, g.world, static_cast<size_t>(g.rank) * len, part,
                Epilogue<T>{nullptr, nullptr, 1}, out, static_cast<T *>(nullptr));
-  if (!barrier.arrive_and_wait()) return;
+  if (!barrier.arrive_and_wait()) return give_up(barrier, out, static_cast<T *>(nullptr), part);
   barrier.commit();
 }
+
+// The kinds of launch a descriptor tells apart.
+constexpr uint64_t kKindAllReduce = 1; // + algo
+constexpr uint64_t kKindAllGather = 8;
+constexpr uint64_t kKindReduceScatter = 9;
 
 bool valid(const tpfuse_group_args *g) {
   return g != nullptr && g->world >= 2 && g->world <= TPFUSE_MAX_RANKS && g->rank >= 0 &&
@@ -223,13 +281,19 @@ int launch_all_reduce(int algo, const tpfuse_peers &peers, const tpfuse_group_ar
   T *res = static_cast<T *>(residual);
   const T *gam = static_cast<const T *>(gamma);
   T *o = static_cast<T *>(out);
+  const uint32_t descriptor =
+      launch_descriptor({kKindAllReduce + static_cast<uint64_t>(algo), sizeof(T), rows, hidden,
+                         static_cast<uint64_t>(g.blocks), bias != nullptr, residual != nullptr,
+                         gamma != nullptr});
   if (algo == TPFUSE_ALGO_ONE_SHOT) {
-    TPFUSE_LAUNCH(one_shot_kernel<T>, g.blocks, kThreads, 0, stream)(peers, g, in, b, res, gam, eps, o,
-                                                           rows, hidden);
+    TPFUSE_LAUNCH(one_shot_kernel<T>, g.blocks, kThreads, 0, stream)(peers, g, descriptor, in, b, res,
+                                                                     gam, eps, o, rows, hidden);
   } else if (algo == TPFUSE_ALGO_TWO_SHOT) {
-    TPFUSE_LAUNCH(two_shot_kernel<T>, g.blocks, kThreads, 0, stream)(peers, g, in, b, res, o, rows, hidden);
+    TPFUSE_LAUNCH(two_shot_kernel<T>, g.blocks, kThreads, 0, stream)(peers, g, descriptor, in, b, res,
+                                                                     o, rows, hidden);
     if (gam != nullptr) {
-      const int code = launch_rms_norm<T>(o, gam, eps, o, rows, hidden, stream);
+      const FailureWords failure{Pad{peers.signals[g.rank]}.error(), g.host_error};
+      const int code = launch_rms_norm<T>(o, gam, eps, o, rows, hidden, stream, failure);
       if (code != cudaSuccess) return code;
     }
   } else {
@@ -267,8 +331,10 @@ extern "C" int tpfuse_all_gather(const tpfuse_peers *peers, const tpfuse_group_a
   using namespace tpfuse;
   if (peers == nullptr || !valid(group) || len_bytes % 16 != 0) return cudaErrorInvalidValue;
   if (len_bytes == 0) return cudaSuccess;
+  const uint32_t descriptor =
+      launch_descriptor({kKindAllGather, len_bytes, static_cast<uint64_t>(group->blocks)});
   TPFUSE_LAUNCH(all_gather_kernel, group->blocks, kThreads, 0, static_cast<cudaStream_t>(stream))(
-      *peers, *group, static_cast<const uint4 *>(input), static_cast<uint4 *>(out),
+      *peers, *group, descriptor, static_cast<const uint4 *>(input), static_cast<uint4 *>(out),
       len_bytes / 16);
   return cudaGetLastError();
 }
@@ -280,18 +346,20 @@ extern "C" int tpfuse_reduce_scatter(tpfuse_dtype dtype, const tpfuse_peers *pee
   if (peers == nullptr || !valid(group)) return cudaErrorInvalidValue;
   if (len == 0) return cudaSuccess;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const uint32_t d = launch_descriptor({kKindReduceScatter, static_cast<uint64_t>(dtype), len,
+                                        static_cast<uint64_t>(group->blocks)});
   switch (dtype) {
   case TPFUSE_DTYPE_F32:
     TPFUSE_LAUNCH(reduce_scatter_kernel<float>, group->blocks, kThreads, 0, s)(
-        *peers, *group, static_cast<const float *>(input), static_cast<float *>(out), len);
+        *peers, *group, d, static_cast<const float *>(input), static_cast<float *>(out), len);
     break;
   case TPFUSE_DTYPE_F16:
     TPFUSE_LAUNCH(reduce_scatter_kernel<__half>, group->blocks, kThreads, 0, s)(
-        *peers, *group, static_cast<const __half *>(input), static_cast<__half *>(out), len);
+        *peers, *group, d, static_cast<const __half *>(input), static_cast<__half *>(out), len);
     break;
   case TPFUSE_DTYPE_BF16:
     TPFUSE_LAUNCH(reduce_scatter_kernel<__nv_bfloat16>, group->blocks, kThreads, 0, s)(
-        *peers, *group, static_cast<const __nv_bfloat16 *>(input),
+        *peers, *group, d, static_cast<const __nv_bfloat16 *>(input),
         static_cast<__nv_bfloat16 *>(out), len);
     break;
   default: return cudaErrorInvalidValue;

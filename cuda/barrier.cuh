@@ -6,21 +6,39 @@
 //
 //   1. __syncthreads(): every thread of the block has finished its memory operations
 //      (staging writes, reads of peers' buffers);
-//   2. thread p (p < world) stores the value into flags[b][r] of rank p's pad with
-//      st.release.sys: everything the block did before is visible, at system scope, to
+//   2. thread p (p < world) stores, at the first barrier of a launch, the launch's
+//      descriptor into descriptors[b][r] of rank p's pad, then the value into flags[b][r]
+//      of rank p's pad with st.release.sys: everything the block did before (the
+//      descriptor included: same thread, program order) is visible, at system scope, to
 //      whoever acquires that flag;
-//   3. thread p spins on flags[b][p] of this rank's own pad with ld.acquire.sys until it
-//      holds the value or more (wrap-safe), bounded by one deadline per launch (start of
-//      the launch + timeout), and gives up early when its error word turns nonzero;
+//   3. thread p spins on flags[b][p] of this rank's own pad with ld.relaxed.sys until it
+//      holds the value or more (wrap-safe), then loads it once more with ld.acquire.sys:
+//      that load reads the value or a later one (coherence order of one location), so it
+//      synchronises with a release of the peer that is at or after the one of step 2
+//      (PTX ISA, "Memory Consistency Model": release and acquire patterns). At the first
+//      barrier it then compares descriptors[b][p] with its own descriptor;
 //   4. __syncthreads(): the whole block proceeds, ordered after the acquires.
 //
-// Flags only grow, so they are never reset and a replayed CUDA graph works. When a peer
-// does not arrive in time, the block records TPFUSE_ERROR_PEER_TIMEOUT | peer in this
-// rank's error word and in every other peer's (so they stop waiting too) and the kernel
-// returns; the host turns that into Error::PeerTimeout
-// and refuses further work on the group. A kernel that finds the error word set returns
-// at once (a poisoned group never waits again).
+// Flags only grow, so they are never reset and a replayed CUDA graph works.
+//
+// Deadlines. Every wait of a launch ends by start + timeout_ns of %globaltimer (a signed
+// difference: a timer that jumps backwards does not make the wait endless), with a
+// %clock64 backstop of backstop_cycles (tpfuse.h) should %globaltimer stall: the PTX ISA
+// promises neither monotonicity nor progress for it. Spin counts are no bound.
+//
+// Failures. A peer that does not arrive in time, or a descriptor that differs (the ranks
+// launched different sizes, grids or kernels, which would pair the wrong ranges), is
+// recorded as TPFUSE_ERROR_PEER_TIMEOUT | peer or TPFUSE_ERROR_PEER_MISMATCH (tpfuse.h) in this
+// rank's error word and in every peer's, the missing one included (so every rank stops
+// waiting at once, and a late rank does not wait for ranks that left). A block that fails,
+// or that finds the error word set when it starts, copies the error word to the rank's
+// host-mapped word and the kernel marks its outputs failed (tpfuse.h). The per-block
+// decision "poisoned or not" is taken once, by thread 0, into shared memory, so the whole
+// block takes the same branch before any __syncthreads (a peer's store to the error word
+// may land between two warps' reads).
 #pragma once
+
+#include <initializer_list>
 
 #include "common.cuh"
 #include "ptx.cuh"
@@ -36,46 +54,75 @@ struct Pad {
     return base + TPFUSE_SIGNAL_COUNTERS_OFFSET / 4 + block;
   }
   __device__ uint32_t *error() const { return base + TPFUSE_SIGNAL_ERROR_OFFSET / 4; }
+  __device__ uint32_t *descriptor(int block, int src) const {
+    return base + TPFUSE_SIGNAL_DESCRIPTORS_OFFSET / 4 + block * TPFUSE_MAX_RANKS + src;
+  }
 };
 
+// Host: a 32-bit digest of what a launch is (kernel, element size, sizes, grid), equal on
+// every rank exactly when the ranks launched the same thing.
+inline uint32_t launch_descriptor(std::initializer_list<uint64_t> parts) {
+  uint64_t h = 0xcbf29ce484222325ull; // FNV-1a over the parts' bytes
+  for (uint64_t part : parts) {
+    for (int byte = 0; byte < 8; ++byte) {
+      h ^= (part >> (8 * byte)) & 0xffu;
+      h *= 0x100000001b3ull;
+    }
+  }
+  return static_cast<uint32_t>(h ^ (h >> 32));
+}
+
 // One launch's view of the barriers of its block. `failures` is a __shared__ int of the
-// kernel: it counts this block's failed waits and is never reset within a launch, so no
-// thread can read a stale value.
+// kernel: it counts this block's failed waits (1 from the start when the group was already
+// poisoned) and is never reset within a launch, so no thread can read a stale value.
 class BlockBarrier {
 public:
-  __device__ BlockBarrier(const tpfuse_peers &peers, const tpfuse_group_args &g, int *failures)
-      : peers_(peers), g_(g), own_{peers.signals[g.rank]}, failures_(failures) {
+  __device__ BlockBarrier(const tpfuse_peers &peers, const tpfuse_group_args &g, uint32_t descriptor,
+                          int *failures)
+      : peers_(peers), g_(g), own_{peers.signals[g.rank]}, failures_(failures), descriptor_(descriptor) {
     // Only this block of this rank touches counters[b]; the previous launch on the stream
     // wrote it and has finished.
     epoch_ = *own_.counter(blockIdx.x);
+    first_ = epoch_;
     start_ns_ = global_timer_ns();
-    if (threadIdx.x == 0) *failures_ = 0;
+    start_cycles_ = clock_cycles();
+    if (threadIdx.x == 0) *failures_ = ld_relaxed_sys(own_.error()) != 0 ? 1 : 0;
     __syncthreads();
   }
 
-  // Whether the group was poisoned by an earlier timeout.
-  __device__ bool poisoned() const { return ld_relaxed_sys(own_.error()) != 0; }
+  // Whether the group was poisoned when this block started (the same answer in every thread).
+  __device__ bool poisoned() const { return *failures_ != 0; }
 
-  // Passes the next barrier; false when a peer did not arrive before the launch's deadline
-  // or another rank reported a timeout.
+  // Passes the next barrier; false when a peer did not arrive before the launch's deadline,
+  // launched something else, or another rank reported a failure.
   __device__ bool arrive_and_wait() {
     const uint32_t value = ++epoch_;
     __syncthreads();
     const int peer = threadIdx.x;
     if (peer < g_.world) {
-      st_release_sys(Pad{peers_.signals[peer]}.flag(blockIdx.x, g_.rank), value);
+      const Pad theirs{peers_.signals[peer]};
+      const bool first = value == first_ + 1;
+      if (first) st_release_sys(theirs.descriptor(blockIdx.x, g_.rank), descriptor_);
+      st_release_sys(theirs.flag(blockIdx.x, g_.rank), value);
       const uint32_t *flag = own_.flag(blockIdx.x, peer);
-      for (uint32_t spins = 0; static_cast<int32_t>(ld_acquire_sys(flag) - value) < 0; ++spins) {
+      bool arrived = true;
+      for (uint32_t spins = 0; static_cast<int32_t>(ld_relaxed_sys(flag) - value) < 0; ++spins) {
         if ((spins & 1023u) != 1023u) continue;
-        if (ld_relaxed_sys(own_.error()) != 0) { // a peer gave up: so do we
-          atomicAdd(failures_, 1);
+        if (ld_relaxed_sys(own_.error()) != 0 || expired()) {
+          arrived = false;
           break;
         }
-        if (global_timer_ns() - start_ns_ > g_.timeout_ns) {
-          report_timeout(peer);
+      }
+      if (arrived) {
+        (void)ld_acquire_sys(flag); // the acquire of step 3: orders what follows
+        if (first && ld_relaxed_sys(own_.descriptor(blockIdx.x, peer)) != descriptor_) {
+          report(TPFUSE_ERROR_PEER_MISMATCH | static_cast<uint32_t>(peer) |
+                 static_cast<uint32_t>(g_.rank) << 16);
           atomicAdd(failures_, 1);
-          break;
         }
+      } else {
+        if (ld_relaxed_sys(own_.error()) == 0) report(TPFUSE_ERROR_PEER_TIMEOUT | static_cast<uint32_t>(peer));
+        atomicAdd(failures_, 1);
       }
     }
     __syncthreads();
@@ -84,28 +131,48 @@ public:
     return passed;
   }
 
-  // Records "rank `missing` did not arrive" in this rank's error word and in every peer's,
-  // so that the survivors stop waiting at once instead of each running out its deadline.
-  __device__ void report_timeout(int missing) const {
-    const uint32_t word = TPFUSE_ERROR_PEER_TIMEOUT | static_cast<uint32_t>(missing);
-    atomicCAS(own_.error(), 0u, word);
-    for (int p = 0; p < g_.world; ++p) {
-      if (p != g_.rank && p != missing) st_release_sys(Pad{peers_.signals[p]}.error(), word);
-    }
-  }
-
   // Stores the epoch for the next launch; call once, after the last barrier passed.
   __device__ void commit() const {
     if (threadIdx.x == 0) *own_.counter(blockIdx.x) = epoch_;
   }
 
+  // Call once per block when the block gives up (poisoned() or a barrier failed), from every
+  // thread: copies this rank's error word to its host-mapped word, where the host sees it
+  // without synchronising.
+  __device__ void publish_failure() const {
+    if (threadIdx.x == 0 && g_.host_error != nullptr) {
+      st_release_sys(g_.host_error, ld_relaxed_sys(own_.error()));
+    }
+  }
+
 private:
+  // Whether the launch's deadline passed: %globaltimer past start + timeout_ns (signed), or
+  // the %clock64 backstop past start + backstop_cycles.
+  __device__ bool expired() const {
+    const int64_t waited_ns = static_cast<int64_t>(global_timer_ns() - start_ns_);
+    const int64_t waited_cycles = static_cast<int64_t>(clock_cycles() - start_cycles_);
+    return (waited_ns > 0 && static_cast<uint64_t>(waited_ns) > g_.timeout_ns) ||
+           (waited_cycles > 0 && static_cast<uint64_t>(waited_cycles) > g_.backstop_cycles);
+  }
+
+  // Records `word` in this rank's error word (the first failure wins) and in every peer's
+  // (so that they stop waiting at once instead of each running out its deadline).
+  __device__ void report(uint32_t word) const {
+    atomic_cas_sys(own_.error(), 0u, word);
+    for (int p = 0; p < g_.world; ++p) {
+      if (p != g_.rank) st_release_sys(Pad{peers_.signals[p]}.error(), word);
+    }
+  }
+
   const tpfuse_peers &peers_;
   const tpfuse_group_args &g_;
   Pad own_;
   int *failures_;
+  uint32_t descriptor_;
   uint32_t epoch_;
-  uint64_t start_ns_; // the launch's deadline is start_ns_ + timeout_ns, for all its waits
+  uint32_t first_;          // the epoch at the start of the launch
+  uint64_t start_ns_;       // the launch's deadline is start_ns_ + timeout_ns, for all its waits
+  uint64_t start_cycles_;   // and its backstop start_cycles_ + backstop_cycles
 };
 
 } // namespace tpfuse

@@ -8,9 +8,16 @@ namespace {
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    rms_norm_kernel(const T *x, const T *gamma, float eps, T *out, size_t rows, size_t hidden) {
+    rms_norm_kernel(const T *x, const T *gamma, float eps, T *out, size_t rows, size_t hidden,
+                    FailureWords failure) {
+  TPFUSE_SHARED(uint32_t, error_word);
+  const bool failed = group_failed(failure, &error_word);
   for (size_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    rms_norm_row(x + row * hidden, gamma, eps, out + row * hidden, hidden);
+    if (failed) {
+      mark_failed(out, row * hidden, (row + 1) * hidden);
+    } else {
+      rms_norm_row(x + row * hidden, gamma, eps, out + row * hidden, hidden);
+    }
   }
 }
 
@@ -29,19 +36,20 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename T>
 int launch_rms_norm(const T *x, const T *gamma, float eps, T *out, size_t rows, size_t hidden,
-                    cudaStream_t stream) {
+                    cudaStream_t stream, FailureWords failure) {
   if (rows == 0 || hidden == 0) return cudaSuccess;
   const unsigned grid = rows < 65535 ? static_cast<unsigned>(rows) : 65535u;
-  TPFUSE_LAUNCH(rms_norm_kernel<T>, grid, kThreads, 0, stream)(x, gamma, eps, out, rows, hidden);
+  TPFUSE_LAUNCH(rms_norm_kernel<T>, grid, kThreads, 0, stream)(x, gamma, eps, out, rows, hidden,
+                                                               failure);
   return cudaGetLastError();
 }
 
 template int launch_rms_norm<float>(const float *, const float *, float, float *, size_t,
-                                    size_t, cudaStream_t);
+                                    size_t, cudaStream_t, FailureWords);
 template int launch_rms_norm<__half>(const __half *, const __half *, float, __half *, size_t,
-                                     size_t, cudaStream_t);
+                                     size_t, cudaStream_t, FailureWords);
 template int launch_rms_norm<__nv_bfloat16>(const __nv_bfloat16 *, const __nv_bfloat16 *, float,
-                                            __nv_bfloat16 *, size_t, size_t, cudaStream_t);
+                                            __nv_bfloat16 *, size_t, size_t, cudaStream_t, FailureWords);
 
 template <typename T>
 int launch_bias_residual(const void *x, const void *bias, void *residual, void *out, size_t rows,

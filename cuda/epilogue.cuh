@@ -5,6 +5,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "failure.cuh"
 
 namespace tpfuse {
 
@@ -28,6 +29,30 @@ template <typename T> struct Epilogue {
     const T out = Elem<T>::from_f32(h);
     if (residual != nullptr) st_global(residual + i, out);
     return out;
+  }
+
+  // apply() of the kLen elements i .. i + kLen - 1 of one 16-byte vector (i a multiple of
+  // kLen; with a bias hidden is one too, so the vector lies in one row): the column is
+  // computed once, bias and residual move in 16-byte accesses, and each element gets the
+  // same arithmetic as apply(), so the same bits.
+  __device__ __forceinline__ Vec16<T> apply_vec(const float (&acc)[Vec16<T>::kLen], size_t i) const {
+    constexpr int kVec = Vec16<T>::kLen;
+    Vec16<T> y;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) y.v[j] = Elem<T>::from_f32(acc[j]);
+    if (bias == nullptr && residual == nullptr) return y;
+    Vec16<T> b, r;
+    if (bias != nullptr) b = load16(bias + i % hidden);
+    if (residual != nullptr) r = load16(residual + i);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      float h = Elem<T>::to_f32(y.v[j]);
+      if (bias != nullptr) h += Elem<T>::to_f32(b.v[j]);
+      if (residual != nullptr) h += Elem<T>::to_f32(r.v[j]);
+      y.v[j] = Elem<T>::from_f32(h);
+    }
+    if (residual != nullptr) store16(residual + i, y);
+    return y;
   }
 };
 
@@ -60,9 +85,11 @@ __device__ __forceinline__ void rms_norm_row(const T *x, const T *gamma, float e
   }
 }
 
-// The standalone RMSNorm over rows (one block per row), defined in epilogue.cu.
+// The standalone RMSNorm over rows (one block per row), defined in epilogue.cu. With
+// `failure` words (the two-shot all-reduce's RMSNorm) it marks its rows failed instead when
+// the group failed (failure.cuh).
 template <typename T>
 int launch_rms_norm(const T *x, const T *gamma, float eps, T *out, size_t rows, size_t hidden,
-                    cudaStream_t stream);
+                    cudaStream_t stream, FailureWords failure = FailureWords{nullptr, nullptr});
 
 } // namespace tpfuse

@@ -57,6 +57,33 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 #endif
 }
 
+// %clock64 (PTX ISA: "Special Registers: %clock64"): the SM's cycle counter, 64 bits (no
+// wrap in practice). It is per SM: differences are meaningful only within one thread (a
+// block never migrates between SMs). Emulated: virtual time at the emulated device's peak
+// clock (tpfuse_emu::kClockKhz, reported as CU_DEVICE_ATTRIBUTE_CLOCK_RATE).
+__device__ __forceinline__ uint64_t clock_cycles() {
+#ifdef TPFUSE_EMULATOR
+  return ::tpfuse_emu::clock_cycles();
+#else
+  uint64_t c;
+  asm volatile("mov.u64 %0, %%clock64;" : "=l"(c));
+  return c;
+#endif
+}
+
+// atom.cas.sys.global.b32 (PTX ISA: "Parallel Synchronization and Communication
+// Instructions: atom"): compare-and-swap at system scope (relaxed), the scope of the peers'
+// st.release.sys to the same word. Returns the old value.
+__device__ __forceinline__ uint32_t atomic_cas_sys(uint32_t *p, uint32_t expected, uint32_t desired) {
+#ifdef TPFUSE_EMULATOR
+  return ::tpfuse_emu::atomic_cas(p, expected, desired);
+#else
+  uint32_t old;
+  asm volatile("atom.relaxed.sys.cas.b32 %0, [%1], %2, %3;" : "=r"(old) : "l"(p), "r"(expected), "r"(desired) : "memory");
+  return old;
+#endif
+}
+
 // ---- Shared memory and the sm80 GEMM's data movement.
 
 // The shared-window address of a pointer into (dynamic) shared memory.

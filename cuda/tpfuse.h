@@ -68,8 +68,20 @@ int32_t tpfuse_cudart_version(void);
  *       uint32 counters[TPFUSE_MAX_BLOCKS]                 barriers block b of this rank has
  *                                                         passed (its epoch)
  *       uint32 error                                       0, or TPFUSE_ERROR_* | peer
+ *       (padding to 256 bytes)
+ *       uint32 descriptors[TPFUSE_MAX_BLOCKS][TPFUSE_MAX_RANKS]  descriptors[b][src]: what
+ *                                                         block b of rank src launched last
+ *                                                         (a hash of the kernel, its sizes
+ *                                                         and its grid), compared at the
+ *                                                         first barrier of every launch
  * The kernels never reset flags: every barrier waits for a larger value (epochs), so the
  * same launch can be replayed from a CUDA graph.
+ *
+ * A launch that does not complete (a peer timed out, the ranks launched different things,
+ * or the group was poisoned before it started) writes TPFUSE_FAILED_OUTPUT_BITS16 into
+ * every 16 bits of every output element its failed blocks were responsible for (`out`, and
+ * `residual` when given), and its error word into this rank's host-mapped error word
+ * (tpfuse_group_args.host_error), which the host can read at any time without waiting.
  * --------------------------------------------------------------------------------------- */
 
 #define TPFUSE_MAX_RANKS 8
@@ -77,10 +89,18 @@ int32_t tpfuse_cudart_version(void);
 #define TPFUSE_SIGNAL_FLAGS_OFFSET 0
 #define TPFUSE_SIGNAL_COUNTERS_OFFSET (4 * TPFUSE_MAX_BLOCKS * TPFUSE_MAX_RANKS)
 #define TPFUSE_SIGNAL_ERROR_OFFSET (TPFUSE_SIGNAL_COUNTERS_OFFSET + 4 * TPFUSE_MAX_BLOCKS)
-#define TPFUSE_SIGNAL_PAD_BYTES (TPFUSE_SIGNAL_ERROR_OFFSET + 256)
+#define TPFUSE_SIGNAL_DESCRIPTORS_OFFSET (TPFUSE_SIGNAL_ERROR_OFFSET + 256)
+#define TPFUSE_SIGNAL_PAD_BYTES (TPFUSE_SIGNAL_DESCRIPTORS_OFFSET + 4 * TPFUSE_MAX_BLOCKS * TPFUSE_MAX_RANKS)
 
-/* Error word values (the low 8 bits name the peer that did not arrive). */
+/* Error word values. TIMEOUT | p: rank p did not arrive before the deadline. MISMATCH | p |
+ * (q << 16): ranks p and q launched different kernels, sizes, epilogues or grids (q noticed). */
 #define TPFUSE_ERROR_PEER_TIMEOUT 0x100
+#define TPFUSE_ERROR_PEER_MISMATCH 0x200
+
+/* What a failed launch leaves in its outputs: every 16 bits of an element hold this. It is a
+ * quiet NaN with the sign set and a payload of tpfuse's own in f32 (0xFFD5FFD5), f16 and
+ * bf16 (0xFFD5), distinct from the NaN arithmetic produces (0x7FC00000, 0x7E00, 0x7FC0). */
+#define TPFUSE_FAILED_OUTPUT_BITS16 0xFFD5
 
 /* Algorithms. */
 #define TPFUSE_ALGO_ONE_SHOT 0
@@ -99,6 +119,13 @@ typedef struct tpfuse_group_args {
   int32_t blocks;      /* grid size, 1 ..= TPFUSE_MAX_BLOCKS, the same on every rank */
   uint64_t capacity;   /* bytes of staging (and of result) per rank; equal on every rank */
   uint64_t timeout_ns; /* one deadline per launch: launch start + timeout_ns bounds its waits */
+  /* The backstop of the deadline in SM clock cycles (clock64), in case %globaltimer stalls
+   * or jumps: 4 x timeout_ns at the device's peak clock, so it never ends a wait before the
+   * timer's deadline would have at any clock up to the peak. */
+  uint64_t backstop_cycles;
+  /* This rank's error word in mapped host memory (device address), or NULL: a failed launch
+   * stores its error word there, where the host reads it without synchronising. */
+  uint32_t *host_error;
 } tpfuse_group_args;
 
 /*

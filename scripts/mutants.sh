@@ -120,24 +120,38 @@ if wanted baseline; then
 fi
 
 mutant closing-barrier emu_all_reduce "one-shot without its closing barrier" \
-  all_reduce.cu $'static_cast<T *>(nullptr));\n  if (!barrier.arrive_and_wait()) return;\n  barrier.commit();\n  if (gamma' \
+  all_reduce.cu $'static_cast<T *>(nullptr));\n  if (!barrier.arrive_and_wait()) return give_up(barrier, out, residual, r);\n  barrier.commit();\n  if (gamma' \
   $'static_cast<T *>(nullptr));\n  barrier.commit();\n  if (gamma'
 mutant first-barrier emu_all_reduce "one-shot reads peers before they staged" \
-  all_reduce.cu $'copy_range(input, static_cast<T *>(peers.data[g.rank]), r);\n  if (!barrier.arrive_and_wait()) return;' \
+  all_reduce.cu $'copy_range(input, static_cast<T *>(peers.data[g.rank]), r);\n  if (!barrier.arrive_and_wait()) return give_up(barrier, out, residual, r);' \
   $'copy_range(input, static_cast<T *>(peers.data[g.rank]), r);'
 mutant reverse-rank-order emu_all_reduce "ranks summed W-1..0 (vector path)" \
-  all_reduce.cu 'Vec16<T> x = load16_peer(static_cast<const T *>(peers.data[0]) + peer_offset + i);' \
-  'Vec16<T> x = load16_peer(static_cast<const T *>(peers.data[world - 1]) + peer_offset + i);' \
-  all_reduce.cu $'for (int p = 1; p < world; ++p) {\n      x = load16_peer(static_cast<const T *>(peers.data[p])' \
-  $'for (int p = 1; p < world; ++p) {\n      x = load16_peer(static_cast<const T *>(peers.data[world - 1 - p])'
+  all_reduce.cu 'x[p] = load16_peer(static_cast<const T *>(peers.data[p]) + peer_offset + i);' \
+  'x[p] = load16_peer(static_cast<const T *>(peers.data[W - 1 - p]) + peer_offset + i);'
 mutant no-sync-before-release emu_all_reduce "a barrier publishes before the whole block is done" \
   barrier.cuh $'const uint32_t value = ++epoch_;\n    __syncthreads();' 'const uint32_t value = ++epoch_;'
 mutant wait-own-rank-only emu_all_reduce "a barrier that waits only for rank 0" \
   barrier.cuh 'if (peer < g_.world) {' 'if (peer < 1) {'
 mutant no-timeout-broadcast emu_all_reduce "a timed-out rank does not tell its peers" \
-  barrier.cuh 'if (p != g_.rank && p != missing) st_release_sys' 'if (false) st_release_sys'
+  barrier.cuh 'if (p != g_.rank) st_release_sys' 'if (false) st_release_sys'
+mutant missing-rank-not-told emu_all_reduce "a timed-out rank does not tell the rank that was late" \
+  barrier.cuh 'if (p != g_.rank) st_release_sys' 'if (p != g_.rank && p != static_cast<int>(word & 0xffu)) st_release_sys'
+mutant no-descriptor-check emu_all_reduce "the first barrier does not compare the ranks' descriptors" \
+  barrier.cuh 'ld_relaxed_sys(own_.descriptor(blockIdx.x, peer)) != descriptor_' 'false'
+mutant descriptor-without-grid emu_all_reduce "the descriptor leaves out the grid" \
+  all_reduce.cu 'static_cast<uint64_t>(g.blocks), bias != nullptr' 'uint64_t{0}, bias != nullptr'
+mutant no-clock-backstop emu_all_reduce "a wait trusts %globaltimer alone" \
+  barrier.cuh '(waited_cycles > 0 && static_cast<uint64_t>(waited_cycles) > g_.backstop_cycles)' 'false'
+mutant failed-output-unmarked emu_all_reduce "a block that gives up leaves its outputs as they were" \
+  failure.cuh 'if (p == nullptr) return;' 'return;'
+mutant no-host-publish emu_all_reduce "a failed launch does not publish its error word to the host" \
+  barrier.cuh 'if (threadIdx.x == 0 && g_.host_error != nullptr) {' 'if (false) {'
+mutant rmsnorm-after-failure emu_all_reduce "the two-shot RMSNorm normalises a failed launch's marker" \
+  epilogue.cu 'if (failed) {' 'if (false) {'
 mutant residual-not-written emu_all_reduce "the epilogue does not write the residual back" \
-  epilogue.cuh 'if (residual != nullptr) st_global(residual + i, out);' ''
+  epilogue.cuh 'if (residual != nullptr) store16(residual + i, y);' ''
+mutant bias-column-per-vector emu_all_reduce "the vector epilogue takes the bias at the row's first column" \
+  epilogue.cuh 'b = load16(bias + i % hidden);' 'b = load16(bias + i / hidden % 1);'
 mutant two-shot-residual emu_all_reduce "two-shot does not gather peers' slices into residual" \
   all_reduce.cu 'if (residual != nullptr) copy_range(static_cast<const T *>(out), residual, r);' ''
 mutant half-warp-sum emu_all_reduce "RMSNorm's warp sum skips the first shuffle" \
@@ -166,15 +180,15 @@ mutant epilogue-no-bias emu_gemm "the GEMM epilogue reads bias at column 0" \
   gemm_epilogue.cuh 'const Vec16<T> b = load16(bias + col);' 'const Vec16<T> b = load16(bias);'
 # Right results, wasted work: only the counters see these.
 mutant double-peer-read emu_counters "the reduction loads every peer's vector twice" \
-  all_reduce.cu $'for (int p = 1; p < world; ++p) {\n      x = load16_peer(static_cast<const T *>(peers.data[p]) + peer_offset + i);' \
-  $'for (int p = 1; p < world; ++p) {\n      x = load16_peer(static_cast<const T *>(peers.data[p]) + peer_offset + i);\n      x = load16_peer(static_cast<const T *>(peers.data[p]) + peer_offset + i);'
+  all_reduce.cu 'x[p] = load16_peer(static_cast<const T *>(peers.data[p]) + peer_offset + i);' \
+  $'{ x[p] = load16_peer(static_cast<const T *>(peers.data[p]) + peer_offset + i);\n      x[p] = load16_peer(static_cast<const T *>(peers.data[p]) + peer_offset + i); }'
 mutant residual-over-the-link emu_counters "two-shot reads the peers' results again for the residual" \
   all_reduce.cu 'copy_range(static_cast<const T *>(out), residual, r);' 'copy_range_from_peer(result, residual, r);'
 mutant no-swizzle emu_counters "the GEMM's shared memory unswizzled (bank conflicts, same results)" \
   gemm_sm80.cuh 'return kChunks == 8 ? (row & 7) : ((row >> 1) & 3);' 'return 0;'
 mutant extra-barrier emu_counters "one-shot passes a third barrier" \
-  all_reduce.cu $'  if (!barrier.arrive_and_wait()) return;\n  barrier.commit();\n  if (gamma' \
-  $'  if (!barrier.arrive_and_wait()) return;\n  if (!barrier.arrive_and_wait()) return;\n  barrier.commit();\n  if (gamma'
+  all_reduce.cu $'  if (!barrier.arrive_and_wait()) return give_up(barrier, out, residual, r);\n  barrier.commit();\n  if (gamma' \
+  $'  if (!barrier.arrive_and_wait()) return give_up(barrier, out, residual, r);\n  if (!barrier.arrive_and_wait()) return give_up(barrier, out, residual, r);\n  barrier.commit();\n  if (gamma'
 # The emulator's own twins: a wrong emulation must fail its own tests.
 mutant emu-cp-async-lands-early emu_ops "the emulator lands every cp.async group at any wait" \
   emu/device_ops.cpp 'while (f.committed.size() > static_cast<size_t>(pending)) {' 'while (!f.committed.empty()) {'

@@ -160,6 +160,17 @@ pub enum Error {
         after: Duration,
     },
 
+    /// The ranks of a group launched different custom collectives (another kernel, element
+    /// count, epilogue or grid) where they must launch the same: the first barrier compares
+    /// every launch's descriptor. No data was exchanged; the group is poisoned: rebuild it.
+    #[error("rank {rank}: ranks {} and {} launched different collectives (kernel, size, epilogue or grid) where every rank must launch the same; the group is poisoned, rebuild it", .ranks[0], .ranks[1])]
+    PeerMismatch {
+        /// The rank that reports it.
+        rank: usize,
+        /// The two ranks whose launches differ, ascending.
+        ranks: [usize; 2],
+    },
+
     /// The group saw a timeout or a failure earlier and refuses work until it is rebuilt.
     #[error("the group is poisoned ({0}); rebuild it")]
     GroupPoisoned(String),

@@ -20,6 +20,7 @@ use half::{bf16, f16};
 use std::ffi::c_void;
 use tpfuse::emulator::{self, abi, DeviceBuffer, Fault, Stream};
 use tpfuse::reference::{all_reduce_epilogue_exact, all_reduce_fused_f64, reduce_ranks_exact};
+use tpfuse::Element;
 
 const WORLDS: [usize; 5] = [2, 3, 4, 6, 8];
 const CAPACITY: usize = 64 * 1024;
@@ -34,6 +35,8 @@ struct Ranks {
     timeout_ns: u64,
     data: Vec<DeviceBuffer<u8>>,
     signals: Vec<DeviceBuffer<u32>>,
+    /// Each rank's "host-mapped" error word (emulated device memory is host memory).
+    host_errors: Vec<DeviceBuffer<u32>>,
     streams: Vec<Stream>,
 }
 
@@ -49,6 +52,9 @@ impl Ranks {
                 .collect(),
             signals: (0..world)
                 .map(|_| DeviceBuffer::from_slice(&vec![0u32; pad_words]))
+                .collect(),
+            host_errors: (0..world)
+                .map(|_| DeviceBuffer::from_slice(&[0u32]))
                 .collect(),
             streams: (0..world).map(|_| Stream::new()).collect(),
         }
@@ -73,6 +79,9 @@ impl Ranks {
             blocks: self.blocks,
             capacity: CAPACITY as u64,
             timeout_ns: self.timeout_ns,
+            // 4 x the timeout at the emulated 1.98 GHz clock, rounded up.
+            backstop_cycles: self.timeout_ns.saturating_mul(8),
+            host_error: self.host_errors[rank].ptr(),
         }
     }
 
@@ -95,6 +104,19 @@ impl Ranks {
         out: &DeviceBuffer<f32>,
         n: usize,
     ) {
+        self.plain_all_reduce_on(rank, path, input, out, n, self.blocks);
+    }
+
+    /// The same on a grid of `blocks` (which every rank must agree on).
+    fn plain_all_reduce_on(
+        &self,
+        rank: usize,
+        path: Path,
+        input: &DeviceBuffer<f32>,
+        out: &DeviceBuffer<f32>,
+        n: usize,
+        blocks: i32,
+    ) {
         let algo = if path == Path::TwoShot {
             abi::TPFUSE_ALGO_TWO_SHOT
         } else {
@@ -106,7 +128,10 @@ impl Ranks {
                 abi::TPFUSE_DTYPE_F32 as i32,
                 algo as i32,
                 &self.peers(),
-                &self.args(rank),
+                &abi::tpfuse_group_args {
+                    blocks,
+                    ..self.args(rank)
+                },
                 input.ptr().cast(),
                 std::ptr::null(),
                 std::ptr::null_mut(),
@@ -123,6 +148,11 @@ impl Ranks {
 
     fn error_word(&self, rank: usize) -> u32 {
         self.signals[rank].to_vec()[abi::TPFUSE_SIGNAL_ERROR_OFFSET as usize / 4]
+    }
+
+    /// What the rank's kernels published to the host.
+    fn host_error_word(&self, rank: usize) -> u32 {
+        self.host_errors[rank].to_vec()[0]
     }
 }
 
@@ -581,7 +611,22 @@ fn a_missing_rank_times_out_on_every_survivor_within_the_deadline() {
             word,
             "rank {r}: error word names rank 2"
         );
+        assert_eq!(
+            ranks.host_error_word(r),
+            word,
+            "rank {r}: the failed launch published its error word to the host"
+        );
+        let failed = outs[r].to_vec().iter().all(|x| x.is_failed_output());
+        assert!(
+            failed,
+            "rank {r}: the failed launch marked every output failed"
+        );
     }
+    assert_eq!(
+        ranks.error_word(2),
+        word,
+        "the missing rank was told too (it stops at once if it comes late)"
+    );
     assert!(
         elapsed >= timeout,
         "gave up after {elapsed} ns, before the {timeout} ns deadline"
@@ -602,8 +647,8 @@ fn a_missing_rank_times_out_on_every_survivor_within_the_deadline() {
     for (r, out) in outs.iter().enumerate() {
         if let Some(out) = out {
             assert!(
-                out.to_vec().iter().all(|x| x.is_nan()),
-                "rank {r} wrote output after the timeout"
+                out.to_vec().iter().all(|x| x.is_failed_output()),
+                "rank {r}: a launch on a poisoned group marks its output failed"
             );
         }
     }
@@ -666,5 +711,140 @@ fn a_late_rank_within_the_deadline_gives_the_right_result() {
     check("late rank", &d, &launches);
     for r in 0..4 {
         assert_eq!(ranks.error_word(r), 0, "rank {r}");
+    }
+}
+
+#[test]
+fn a_wait_ends_when_the_timer_stands_still() {
+    let _s = session("emu_all_reduce", "a_wait_ends_when_the_timer_stands_still");
+    // Rank 1 never comes and rank 0's %globaltimer stands still: only the %clock64 backstop
+    // (4 x the timeout at the peak clock) ends rank 0's wait. Before it, the wait was endless.
+    let timeout = 1_000_000;
+    let ranks = Ranks::new(2, 2, timeout);
+    ranks.streams[1].set_fault(Fault {
+        stop: true,
+        ..Fault::default()
+    });
+    ranks.streams[0].set_fault(Fault {
+        freeze_timer: true,
+        ..Fault::default()
+    });
+    let input = DeviceBuffer::from_slice(&vec![1.0f32; 64]);
+    let out = DeviceBuffer::<f32>::new(64);
+    let start = emulator::now_ns();
+    ranks.plain_all_reduce(0, Path::OneShot, &input, &out, 64);
+    ranks.streams[0].synchronize().expect("rank 0 returns");
+    let elapsed = emulator::now_ns() - start;
+    let word = abi::TPFUSE_ERROR_PEER_TIMEOUT | 1;
+    assert_eq!(ranks.error_word(0), word);
+    assert_eq!(ranks.host_error_word(0), word);
+    assert!(
+        elapsed >= 4 * timeout && elapsed <= 5 * timeout,
+        "the backstop ended the wait after {elapsed} ns (timeout {timeout} ns)"
+    );
+    assert!(out.to_vec().iter().all(|x| x.is_failed_output()));
+}
+
+/// Rank 0 launches (n0, blocks0), rank 1 (n1, blocks1): both must fail at once with
+/// TPFUSE_ERROR_PEER_MISMATCH naming both, mark their outputs failed, and tell the host.
+fn mismatch(label: &str, path: Path, (n0, blocks0): (usize, i32), (n1, blocks1): (usize, i32)) {
+    let ranks = Ranks::new(2, blocks0, LONG_TIMEOUT_NS);
+    let input = DeviceBuffer::from_slice(&vec![1.0f32; n0.max(n1)]);
+    let outs: Vec<DeviceBuffer<f32>> = (0..2).map(|_| DeviceBuffer::new(n0.max(n1))).collect();
+    let start = emulator::now_ns();
+    ranks.plain_all_reduce_on(0, path, &input, &outs[0], n0, blocks0);
+    ranks.plain_all_reduce_on(1, path, &input, &outs[1], n1, blocks1);
+    ranks.synchronize();
+    let elapsed = emulator::now_ns() - start;
+    assert!(
+        elapsed < LONG_TIMEOUT_NS / 100,
+        "{label}: the mismatch took {elapsed} ns to surface"
+    );
+    // Whichever rank noticed first, the word names both: p | q << 16.
+    let words = [0u32, 1].map(|q| abi::TPFUSE_ERROR_PEER_MISMATCH | (1 - q) | q << 16);
+    for (r, n) in [(0, n0), (1, n1)] {
+        let word = ranks.error_word(r);
+        assert!(
+            words.contains(&word),
+            "{label}: rank {r}'s error word {word:#x}"
+        );
+        // (Peers store into the word unconditionally: the host may have seen the other one.)
+        let host = ranks.host_error_word(r);
+        assert!(
+            words.contains(&host),
+            "{label}: rank {r}'s host word {host:#x}"
+        );
+        let out = outs[r].to_vec();
+        assert!(
+            out[..n].iter().all(|x| x.is_failed_output()),
+            "{label}: rank {r}'s output is not marked failed"
+        );
+    }
+}
+
+#[test]
+fn ranks_that_launch_different_sizes_or_grids_get_a_mismatch_not_wrong_data() {
+    let _s = session(
+        "emu_all_reduce",
+        "ranks_that_launch_different_sizes_or_grids_get_a_mismatch_not_wrong_data",
+    );
+    for path in [Path::OneShot, Path::TwoShot] {
+        mismatch(
+            &format!("{path:?} n 1000 vs 1024"),
+            path,
+            (1000, 2),
+            (1024, 2),
+        );
+        mismatch(&format!("{path:?} grid 2 vs 4"), path, (1000, 2), (1000, 4));
+    }
+}
+
+#[test]
+fn a_failed_two_shot_marks_out_and_residual_through_its_rmsnorm() {
+    let _s = session(
+        "emu_all_reduce",
+        "a_failed_two_shot_marks_out_and_residual_through_its_rmsnorm",
+    );
+    // Rank 1 never comes; rank 0's two-shot gives up, and the RMSNorm kernel that follows it
+    // must keep the marker (normalising it would turn it into an ordinary NaN).
+    let ranks = Ranks::new(2, 2, 1_000_000);
+    ranks.streams[1].set_fault(Fault {
+        stop: true,
+        ..Fault::default()
+    });
+    let (rows, hidden) = (3usize, 64usize);
+    let n = rows * hidden;
+    let input = DeviceBuffer::from_slice(&vec![bf16::from_f32(1.0); n]);
+    let residual = DeviceBuffer::from_slice(&vec![bf16::from_f32(0.5); n]);
+    let gamma = DeviceBuffer::from_slice(&vec![bf16::from_f32(1.0); hidden]);
+    let out = DeviceBuffer::<bf16>::new(n);
+    // SAFETY: every buffer holds what the shape needs and lives until the synchronize below.
+    let code = unsafe {
+        abi::tpfuse_all_reduce(
+            abi::TPFUSE_DTYPE_BF16 as i32,
+            abi::TPFUSE_ALGO_TWO_SHOT as i32,
+            &ranks.peers(),
+            &ranks.args(0),
+            input.ptr().cast(),
+            std::ptr::null(),
+            residual.ptr().cast(),
+            gamma.ptr().cast(),
+            EPS,
+            out.ptr().cast(),
+            rows,
+            hidden,
+            ranks.stream(0),
+        )
+    };
+    launched("two-shot with RMSNorm", code);
+    ranks.streams[0].synchronize().expect("rank 0 returns");
+    assert_eq!(ranks.host_error_word(0), abi::TPFUSE_ERROR_PEER_TIMEOUT | 1);
+    for (what, buf) in [("out", &out), ("residual", &residual)] {
+        let got = buf.to_vec();
+        assert!(
+            got.iter().all(|x| x.is_failed_output()),
+            "{what} is not marked failed: {:?}",
+            &got[..4]
+        );
     }
 }

@@ -81,6 +81,8 @@ fn launch(
         blocks,
         capacity: ws.capacity() as u64,
         timeout_ns: 10_000_000_000,
+        backstop_cycles: 80_000_000_000,
+        host_error: std::ptr::null_mut(),
     };
     let n = input.len();
     let (ip, _g1) = input.device_ptr(stream);

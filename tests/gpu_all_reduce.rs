@@ -52,8 +52,8 @@
 mod common;
 use common::children::{small_int, ChildEnv, Children, Spawn};
 use common::gpu::{
-    self, assert_close, assert_poisoned, base_seed, expect_invalid_saying, mix_seed, par_chunks,
-    random_vec, slices, splitmix64, sum_references, TestElement as _,
+    self, assert_close, assert_failed, assert_poisoned, base_seed, expect_invalid_saying, mix_seed,
+    par_chunks, random_vec, slices, splitmix64, sum_references, TestElement as _,
 };
 use common::graphs::{capture_on, launch_all};
 use common::ranks::{
@@ -1023,14 +1023,19 @@ fn a_missing_peer_is_a_bounded_peer_timeout_that_poisons_the_group() {
                 "{label}: check() on the missing rank: expected GroupPoisoned, got {other:?}"
             ),
         }
-        // The launched ranks gave up at the first barrier: nothing was written. (Their
-        // streams drain within the deadline; the download waits for them.)
-        for r in 0..world {
-            assert_poisoned(
+        // The launched ranks gave up at the first barrier and marked their outputs failed;
+        // the missing rank's is untouched. (Their streams drain within the deadline; the
+        // download waits for them.)
+        for r in 0..missing {
+            assert_failed(
                 &format!("{label}: rank {r}'s output"),
                 &download(&groups[r], &outs[r]),
             );
         }
+        assert_poisoned(
+            &format!("{label}: the missing rank's output"),
+            &download(&groups[missing], &outs[missing]),
+        );
         assert!(
             device_clock() - start < bound * 2,
             "{label}: the launched ranks took {:?} to stop",

@@ -14,20 +14,22 @@
 //! [`REPLAYS`] times on the same inputs first.
 
 mod common;
-use common::gpu::{base_seed, mix_seed, random_vec, splitmix64, upload};
+use common::gpu::{
+    assert_failed, assert_poisoned, base_seed, mix_seed, random_vec, splitmix64, upload,
+};
 use common::graphs::{capture_on, launch_all};
 use common::ranks::{
-    check_all, download, download_ranks, gpu, poisoned_ranks, refill, round, upload_copies,
-    upload_ranks, virtual_group,
+    check_all, download, download_ranks, gpu, poisoned, poisoned_ranks, refill, round,
+    upload_copies, upload_ranks, virtual_group,
 };
-use common::{assert_same_bits, shape, Bits};
+use common::{assert_same_bits, device_clock, shape, Bits};
 
-use cudarc::driver::{CudaGraph, CudaSlice, DevicePtr};
+use cudarc::driver::{CudaGraph, CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 use tpfuse::ops::gemm::{gemm_with_config, GemmConfig, GemmShape};
-use tpfuse::ops::{ColumnParallelLinear, RmsNorm, RowParallelLinear};
+use tpfuse::ops::{self, Algorithm, ColumnParallelLinear, Epilogue, RmsNorm, RowParallelLinear};
 use tpfuse::shard::{ColumnParallelSpec, RowParallelSpec};
-use tpfuse::{GroupOptions, TpGroup};
+use tpfuse::{Error, GroupOptions, TpGroup};
 
 type T = bf16;
 const WORLDS: [usize; 2] = [2, 4];
@@ -303,6 +305,119 @@ fn column_parallel_gather_replays_in_a_cuda_graph() {
                 assert_same_bits(&format!("{l} rank {r}"), &got[r], &want[r]);
                 assert_same_bits(&format!("{l} rank {r} vs rank 0"), &got[r], &got[0]);
             }
+        }
+    }
+}
+
+#[test]
+#[cfg_attr(
+    not(any(feature = "gpu-tests", feature = "emulator")),
+    ignore = "needs a CUDA GPU (gpu-tests) or the CPU emulator (emulator)"
+)]
+fn a_group_poisoned_mid_graph_never_replays_a_stale_result() {
+    let gpu = gpu();
+    // SAFETY: every buffer is used on its rank's stream only (module docs).
+    unsafe { gpu.ctx.disable_event_tracking() };
+    let (world, m, hidden) = (2usize, 2usize, 256usize);
+    let n = m * hidden;
+    let timeout = std::time::Duration::from_millis(100);
+    for algo in [Algorithm::OneShot, Algorithm::TwoShot] {
+        let label = format!("poisoned mid-graph {algo:?}");
+        let options = GroupOptions {
+            timeout,
+            ..GroupOptions::default()
+        };
+        let groups = virtual_group(&gpu.ctx, world, options);
+        let s = seed(&[4, algo as u64]);
+        let xs = upload_ranks(
+            &groups,
+            &(0..world)
+                .map(|r| random(s ^ r as u64, n, 1.0))
+                .collect::<Vec<_>>(),
+        );
+        let gammas = upload_copies(&groups, &random(s ^ 0x10, hidden, 1.0));
+        let mut residuals = upload_copies(&groups, &random(s ^ 0x20, n, 1.0));
+        let mut outs: Vec<CudaSlice<T>> = poisoned_ranks(&groups, n);
+        let mut graphs = Vec::new();
+        for r in 0..world {
+            let l = format!("{label} rank {r}");
+            let (res, out) = (&mut residuals[r], &mut outs[r]);
+            let mut run = || {
+                let epilogue = Epilogue {
+                    bias: None,
+                    residual: Some(&mut *res as &mut dyn DevicePtrMut<T>),
+                    norm: Some(RmsNorm {
+                        gamma: &gammas[r],
+                        eps: EPS,
+                    }),
+                };
+                ops::all_reduce_fused(&groups[r], &xs[r], epilogue, &mut *out, algo)
+            };
+            if r == 0 {
+                // Modules load outside the capture: one eager call on every rank first.
+                round(&groups, &format!("{l} warm-up"), |q| {
+                    ops::all_reduce(&groups[q], &xs[q], &mut poisoned(&groups[q], n), algo)
+                });
+            }
+            let (graph, enqueued) = capture_on(groups[r].stream(), &l, &mut run);
+            enqueued.unwrap_or_else(|e| panic!("{l}: during the capture: {e}"));
+            graphs.push(graph);
+        }
+        replay(&groups, &graphs, 1, &label);
+        let good = download(&groups[0], &outs[0]);
+        assert!(
+            good.iter().all(|x| x.to_f32().is_finite()),
+            "{label}: a healthy replay"
+        );
+
+        // Rank 1 stops replaying: rank 0's next replay times out. Its outputs are marked
+        // failed (before the fix they kept the last replay's plausible values), and the host
+        // learns of it from failure() without synchronising.
+        graphs[0]
+            .launch()
+            .unwrap_or_else(|e| panic!("{label}: replay: {e}"));
+        groups[0]
+            .stream()
+            .synchronize()
+            .expect("rank 0's replay ends");
+        match groups[0].failure() {
+            Err(Error::PeerTimeout {
+                rank: 0, peer: 1, ..
+            }) => {}
+            other => panic!("{label}: failure() on rank 0: expected PeerTimeout, got {other:?}"),
+        }
+        assert_failed(&format!("{label}: out"), &download(&groups[0], &outs[0]));
+        assert_failed(
+            &format!("{label}: residual"),
+            &download(&groups[0], &residuals[0]),
+        );
+        // An eager call is refused before it launches.
+        let mut spare = poisoned(&groups[0], n);
+        match ops::all_reduce(&groups[0], &xs[0], &mut spare, algo) {
+            Err(Error::GroupPoisoned(_)) => {}
+            other => panic!("{label}: an eager call after the failure: {other:?}"),
+        }
+        assert_poisoned(
+            &format!("{label}: the refused call's output"),
+            &download(&groups[0], &spare),
+        );
+        // Every later replay, on either rank, fails at once and marks its outputs again.
+        for r in 0..world {
+            refill(&groups[r], &mut outs[r], &vec![T::poison(); n]);
+            let start = device_clock();
+            graphs[r]
+                .launch()
+                .unwrap_or_else(|e| panic!("{label}: replay on rank {r}: {e}"));
+            groups[r].stream().synchronize().expect("the replay ends");
+            assert!(
+                device_clock() - start < timeout,
+                "{label}: rank {r}: a replay on a poisoned group waited"
+            );
+            assert_failed(
+                &format!("{label}: rank {r}'s later replay"),
+                &download(&groups[r], &outs[r]),
+            );
+            assert!(groups[r].failure().is_err(), "{label}: rank {r}");
         }
     }
 }

@@ -60,6 +60,10 @@ unsigned atomic_add(unsigned *p, unsigned v);
 int atomic_cas(int *p, int expected, int desired);
 unsigned atomic_cas(unsigned *p, unsigned expected, unsigned desired);
 uint64_t global_timer_ns();
+// The emulated SM clock: virtual time at kClockKhz (an H100 SXM's peak, what
+// CU_DEVICE_ATTRIBUTE_CLOCK_RATE reports). It runs on when a stream's %globaltimer is frozen.
+constexpr uint64_t kClockKhz = 1980000;
+uint64_t clock_cycles();
 
 // ---- cp.async: recorded per thread, landed at the wait_group that completes it.
 void cp_async(uint32_t dst, const void *src, int src_bytes);

@@ -136,6 +136,10 @@ uint64_t global_timer_ns() {
   return s.frozen ? s.frozen_at : now_ns();
 }
 
+uint64_t clock_cycles() {
+  return static_cast<uint64_t>(static_cast<unsigned __int128>(now_ns()) * kClockKhz / 1000000);
+}
+
 // cp.async copies of a thread form its open group until a commit; wait_group(n) lands
 // committed groups, oldest first, until at most n are pending (PTX ISA, cp.async.wait_group).
 // The source is read when the copy lands.

@@ -168,6 +168,7 @@ CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice d) {
   case 6: case 7: *value = 65535; break;                           // MAX_GRID_DIM_Y/Z
   case 8: *value = static_cast<int>(kSmemPerBlockDefault); break;  // MAX_SHARED_MEMORY_PER_BLOCK
   case 10: *value = 32; break;                                     // WARP_SIZE
+  case 13: *value = static_cast<int>(kClockKhz); break;             // CLOCK_RATE (kHz)
   case 16: *value = device().config.sms; break;                    // MULTIPROCESSOR_COUNT
   case 31: *value = 1; break;                                      // CONCURRENT_KERNELS
   case 33: *value = 0xE0 + d; break;                               // PCI_BUS_ID
@@ -329,6 +330,13 @@ CUresult cuMemHostAlloc(void **pp, size_t bytes, unsigned) {
   if (pp == nullptr) return kInvalidValue;
   *pp = tpfuse_emu_malloc(bytes);
   return *pp ? kSuccess : kOutOfMemory;
+}
+// Mapped pinned memory: host and device share one address space here, so the device
+// address of a host allocation is the allocation itself.
+CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *dptr, void *p, unsigned flags) {
+  if (dptr == nullptr || p == nullptr || flags != 0) return kInvalidValue;
+  *dptr = reinterpret_cast<uintptr_t>(p);
+  return kSuccess;
 }
 CUresult cuMemFreeHost(void *p) {
   std::free(p);

@@ -218,6 +218,18 @@ pub fn assert_poisoned<T: Bits>(label: &str, got: &[T]) {
     }
 }
 
+/// Asserts every element of `got` holds the bits a failed custom collective leaves
+/// (`Element::failed_output`), not a result and not the test's own poison.
+pub fn assert_failed<T: Element + std::fmt::Debug>(label: &str, got: &[T]) {
+    if let Some(i) = got.iter().position(|x| !x.is_failed_output()) {
+        panic!(
+            "{label}: element {i} of {} is {:?}, not the failed-launch marker",
+            got.len(),
+            got[i]
+        );
+    }
+}
+
 /// Asserts `result` is `Error::InvalidArgument` naming `arg`.
 pub fn expect_invalid(label: &str, result: tpfuse::Result<()>, arg: &str) {
     match result {

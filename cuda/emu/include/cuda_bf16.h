@@ -13,7 +13,9 @@ struct __nv_bfloat16 {
 namespace tpfuse_emu {
 inline uint16_t f32_to_bf16_bits(float f) {
   const uint32_t x = f32_bits(f);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);  // NaN
+  // NaN: the canonical 0x7FFF, as CUDA's conversion gives (cuda_bf16.hpp,
+  // __internal_float2bfloat16): a payload never survives the round to bf16.
+  if ((x & 0x7fffffffu) > 0x7f800000u) return 0x7fffu;
   return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 inline float bf16_bits_to_f32(uint16_t b) { return bits_f32(static_cast<uint32_t>(b) << 16); }

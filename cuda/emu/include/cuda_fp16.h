@@ -22,13 +22,13 @@ inline float bits_f32(uint32_t x) {
   return f;
 }
 // IEEE binary32 -> binary16, round to nearest even, subnormals, overflow to infinity, NaN
-// kept quiet.
+// to the canonical 0x7FFF, as CUDA's conversion gives (cuda_fp16.hpp, __internal_float2half).
 inline uint16_t f32_to_f16_bits(float f) {
   const uint32_t x = f32_bits(f);
   const uint32_t sign = (x >> 16) & 0x8000u;
   const uint32_t exp = (x >> 23) & 0xffu;
   uint32_t man = x & 0x7fffffu;
-  if (exp == 0xffu) return static_cast<uint16_t>(sign | 0x7c00u | (man ? 0x200u | (man >> 13) : 0u));
+  if (exp == 0xffu) return static_cast<uint16_t>(man ? 0x7fffu : sign | 0x7c00u);
   const int e = static_cast<int>(exp) - 127 + 15;
   if (e >= 0x1f) return static_cast<uint16_t>(sign | 0x7c00u);
   if (e <= 0) {  // a subnormal half (or zero): the mantissa with its leading one, shifted

@@ -27,33 +27,43 @@
 //! # Poisoning
 //!
 //! Every launch's waits share one deadline, the launch's start plus the group's
-//! [`timeout`]. A wait that expires records `TPFUSE_ERROR_PEER_TIMEOUT | peer` in the rank's
-//! error word and in every other peer's (so the survivors stop waiting too) and the kernel
-//! returns; [`TpGroup::check`] turns that into [`Error::PeerTimeout`] and *poisons* the
-//! group. A poisoned group refuses every further custom launch ([`Error::GroupPoisoned`]):
-//! the barriers' epochs of the ranks no longer agree, so the group must be dropped and
-//! rebuilt. (A CUDA graph captured earlier is not stopped by the host's refusal: its
-//! replays return at once on a rank whose error word is set, but a rank that never learned
-//! of the timeout waits out its deadline on each replay. Stop replaying once `check`
-//! fails.) A stream that does not drain within the host's bound
-//! (twice the timeout plus one second) or that reports a CUDA error poisons the group too.
-//! Groups built together in one process ([`TpGroup::virtual_ranks`],
-//! [`TpGroup::single_process`]) share one poison flag: a timeout seen by one rank poisons
-//! all of them. Ranks in other processes find out through their own deadlines.
+//! [`timeout`] (with a `%clock64` backstop at 4 x the timeout). A wait that expires records
+//! `TPFUSE_ERROR_PEER_TIMEOUT | peer` in the rank's error word and in every peer's (so
+//! everyone stops waiting); ranks whose launches differ (kernel, size, epilogue or grid)
+//! record `TPFUSE_ERROR_PEER_MISMATCH` at the first barrier. A launch that fails marks its
+//! outputs with [`Element::failed_output`](crate::Element::failed_output) (a NaN of
+//! tpfuse's own payload) and copies the error word to the rank's word in mapped host
+//! memory. The host reads that word before every launch, without synchronising: the op
+//! returns [`Error::PeerTimeout`] / [`Error::PeerMismatch`] and *poisons* the group, which
+//! then refuses every further custom launch ([`Error::GroupPoisoned`]): the barriers' epochs
+//! of the ranks no longer agree, so the group must be dropped and rebuilt.
+//!
+//! A CUDA graph captured earlier is not stopped by the host's refusal, but every replay of
+//! it on a poisoned group fails at once and marks its outputs again. An engine that replays
+//! graphs calls [`TpGroup::failure`] (no synchronisation) once per step, after it has
+//! synchronised with the step's results and before it uses them. [`TpGroup::check`] waits
+//! for the stream first (bounded by twice the timeout plus one second): a stream that does
+//! not drain in time, or that reports a CUDA error, poisons the group too. Groups built
+//! together in one process ([`TpGroup::virtual_ranks`], [`TpGroup::single_process`]) share
+//! one poison flag: a failure seen by one rank poisons all of them. Ranks in other processes
+//! find out through their own error words and deadlines.
 //!
 //! [`blocks`]: TpGroup::blocks
 //! [`timeout`]: TpGroup::timeout
+
+mod agreement;
+mod failure;
 
 use crate::comm::{Comm, CommOptions};
 use crate::device::{cuda, poll_stream, require_driver};
 use crate::error::{Error, Result};
 use crate::ffi::kernels;
 use crate::symmetric::{self, IpcOutcome, SymmetricWorkspace};
-use crate::topology::{self, AllReduceRule, Discovery, RankPlace, Refusal, Topology, Verdict};
+use crate::topology::{self, AllReduceRule, Discovery, Refusal, Verdict};
+use agreement::{agree, agreed_verdict, RankRecord};
 use cudarc::driver::{sys, CudaContext, CudaStream};
-use std::ffi::c_char;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use failure::{error_of_word, HostErrorWord, Poison};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// The most thread blocks a custom kernel launches per rank (`TPFUSE_MAX_BLOCKS`).
@@ -172,32 +182,6 @@ fn wait_stream(stream: &CudaStream, bound: Duration) -> Result<bool> {
     poll_stream(stream, bound, "waiting for the group's stream", || Ok(()))
 }
 
-/// The poison flag, shared by the groups built together in one process.
-#[derive(Debug, Default)]
-struct Poison {
-    flag: AtomicBool,
-    reason: OnceLock<String>,
-}
-
-impl Poison {
-    fn set(&self, reason: String) {
-        let _ = self.reason.set(reason);
-        self.flag.store(true, Ordering::Release);
-    }
-
-    fn reason(&self) -> Option<String> {
-        if !self.flag.load(Ordering::Acquire) {
-            return None;
-        }
-        Some(
-            self.reason
-                .get()
-                .cloned()
-                .unwrap_or_else(|| "an earlier failure".to_string()),
-        )
-    }
-}
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Mode {
     Virtual,
@@ -230,6 +214,10 @@ pub struct TpGroup {
     blocks: usize,
     timeout: Duration,
     poison: Arc<Poison>,
+    /// This rank's host-mapped error word; `None` without symmetric memory.
+    host_error: Option<HostErrorWord>,
+    /// The peak SM clock of the rank's device, for the deadline's backstop in cycles.
+    clock_khz: u64,
     comm: Option<Comm>,
 }
 
@@ -249,11 +237,36 @@ impl std::fmt::Debug for TpGroup {
     }
 }
 
-fn sm_count(ctx: &CudaContext) -> Result<usize> {
+pub(crate) fn sm_count(ctx: &CudaContext) -> Result<usize> {
     let sms = ctx
         .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         .map_err(cuda("reading the SM count"))?;
     Ok(sms.max(1) as usize)
+}
+
+/// The peak SM clock of `ctx`'s device in kHz; 4 GHz (above any GPU's) when the driver does
+/// not say, so the backstop never ends a wait early.
+fn peak_clock_khz(ctx: &CudaContext) -> u64 {
+    match ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLOCK_RATE) {
+        Ok(khz) if khz > 0 => khz as u64,
+        _ => 4_000_000,
+    }
+}
+
+/// The %clock64 backstop of a kernel deadline of `timeout_ns` (tpfuse.h): four times the
+/// timeout at the peak clock, so at any real clock it ends a wait no earlier than 4 x the
+/// timeout, and still ends it when %globaltimer stalls.
+fn backstop_cycles(timeout_ns: u64, clock_khz: u64) -> u64 {
+    let cycles = u128::from(timeout_ns) * u128::from(clock_khz) * 4 / 1_000_000;
+    u64::try_from(cycles).unwrap_or(u64::MAX)
+}
+
+/// The host-mapped error word of a rank that has symmetric memory.
+fn host_error_word(
+    ctx: &Arc<CudaContext>,
+    workspace: Option<&SymmetricWorkspace>,
+) -> Result<Option<HostErrorWord>> {
+    workspace.map(|_| HostErrorWord::new(ctx)).transpose()
 }
 
 impl TpGroup {
@@ -314,6 +327,7 @@ impl TpGroup {
                 world,
                 mode: Mode::Virtual,
                 stream,
+                host_error: Some(HostErrorWord::new(ctx)?),
                 workspace: Some(ws),
                 unavailable: None,
                 verdict: None,
@@ -321,6 +335,7 @@ impl TpGroup {
                 blocks,
                 timeout: options.timeout,
                 poison: poison.clone(),
+                clock_khz: peak_clock_khz(ctx),
                 comm: None,
             });
         }
@@ -378,25 +393,30 @@ impl TpGroup {
                 Err(reason) => ((0..world).map(|_| None).collect(), Some(reason)),
             };
         let poison = Arc::new(Poison::default());
-        Ok(comms
+        comms
             .into_iter()
             .zip(workspaces)
             .enumerate()
-            .map(|(rank, (comm, workspace))| TpGroup {
-                rank,
-                world,
-                mode: Mode::SingleProcess,
-                stream: comm.stream().clone(),
-                workspace,
-                unavailable: unavailable.clone(),
-                verdict: verdict.clone(),
-                rule: AllReduceRule::default(),
-                blocks,
-                timeout: options.timeout,
-                poison: poison.clone(),
-                comm: Some(comm),
+            .map(|(rank, (comm, workspace))| {
+                let ctx = comm.stream().context().clone();
+                Ok(TpGroup {
+                    rank,
+                    world,
+                    mode: Mode::SingleProcess,
+                    stream: comm.stream().clone(),
+                    host_error: host_error_word(&ctx, workspace.as_ref())?,
+                    workspace,
+                    unavailable: unavailable.clone(),
+                    verdict: verdict.clone(),
+                    rule: AllReduceRule::default(),
+                    blocks,
+                    timeout: options.timeout,
+                    poison: poison.clone(),
+                    clock_khz: peak_clock_khz(&ctx),
+                    comm: Some(comm),
+                })
             })
-            .collect())
+            .collect()
     }
 
     /// One rank per process, over an NCCL communicator of 2 ..= 8 ranks: the group's rank,
@@ -460,6 +480,8 @@ impl TpGroup {
             world,
             mode: Mode::Ipc,
             stream,
+            host_error: host_error_word(&ctx, workspace.as_ref())?,
+            clock_khz: peak_clock_khz(&ctx),
             workspace,
             unavailable,
             verdict,
@@ -547,9 +569,7 @@ impl TpGroup {
     pub(crate) fn kernel_args(
         &self,
     ) -> Result<(kernels::tpfuse_peers, kernels::tpfuse_group_args)> {
-        if let Some(reason) = self.poison.reason() {
-            return Err(Error::GroupPoisoned(reason));
-        }
+        self.failure()?;
         let ws = self.workspace.as_ref().ok_or_else(|| {
             Error::invalid(
                 "group",
@@ -559,12 +579,18 @@ impl TpGroup {
                 ),
             )
         })?;
+        let timeout_ns = u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX);
         let args = kernels::tpfuse_group_args {
             rank: self.rank as i32,
             world: self.world as i32,
             blocks: self.blocks as i32,
             capacity: ws.capacity() as u64,
-            timeout_ns: u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX),
+            timeout_ns,
+            backstop_cycles: backstop_cycles(timeout_ns, self.clock_khz),
+            host_error: self
+                .host_error
+                .as_ref()
+                .map_or(std::ptr::null_mut(), HostErrorWord::device_ptr),
         };
         Ok((ws.table(), args))
     }
@@ -576,6 +602,7 @@ impl TpGroup {
     /// - `Ok(())`: the stream drained and no kernel of this rank timed out.
     /// - [`Error::PeerTimeout`] (`rank` = this rank, `peer` = the rank that did not arrive,
     ///   `after` = the timeout): a kernel gave up on a peer; the group is now poisoned.
+    /// - [`Error::PeerMismatch`]: two ranks launched different collectives; poisoned.
     /// - [`Error::Timeout`]: the stream did not drain within the bound; poisoned.
     /// - [`Error::Cuda`]: the stream failed; poisoned.
     /// - [`Error::GroupPoisoned`]: the group (or a group built with it) was poisoned before.
@@ -627,27 +654,42 @@ impl TpGroup {
                 self.rank
             ));
         })?;
-        if word == 0 {
+        self.fail_on_word(word)
+    }
+
+    /// Whether a custom kernel of this rank has failed, without waiting for anything (no
+    /// stream synchronisation, no copy): reads the rank's host-mapped error word, which
+    /// every launch that does not complete sets before it returns.
+    ///
+    /// - `Ok(())`: no launch of this rank has failed so far (launches still running may).
+    /// - [`Error::PeerTimeout`] / [`Error::PeerMismatch`]: a launch failed; the group is now
+    ///   poisoned. Its outputs hold
+    ///   [`Element::failed_output`](crate::Element::failed_output).
+    /// - [`Error::GroupPoisoned`]: the group (or a group built with it) was poisoned before.
+    ///
+    /// Every op calls it before it launches, so a failure stops the next eager call. Work
+    /// replayed from a CUDA graph passes no host call: an engine that replays graphs calls
+    /// `failure()` once per step, after it has synchronised with the step's results (as it
+    /// must before it samples from the logits) and before it uses them; a failed step's
+    /// outputs are never plausible numbers (they are NaN of tpfuse's payload), and every
+    /// later replay's collectives fail at once without waiting.
+    pub fn failure(&self) -> Result<()> {
+        if let Some(reason) = self.poison.reason() {
+            return Err(Error::GroupPoisoned(reason));
+        }
+        match &self.host_error {
+            Some(w) => self.fail_on_word(w.read()),
+            None => Ok(()),
+        }
+    }
+
+    /// Poisons the group for a nonzero error word and returns its error.
+    fn fail_on_word(&self, word: u32) -> Result<()> {
+        let Some(error) = error_of_word(word, self.rank, self.timeout) else {
             return Ok(());
-        }
-        if word & kernels::TPFUSE_ERROR_PEER_TIMEOUT != 0 {
-            let peer = (word & 0xff) as usize;
-            self.poison.set(format!(
-                "rank {}: peer rank {peer} did not arrive within {:?}",
-                self.rank, self.timeout
-            ));
-            return Err(Error::PeerTimeout {
-                rank: self.rank,
-                peer,
-                after: self.timeout,
-            });
-        }
-        let reason = format!(
-            "rank {}: the kernels recorded error word {word:#x}",
-            self.rank
-        );
-        self.poison.set(reason.clone());
-        Err(Error::GroupPoisoned(reason))
+        };
+        self.poison.set(format!("rank {}: {error}", self.rank));
+        Err(error)
     }
 
     /// Whether the group (or a group built together with it) is poisoned.
@@ -668,6 +710,7 @@ impl Drop for TpGroup {
             // A kernel may still read or write the buffers: leak them rather than free them
             // under it.
             std::mem::forget(ws);
+            std::mem::forget(self.host_error.take());
             return;
         }
         let own = ws.release_imports();
@@ -681,430 +724,9 @@ impl Drop for TpGroup {
     }
 }
 
-/// What one rank of an IPC group tells the others before the group is built.
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct RankRecord {
-    sms: u32,
-    /// The CUDA ordinal of the rank's device, as its own process numbers it.
-    ordinal: u32,
-    /// `options.blocks`, 0 for none.
-    blocks: u32,
-    capacity: u64,
-    timeout_ns: u64,
-    bus_id: String,
-    boot_id: String,
-    hostname: String,
-}
-
-const RANK_MAGIC: [u8; 4] = *b"TPG1";
-const RANK_RECORD_BYTES: usize = 256;
-const BUS_ID: std::ops::Range<usize> = 32..64;
-const BOOT_ID: std::ops::Range<usize> = 64..128;
-const HOSTNAME: std::ops::Range<usize> = 128..256;
-
-fn put_str(buf: &mut [u8], range: std::ops::Range<usize>, s: &str) {
-    let field = &mut buf[range];
-    let n = s.len().min(field.len());
-    field[..n].copy_from_slice(&s.as_bytes()[..n]);
-}
-
-fn get_str(buf: &[u8], range: std::ops::Range<usize>) -> String {
-    let field = &buf[range];
-    let end = field.iter().position(|&b| b == 0).unwrap_or(field.len());
-    String::from_utf8_lossy(&field[..end]).into_owned()
-}
-
-fn read_trimmed(path: &str) -> String {
-    std::fs::read_to_string(path)
-        .map(|s| s.trim().to_string())
-        .unwrap_or_default()
-}
-
-impl RankRecord {
-    fn local(ctx: &CudaContext, options: &GroupOptions) -> Result<RankRecord> {
-        let mut bus = [0 as c_char; 32];
-        // SAFETY: writes at most 32 bytes, NUL-terminated, for a valid device.
-        unsafe { sys::cuDeviceGetPCIBusId(bus.as_mut_ptr(), bus.len() as i32, ctx.cu_device()) }
-            .result()
-            .map_err(cuda("reading the PCI bus id"))?;
-        let bus: Vec<u8> = bus.iter().map(|&c| c as u8).collect();
-        let mut hostname = read_trimmed("/proc/sys/kernel/hostname");
-        if hostname.is_empty() {
-            hostname = std::env::var("HOSTNAME").unwrap_or_default();
-        }
-        Ok(RankRecord {
-            sms: sm_count(ctx)? as u32,
-            ordinal: ctx.ordinal() as u32,
-            blocks: options.blocks.unwrap_or(0) as u32,
-            capacity: options.capacity_bytes as u64,
-            timeout_ns: options.timeout_ns(),
-            bus_id: get_str(&bus, 0..bus.len()),
-            boot_id: read_trimmed("/proc/sys/kernel/random/boot_id"),
-            hostname,
-        })
-    }
-
-    fn encode(&self) -> Vec<u8> {
-        let mut b = vec![0u8; RANK_RECORD_BYTES];
-        b[0..4].copy_from_slice(&RANK_MAGIC);
-        b[4..8].copy_from_slice(&self.sms.to_le_bytes());
-        b[8..12].copy_from_slice(&self.blocks.to_le_bytes());
-        b[12..16].copy_from_slice(&self.ordinal.to_le_bytes());
-        b[16..24].copy_from_slice(&self.capacity.to_le_bytes());
-        b[24..32].copy_from_slice(&self.timeout_ns.to_le_bytes());
-        put_str(&mut b, BUS_ID, &self.bus_id);
-        put_str(&mut b, BOOT_ID, &self.boot_id);
-        put_str(&mut b, HOSTNAME, &self.hostname);
-        b
-    }
-
-    fn decode(rank: usize, b: &[u8]) -> Result<RankRecord> {
-        if b.len() != RANK_RECORD_BYTES || b[0..4] != RANK_MAGIC {
-            return Err(Error::Rendezvous {
-                peer: format!("rank {rank}"),
-                reason: "sent something that is not a tpfuse group record".to_string(),
-            });
-        }
-        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
-        let u64_at = |i: usize| {
-            let mut v = [0u8; 8];
-            v.copy_from_slice(&b[i..i + 8]);
-            u64::from_le_bytes(v)
-        };
-        Ok(RankRecord {
-            sms: u32_at(4),
-            blocks: u32_at(8),
-            ordinal: u32_at(12),
-            capacity: u64_at(16),
-            timeout_ns: u64_at(24),
-            bus_id: get_str(b, BUS_ID),
-            boot_id: get_str(b, BOOT_ID),
-            hostname: get_str(b, HOSTNAME),
-        })
-    }
-
-    /// Whether this rank runs on the same host (same kernel boot) as `other`.
-    fn same_host(&self, other: &RankRecord) -> bool {
-        if !self.boot_id.is_empty() && !other.boot_id.is_empty() {
-            self.boot_id == other.boot_id
-        } else {
-            self.hostname == other.hostname
-        }
-    }
-}
-
-/// What the ranks of an IPC group agree on, computed identically on every rank.
-#[derive(Debug, PartialEq, Eq)]
-struct Agreement {
-    blocks: usize,
-    /// `Some(hosts)` when the ranks are not all on rank 0's host.
-    several_hosts: Option<String>,
-}
-
-fn agree(records: &[RankRecord]) -> Result<Agreement> {
-    let first = &records[0];
-    for (r, rec) in records.iter().enumerate().skip(1) {
-        let mismatch = |field: &str, a: String, b: String| {
-            Error::invalid(
-                format!("options.{field}"),
-                format!("rank 0 passed {a}, rank {r} {b}: every rank must pass the same options"),
-            )
-        };
-        if rec.capacity != first.capacity {
-            return Err(mismatch(
-                "capacity_bytes",
-                first.capacity.to_string(),
-                rec.capacity.to_string(),
-            ));
-        }
-        if rec.timeout_ns != first.timeout_ns {
-            return Err(mismatch(
-                "timeout",
-                format!("{:?}", Duration::from_nanos(first.timeout_ns)),
-                format!("{:?}", Duration::from_nanos(rec.timeout_ns)),
-            ));
-        }
-        if rec.blocks != first.blocks {
-            let show = |b: u32| {
-                if b == 0 {
-                    "None".to_string()
-                } else {
-                    format!("Some({b})")
-                }
-            };
-            return Err(mismatch("blocks", show(first.blocks), show(rec.blocks)));
-        }
-    }
-    let world = records.len();
-    let blocks = if first.blocks > 0 {
-        first.blocks as usize
-    } else {
-        records
-            .iter()
-            .map(|r| cta_budget(r.sms as usize, world, false))
-            .min()
-            .unwrap_or(1)
-    };
-    let several_hosts = records
-        .iter()
-        .any(|r| !r.same_host(first))
-        .then(|| host_list(records));
-    Ok(Agreement {
-        blocks,
-        several_hosts,
-    })
-}
-
-/// The ranks' hosts in rank order, deduplicated; two machines with one host name are told
-/// apart by their boot ids.
-fn host_list(records: &[RankRecord]) -> String {
-    let mut hosts: Vec<String> = Vec::new();
-    for r in records {
-        let twin = records
-            .iter()
-            .any(|o| o.hostname == r.hostname && !o.same_host(r));
-        let name = if twin {
-            let boot: String = r.boot_id.chars().take(8).collect();
-            format!("{} (boot {boot})", r.hostname)
-        } else {
-            r.hostname.clone()
-        };
-        if !hosts.contains(&name) {
-            hosts.push(name);
-        }
-    }
-    hosts.join(", ")
-}
-
-/// Rank 0's verdict for the group described by `records`, from its own NVML view.
-fn verdict_of(topo: &Topology, records: &[RankRecord], agreed: &Agreement) -> Option<Verdict> {
-    let first = &records[0];
-    if agreed.several_hosts.is_some() {
-        let places: Vec<RankPlace> = records
-            .iter()
-            .map(|r| RankPlace {
-                host: if r.same_host(first) {
-                    topo.hostname.clone()
-                } else if r.hostname == topo.hostname {
-                    format!("{} (another machine)", r.hostname)
-                } else {
-                    r.hostname.clone()
-                },
-                ordinal: r.ordinal,
-            })
-            .collect();
-        return Some(topology::assess_places(topo, &places));
-    }
-    let mut gpus = Vec::with_capacity(records.len());
-    for r in records {
-        gpus.push(
-            topo.gpus
-                .iter()
-                .find(|g| topology::same_bus_id(&g.pci_bus_id, &r.bus_id))?,
-        );
-    }
-    let ordinals: Option<Vec<u32>> = gpus.iter().map(|g| g.cuda_ordinal).collect();
-    if let Some(ordinals) = ordinals {
-        return Some(topology::assess(topo, &ordinals));
-    }
-    // Rank 0's process does not see every GPU of the group: name them by NVML index.
-    let mut by_index = topo.clone();
-    for g in &mut by_index.gpus {
-        g.cuda_ordinal = Some(g.nvml_index);
-    }
-    let indices: Vec<u32> = gpus.iter().map(|g| g.nvml_index).collect();
-    Some(topology::assess(&by_index, &indices))
-}
-
-/// Rank 0 computes the verdict and broadcasts it (as JSON) so that every rank holds the
-/// same one and chooses the same algorithm for every message.
-fn agreed_verdict(
-    comm: &Comm,
-    records: &[RankRecord],
-    agreed: &Agreement,
-) -> Result<Option<Verdict>> {
-    const BYTES: usize = 16 << 10;
-    let mut host = vec![0u8; BYTES];
-    if comm.rank() == 0 {
-        let verdict = match topology::discover() {
-            Discovery::Found(topo) => verdict_of(&topo, records, agreed),
-            Discovery::NoDriver | Discovery::Broken(_) => None,
-        };
-        let mut json = serde_json::to_vec(&verdict).unwrap_or_else(|_| b"null".to_vec());
-        if json.len() > BYTES - 4 {
-            json = b"null".to_vec();
-        }
-        host[0..4].copy_from_slice(&(json.len() as u32).to_le_bytes());
-        host[4..4 + json.len()].copy_from_slice(&json);
-    }
-    let stream = comm.stream();
-    let mut buf = stream
-        .clone_htod(&host)
-        .map_err(cuda("uploading the verdict"))?;
-    comm.broadcast(&mut buf, 0)?;
-    comm.synchronize()?;
-    let got = stream
-        .clone_dtoh(&buf)
-        .map_err(cuda("downloading the verdict"))?;
-    stream
-        .synchronize()
-        .map_err(cuda("waiting for the verdict"))?;
-    let len = u32::from_le_bytes([got[0], got[1], got[2], got[3]]) as usize;
-    if len > BYTES - 4 {
-        return Err(Error::Rendezvous {
-            peer: "rank 0".to_string(),
-            reason: format!("sent a verdict of {len} bytes"),
-        });
-    }
-    Ok(serde_json::from_slice::<Option<Verdict>>(&got[4..4 + len]).unwrap_or(None))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn record(host: &str, boot: &str) -> RankRecord {
-        RankRecord {
-            sms: 132,
-            ordinal: 3,
-            blocks: 0,
-            capacity: 8 << 20,
-            timeout_ns: 10_000_000_000,
-            bus_id: "00000000:18:00.0".to_string(),
-            boot_id: boot.to_string(),
-            hostname: host.to_string(),
-        }
-    }
-
-    #[test]
-    fn rank_records_round_trip() {
-        let mut r = record("node-1", "0b1f7c1e-8f7e-4c55-9a3a-1f2e3d4c5b6a");
-        r.blocks = 17;
-        let b = r.encode();
-        assert_eq!(b.len(), RANK_RECORD_BYTES);
-        assert_eq!(RankRecord::decode(0, &b).unwrap(), r);
-        let long = "h".repeat(300);
-        let r2 = record(&long, "");
-        let back = RankRecord::decode(1, &r2.encode()).unwrap();
-        assert_eq!(back.hostname.len(), HOSTNAME.len());
-        let mut bad = b.clone();
-        bad[0] = b'X';
-        let e = RankRecord::decode(5, &bad).unwrap_err().to_string();
-        assert!(e.contains("rank 5"), "{e}");
-    }
-
-    #[test]
-    fn ranks_agree_on_blocks_and_hosts() {
-        let mut records = vec![record("a", "boot"), record("a", "boot")];
-        records[1].sms = 78;
-        let agreed = agree(&records).unwrap();
-        assert_eq!(agreed.blocks, 39);
-        assert_eq!(agreed.several_hosts, None);
-
-        records[0].blocks = 8;
-        records[1].blocks = 8;
-        assert_eq!(agree(&records).unwrap().blocks, 8);
-
-        // Same hostname, other boot: another machine.
-        records[1].boot_id = "other".to_string();
-        assert_eq!(
-            agree(&records).unwrap().several_hosts.as_deref(),
-            Some("a (boot boot), a (boot other)")
-        );
-        // No boot ids: hostnames decide.
-        records[0].boot_id.clear();
-        records[1].boot_id.clear();
-        assert!(agree(&records).unwrap().several_hosts.is_none());
-        records[1].hostname = "b".to_string();
-        assert_eq!(
-            agree(&records).unwrap().several_hosts.as_deref(),
-            Some("a, b")
-        );
-    }
-
-    #[test]
-    fn ranks_with_different_options_are_refused() {
-        let base = vec![record("a", "x"), record("a", "x"), record("a", "x")];
-        let mut r = base.clone();
-        r[2].capacity = 1 << 20;
-        let e = agree(&r).unwrap_err().to_string();
-        assert!(
-            e.contains("options.capacity_bytes") && e.contains("rank 2"),
-            "{e}"
-        );
-        let mut r = base.clone();
-        r[1].timeout_ns = 1;
-        let e = agree(&r).unwrap_err().to_string();
-        assert!(e.contains("options.timeout"), "{e}");
-        let mut r = base;
-        r[1].blocks = 4;
-        let e = agree(&r).unwrap_err().to_string();
-        assert!(e.contains("options.blocks") && e.contains("Some(4)"), "{e}");
-    }
-
-    fn fixture(name: &str) -> Topology {
-        let path = format!(
-            "{}/tests/fixtures/topology/{name}.json",
-            env!("CARGO_MANIFEST_DIR")
-        );
-        Topology::from_json(&std::fs::read_to_string(path).unwrap()).unwrap()
-    }
-
-    fn on_gpus(topo: &Topology, nvml: &[u32]) -> Vec<RankRecord> {
-        nvml.iter()
-            .map(|&i| RankRecord {
-                bus_id: topo.gpu(i).unwrap().pci_bus_id.clone(),
-                ..record(&topo.hostname, "boot")
-            })
-            .collect()
-    }
-
-    #[test]
-    fn rank_0_names_the_gpus_by_bus_id() {
-        let topo = fixture("h100_sxm_8x_nvswitch");
-        let records = on_gpus(&topo, &[5, 2]);
-        let agreed = agree(&records).unwrap();
-        let v = verdict_of(&topo, &records, &agreed).unwrap();
-        let want: Vec<u32> = [5, 2]
-            .iter()
-            .map(|&i| topo.gpu(i).unwrap().cuda_ordinal.unwrap())
-            .collect();
-        assert_eq!(v.ordinals, want);
-        assert!(v.custom_all_reduce(), "{}", v.describe());
-
-        // Rank 0 does not see every GPU: NVML indices, same policy.
-        let mut hidden = topo.clone();
-        hidden.gpus[2].cuda_ordinal = None;
-        let v = verdict_of(&hidden, &records, &agreed).unwrap();
-        assert_eq!(v.ordinals, vec![5, 2]);
-        assert!(v.custom_all_reduce(), "{}", v.describe());
-
-        // A bus id NVML does not show: no verdict.
-        let mut stranger = records.clone();
-        stranger[1].bus_id = "0000:ff:00.0".to_string();
-        assert_eq!(verdict_of(&topo, &stranger, &agreed), None);
-    }
-
-    #[test]
-    fn rank_0_refuses_what_the_policy_refuses() {
-        let topo = fixture("rtx4090_2x_no_p2p");
-        let records = on_gpus(&topo, &[0, 1]);
-        let v = verdict_of(&topo, &records, &agree(&records).unwrap()).unwrap();
-        assert!(!v.custom_all_reduce(), "{}", v.describe());
-
-        let topo = fixture("h100_sxm_8x_nvswitch");
-        let mut records = on_gpus(&topo, &[0, 1]);
-        records[1].boot_id = "elsewhere".to_string();
-        records[1].hostname = "node-b".to_string();
-        let agreed = agree(&records).unwrap();
-        assert!(agreed.several_hosts.is_some());
-        let v = verdict_of(&topo, &records, &agreed).unwrap();
-        assert!(
-            v.describe().contains("hosts") && !v.single_host,
-            "{}",
-            v.describe()
-        );
-    }
 
     #[test]
     fn the_wait_bound_covers_the_kernel_deadline() {
@@ -1113,12 +735,9 @@ mod tests {
     }
 
     #[test]
-    fn poison_keeps_the_first_reason() {
-        let p = Poison::default();
-        assert_eq!(p.reason(), None);
-        p.set("first".to_string());
-        p.set("second".to_string());
-        assert_eq!(p.reason().as_deref(), Some("first"));
+    fn the_backstop_is_four_timeouts_at_the_peak_clock() {
+        assert_eq!(backstop_cycles(1_000_000, 2_000_000), 8_000_000);
+        assert_eq!(backstop_cycles(u64::MAX, 4_000_000), u64::MAX);
     }
 }
 
