@@ -292,7 +292,7 @@ int launch_all_reduce(int algo, const tpfuse_peers &peers, const tpfuse_group_ar
     TPFUSE_LAUNCH(two_shot_kernel<T>, g.blocks, kThreads, 0, stream)(peers, g, descriptor, in, b, res,
                                                                      o, rows, hidden);
     if (gam != nullptr) {
-      const FailureWords failure{Pad{peers.signals[g.rank]}.error(), g.host_error};
+      const FailureWords failure{peers.signals[g.rank] + TPFUSE_SIGNAL_ERROR_OFFSET / 4, g.host_error};
       const int code = launch_rms_norm<T>(o, gam, eps, o, rows, hidden, stream, failure);
       if (code != cudaSuccess) return code;
     }
