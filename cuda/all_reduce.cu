@@ -267,6 +267,17 @@ constexpr uint64_t kKindAllReduce = 1; // + algo
 constexpr uint64_t kKindAllGather = 8;
 constexpr uint64_t kKindReduceScatter = 9;
 
+// Host: the grid of a collective whose message is `vectors` 16-byte vectors per rank (the
+// all-reduce's and the all-gather's input, the reduce-scatter's output): a block per
+// kThreads vectors (one vector per thread), at least 1, at most the group's budget, so an
+// 8 KB message does not pay a full budget of blocks' barriers. It depends only on the
+// message and the budget, so every rank computes the same grid (and the first barrier
+// checks it: the grid is part of the descriptor).
+int grid_for_message(size_t vectors, int budget) {
+  const size_t wanted = (vectors + kThreads - 1) / kThreads;
+  return wanted < 1 ? 1 : wanted > static_cast<size_t>(budget) ? budget : static_cast<int>(wanted);
+}
+
 bool valid(const tpfuse_group_args *g) {
   return g != nullptr && g->world >= 2 && g->world <= TPFUSE_MAX_RANKS && g->rank >= 0 &&
          g->rank < g->world && g->blocks >= 1 && g->blocks <= TPFUSE_MAX_BLOCKS;
@@ -281,16 +292,21 @@ int launch_all_reduce(int algo, const tpfuse_peers &peers, const tpfuse_group_ar
   T *res = static_cast<T *>(residual);
   const T *gam = static_cast<const T *>(gamma);
   T *o = static_cast<T *>(out);
+  int grid = grid_for_message((rows * hidden * sizeof(T) + 15) / 16, g.blocks);
+  // One-shot with RMSNorm hands whole rows to blocks: no more blocks than rows.
+  if (algo == TPFUSE_ALGO_ONE_SHOT && gamma != nullptr && rows < static_cast<size_t>(grid)) {
+    grid = static_cast<int>(rows);
+  }
   const uint32_t descriptor =
       launch_descriptor({kKindAllReduce + static_cast<uint64_t>(algo), sizeof(T), rows, hidden,
-                         static_cast<uint64_t>(g.blocks), bias != nullptr, residual != nullptr,
+                         static_cast<uint64_t>(grid), bias != nullptr, residual != nullptr,
                          gamma != nullptr});
   if (algo == TPFUSE_ALGO_ONE_SHOT) {
-    TPFUSE_LAUNCH(one_shot_kernel<T>, g.blocks, kThreads, 0, stream)(peers, g, descriptor, in, b, res,
-                                                                     gam, eps, o, rows, hidden);
+    TPFUSE_LAUNCH(one_shot_kernel<T>, grid, kThreads, 0, stream)(peers, g, descriptor, in, b, res, gam,
+                                                                 eps, o, rows, hidden);
   } else if (algo == TPFUSE_ALGO_TWO_SHOT) {
-    TPFUSE_LAUNCH(two_shot_kernel<T>, g.blocks, kThreads, 0, stream)(peers, g, descriptor, in, b, res,
-                                                                     o, rows, hidden);
+    TPFUSE_LAUNCH(two_shot_kernel<T>, grid, kThreads, 0, stream)(peers, g, descriptor, in, b, res, o,
+                                                                 rows, hidden);
     if (gam != nullptr) {
       const FailureWords failure{peers.signals[g.rank] + TPFUSE_SIGNAL_ERROR_OFFSET / 4, g.host_error};
       const int code = launch_rms_norm<T>(o, gam, eps, o, rows, hidden, stream, failure);
@@ -331,9 +347,9 @@ extern "C" int tpfuse_all_gather(const tpfuse_peers *peers, const tpfuse_group_a
   using namespace tpfuse;
   if (peers == nullptr || !valid(group) || len_bytes % 16 != 0) return cudaErrorInvalidValue;
   if (len_bytes == 0) return cudaSuccess;
-  const uint32_t descriptor =
-      launch_descriptor({kKindAllGather, len_bytes, static_cast<uint64_t>(group->blocks)});
-  TPFUSE_LAUNCH(all_gather_kernel, group->blocks, kThreads, 0, static_cast<cudaStream_t>(stream))(
+  const int grid = grid_for_message(len_bytes / 16, group->blocks);
+  const uint32_t descriptor = launch_descriptor({kKindAllGather, len_bytes, static_cast<uint64_t>(grid)});
+  TPFUSE_LAUNCH(all_gather_kernel, grid, kThreads, 0, static_cast<cudaStream_t>(stream))(
       *peers, *group, descriptor, static_cast<const uint4 *>(input), static_cast<uint4 *>(out),
       len_bytes / 16);
   return cudaGetLastError();
@@ -346,19 +362,21 @@ extern "C" int tpfuse_reduce_scatter(tpfuse_dtype dtype, const tpfuse_peers *pee
   if (peers == nullptr || !valid(group)) return cudaErrorInvalidValue;
   if (len == 0) return cudaSuccess;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const size_t elem = dtype == TPFUSE_DTYPE_F32 ? 4 : 2;
+  const int grid = grid_for_message((len * elem + 15) / 16, group->blocks);
   const uint32_t d = launch_descriptor({kKindReduceScatter, static_cast<uint64_t>(dtype), len,
-                                        static_cast<uint64_t>(group->blocks)});
+                                        static_cast<uint64_t>(grid)});
   switch (dtype) {
   case TPFUSE_DTYPE_F32:
-    TPFUSE_LAUNCH(reduce_scatter_kernel<float>, group->blocks, kThreads, 0, s)(
+    TPFUSE_LAUNCH(reduce_scatter_kernel<float>, grid, kThreads, 0, s)(
         *peers, *group, d, static_cast<const float *>(input), static_cast<float *>(out), len);
     break;
   case TPFUSE_DTYPE_F16:
-    TPFUSE_LAUNCH(reduce_scatter_kernel<__half>, group->blocks, kThreads, 0, s)(
+    TPFUSE_LAUNCH(reduce_scatter_kernel<__half>, grid, kThreads, 0, s)(
         *peers, *group, d, static_cast<const __half *>(input), static_cast<__half *>(out), len);
     break;
   case TPFUSE_DTYPE_BF16:
-    TPFUSE_LAUNCH(reduce_scatter_kernel<__nv_bfloat16>, group->blocks, kThreads, 0, s)(
+    TPFUSE_LAUNCH(reduce_scatter_kernel<__nv_bfloat16>, grid, kThreads, 0, s)(
         *peers, *group, d, static_cast<const __nv_bfloat16 *>(input),
         static_cast<__nv_bfloat16 *>(out), len);
     break;

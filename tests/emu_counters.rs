@@ -12,7 +12,9 @@
 //! - GEMM: every configuration reads each A row once per column tile and each B row once
 //!   per row tile (no more), writes m·n elements once, and its ldmatrix loads have no bank
 //!   conflicts (the swizzled shared-memory layout);
-//! - reduce_ranks: W·n read, n written, no peer bytes (its stream has no rank).
+//! - reduce_ranks: W·n read, n written, no peer bytes (its stream has no rank);
+//! - the grid follows the message: a block per 512 16-byte vectors, at most the budget, and
+//!   one-shot with RMSNorm no more blocks than rows (a decode step's 8 KB: one block).
 #![cfg(feature = "emulator")]
 
 mod common;
@@ -24,7 +26,7 @@ use cudarc::driver::{CudaSlice, DevicePtrMut};
 use half::bf16;
 use tpfuse::emulator::counters::{self, LaunchCounters};
 use tpfuse::ops::gemm::{gemm_with_config, GemmConfig, GemmShape};
-use tpfuse::ops::{self, Algorithm, Epilogue};
+use tpfuse::ops::{self, Algorithm, Epilogue, RmsNorm};
 use tpfuse::{GroupOptions, TpGroup};
 
 const FILE: &str = "emu_counters";
@@ -40,12 +42,19 @@ fn inputs(seed: u64, world: usize, n: usize) -> Vec<Vec<bf16>> {
         .collect()
 }
 
+/// The grid of a collective whose message is `bytes` per rank (cuda/all_reduce.cu): a block
+/// per 512 16-byte vectors, 1 ..= the group's budget.
+fn grid(bytes: usize, budget: usize) -> usize {
+    bytes.div_ceil(16).div_ceil(512).clamp(1, budget)
+}
+
 /// The records of one round of `op` on every rank: one launch per rank, of `kernel`, with
-/// the group's blocks, tagged with its rank (in any order of completion).
+/// `blocks` blocks, tagged with its rank (in any order of completion).
 fn count_round(
     groups: &[TpGroup],
     label: &str,
     kernel: &str,
+    blocks: usize,
     op: impl FnMut(usize) -> tpfuse::Result<()>,
 ) -> Vec<LaunchCounters> {
     let ((), records) = counters::count(|| {
@@ -59,7 +68,7 @@ fn count_round(
     let mut by_rank: Vec<Option<LaunchCounters>> = vec![None; groups.len()];
     for rec in records {
         assert!(rec.kernel.contains(kernel), "{label}: ran {}", rec.kernel);
-        assert_eq!(rec.blocks.len(), groups[0].blocks(), "{label}: blocks");
+        assert_eq!(rec.blocks.len(), blocks, "{label}: blocks");
         let r = rec
             .rank
             .unwrap_or_else(|| panic!("{label}: a launch without a rank tag"));
@@ -97,7 +106,9 @@ fn one_shot_reads_each_peer_once_and_balances_the_blocks() {
         let label = format!("one-shot W={world} n={n}");
         let ins: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0x1e, world, n));
         let mut outs: Vec<CudaSlice<bf16>> = poisoned_ranks(&groups, n);
-        let recs = count_round(&groups, &label, "one_shot", |r| {
+        let blocks = grid(n * 2, groups[0].blocks());
+        assert!(blocks > 1, "{label}: several blocks share the message");
+        let recs = count_round(&groups, &label, "one_shot", blocks, |r| {
             ops::all_reduce(&groups[r], &ins[r], &mut outs[r], Algorithm::OneShot).map(|_| ())
         });
         let (n, w) = (n as u64, world as u64);
@@ -134,7 +145,8 @@ fn two_shot_reads_twice_the_peers_share() {
         let mut outs: Vec<CudaSlice<bf16>> = poisoned_ranks(&groups, n);
         for with_residual in [false, true] {
             let label = format!("two-shot W={world} n={n} residual={with_residual}");
-            let recs = count_round(&groups, &label, "two_shot", |r| {
+            let blocks = grid(n * 2, groups[0].blocks());
+            let recs = count_round(&groups, &label, "two_shot", blocks, |r| {
                 let epilogue = Epilogue {
                     residual: with_residual
                         .then_some(&mut residuals[r] as &mut dyn DevicePtrMut<bf16>),
@@ -199,7 +211,8 @@ fn all_gather_and_reduce_scatter_read_each_peer_once() {
         let label = format!("all-gather W={world} len={len}");
         let ins: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0x3e, world, len));
         let mut outs: Vec<CudaSlice<bf16>> = poisoned_ranks(&groups, world * len);
-        let recs = count_round(&groups, &label, "all_gather", |r| {
+        let blocks = grid(len * 2, groups[0].blocks());
+        let recs = count_round(&groups, &label, "all_gather", blocks, |r| {
             ops::all_gather(&groups[r], &ins[r], &mut outs[r])
         });
         for (r, rec) in recs.iter().enumerate() {
@@ -218,7 +231,7 @@ fn all_gather_and_reduce_scatter_read_each_peer_once() {
         let label = format!("reduce-scatter W={world} len={len}");
         let ins: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0x4e, world, world * len));
         let mut outs: Vec<CudaSlice<bf16>> = poisoned_ranks(&groups, len);
-        let recs = count_round(&groups, &label, "reduce_scatter", |r| {
+        let recs = count_round(&groups, &label, "reduce_scatter", blocks, |r| {
             ops::reduce_scatter(&groups[r], &ins[r], &mut outs[r])
         });
         for (r, rec) in recs.iter().enumerate() {
@@ -312,4 +325,49 @@ fn reduce_ranks_moves_its_inputs_and_output_once() {
     assert_eq!(t.global_read_bytes, (world * n) as u64 * S);
     assert_eq!(t.global_write_bytes, n as u64 * S);
     assert_eq!(t.peer_read_bytes, 0);
+}
+
+#[test]
+fn a_decode_message_launches_only_the_blocks_it_needs() {
+    let _session = session_with(
+        FILE,
+        "a_decode_message_launches_only_the_blocks_it_needs",
+        SMS,
+        60_000_000_000,
+    );
+    let gpu = gpu();
+    let world = 2;
+    let groups = virtual_group(&gpu.ctx, world, GroupOptions::default());
+    assert!(
+        groups[0].blocks() > 6,
+        "the budget is larger than the grids below"
+    );
+    let hidden = 8192; // 16 KB of bf16 per row
+    let gammas: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0x5f, world, hidden));
+    for (rows, norm, blocks) in [(1, false, 2), (1, true, 1), (2, true, 2), (3, false, 6)] {
+        let n = rows * hidden;
+        let label = format!("one-shot rows={rows} rmsnorm={norm}");
+        let ins: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0x5e, world, n));
+        let mut outs: Vec<CudaSlice<bf16>> = poisoned_ranks(&groups, n);
+        let recs = count_round(&groups, &label, "one_shot", blocks, |r| {
+            let epilogue = Epilogue {
+                norm: norm.then(|| RmsNorm {
+                    gamma: &gammas[r],
+                    eps: 1e-5,
+                }),
+                ..Epilogue::default()
+            };
+            ops::all_reduce_fused(
+                &groups[r],
+                &ins[r],
+                epilogue,
+                &mut outs[r],
+                Algorithm::OneShot,
+            )
+            .map(|_| ())
+        });
+        for rec in &recs {
+            assert_barriers(&label, rec, 2);
+        }
+    }
 }
