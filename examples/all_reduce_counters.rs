@@ -6,7 +6,7 @@
 //! eval "$(scripts/setup.sh)" && cargo run --features emulator --example all_reduce_counters
 //! ```
 //!
-//! Per launch (the worst rank): blocks, cross-rank barriers per block, the busiest block's
+//! Per launch (the worst rank): the collective's blocks, cross-rank barriers per block, the busiest block's
 //! peer bytes over the mean, peer bytes per rank against the lower bound of the algorithm
 //! ((W-1)·n·size for one-shot, 2·(W-1)/W·n·size for two-shot), and global bytes per rank
 //! against reading the inputs and writing the outputs once. The last column is a model, not a
@@ -29,13 +29,13 @@ fn main() -> tpfuse::Result<()> {
     let ctx = tpfuse::device::open(0)?;
     let groups = TpGroup::virtual_ranks(&ctx, WORLD, GroupOptions::default())?;
     println!(
-        "W = {WORLD}, bf16, hidden {HIDDEN}, {} blocks per rank (emulated H100, 132 SMs)\n",
+        "W = {WORLD}, bf16, hidden {HIDDEN}, a budget of {} blocks per rank (emulated H100, 132 SMs)\n",
         groups[0].blocks()
     );
     println!(
-        "| m | algorithm | epilogue | barriers/block | peer max/mean | peer bytes/rank (x bound) | global bytes/rank (x inputs+outputs) | model µs |"
+        "| m | algorithm | epilogue | blocks | barriers/block | peer max/mean | peer bytes/rank (x bound) | global bytes/rank (x inputs+outputs) | model µs |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for m in [1usize, 16, 64] {
         for algo in [Algorithm::OneShot, Algorithm::TwoShot] {
             for fused in [false, true] {
@@ -99,6 +99,7 @@ fn row(m: usize, algo: Algorithm, fused: bool, launches: &[LaunchCounters]) {
     let mut worst_peer = 0u64;
     let mut worst_global = 0u64;
     let mut rounds = 0u64;
+    let mut blocks = 0usize;
     let mut balance: f64 = 0.0;
     for r in 0..WORLD {
         let mine: Vec<&LaunchCounters> = launches.iter().filter(|l| l.rank == Some(r)).collect();
@@ -110,6 +111,9 @@ fn row(m: usize, algo: Algorithm, fused: bool, launches: &[LaunchCounters]) {
         worst_peer = worst_peer.max(peer);
         worst_global = worst_global.max(global);
         for l in &mine {
+            if !l.kernel.contains("rms_norm") {
+                blocks = blocks.max(l.blocks.len());
+            }
             rounds = rounds.max(l.blocks.iter().map(|b| b.barriers).max().unwrap_or(0));
             balance = balance.max(l.peer_read_balance().unwrap_or(0.0));
         }
@@ -122,7 +126,7 @@ fn row(m: usize, algo: Algorithm, fused: bool, launches: &[LaunchCounters]) {
     let io = if fused { 4.0 } else { 2.0 } * n * SIZE;
     let model_us = (worst_peer as f64 / LINK_BYTES_PER_S + rounds as f64 * ROUND_S) * 1e6;
     println!(
-        "| {m} | {algo:?} | {} | {rounds} | {balance:.2} | {worst_peer} ({:.2}x) | {worst_global} ({:.2}x) | {model_us:.1} |",
+        "| {m} | {algo:?} | {} | {blocks} | {rounds} | {balance:.2} | {worst_peer} ({:.2}x) | {worst_global} ({:.2}x) | {model_us:.1} |",
         if fused { "residual + RMSNorm" } else { "none" },
         worst_peer as f64 / bound,
         worst_global as f64 / io,
