@@ -4,7 +4,8 @@
 //
 // Every kernel follows the same shape, with the barriers of barrier.cuh between phases:
 //
-//   one-shot    stage -> | -> reduce all ranks' staging, epilogue -> | -> (RMSNorm rows)
+//   one-shot    stage -> | -> reduce all ranks' staging, epilogue -> | -> (RMSNorm: sums of
+//               squares of the block's row segments -> the rank's blocks meet -> normalise)
 //   two-shot    stage -> | -> reduce own slice, epilogue, publish -> | -> gather slices -> |
 //   all-gather  stage -> | -> copy every rank's staging -> |
 //   reduce-sc.  stage -> | -> reduce own slice -> |
@@ -129,6 +130,42 @@ __device__ __forceinline__ void give_up(const BlockBarrier &barrier, T *out, T *
   mark_failed(residual, r.begin, r.end);
 }
 
+// One segment of a row (epilogue.cuh, kSegment): with RMSNorm, the unit of work one-shot
+// hands to its blocks, so a row is split across blocks. Unit u is segment u % per_row of
+// row u / per_row; consecutive units are consecutive in memory.
+template <typename T> struct Segments {
+  size_t hidden, per_row;
+  __device__ size_t row(size_t u) const { return u / per_row; }
+  __device__ size_t begin(size_t u) const { return row(u) * hidden + u % per_row * kSegment<T>; }
+  __device__ size_t end(size_t u) const { return min(begin(u) + kSegment<T>, (row(u) + 1) * hidden); }
+  // Elements of units [units.begin, units.end).
+  __device__ Range elements(Range units) const {
+    return units.begin < units.end ? Range{begin(units.begin), end(units.end - 1)} : Range{0, 0};
+  }
+};
+
+// One-shot RMSNorm of the block's units, after the reduction wrote h into out: each unit's
+// partial sum of squares into `partials` (this rank's workspace, one float per unit), the
+// blocks of the rank meet, then each unit's row sum is the row's partials added in segment
+// order (the standalone kernel's order: the same bits), and the unit is normalised.
+template <typename T>
+__device__ __forceinline__ bool normalize_units(BlockBarrier &barrier, const Segments<T> &seg, Range units,
+                                                float *partials, const T *gamma, float eps, T *out) {
+  for (size_t u = units.begin; u < units.end; ++u) {
+    const float partial = segment_sum_of_squares(out, seg.begin(u), seg.end(u));
+    if (threadIdx.x == 0) st_global(partials + u, partial);
+  }
+  if (!barrier.meet_rank_blocks()) return false;
+  for (size_t u = units.begin; u < units.end; ++u) {
+    const size_t first = seg.row(u) * seg.per_row;
+    float sum = 0.f;
+    for (size_t s = 0; s < seg.per_row; ++s) sum += ld_global(partials + first + s);
+    const float rstd = rstd_of(sum, seg.hidden, eps);
+    normalize_segment(out, gamma, rstd, out, seg.row(u) * seg.hidden, seg.begin(u), seg.end(u));
+  }
+  return true;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1)
     one_shot_kernel(const __grid_constant__ tpfuse_peers peers,
@@ -138,13 +175,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   TPFUSE_SHARED(int, failures);
   BlockBarrier barrier(peers, g, descriptor, &failures);
   const size_t n = rows * hidden;
-  // With RMSNorm a block owns whole rows; otherwise an even share of 16-byte vectors.
-  const Range rows_mine = share(rows, blockIdx.x, gridDim.x);
-  const Range r = gamma != nullptr
-                      ? Range{rows_mine.begin * hidden, rows_mine.end * hidden}
-                      : element_range<T>(share((n + Vec16<T>::kLen - 1) / Vec16<T>::kLen,
-                                               blockIdx.x, gridDim.x),
-                                         n);
+  // An even share of 16-byte vectors; with RMSNorm an even share of row segments.
+  const Segments<T> seg{hidden, segments_per_row<T>(hidden)};
+  const Range units = share(gamma != nullptr ? rows * seg.per_row : (n + Vec16<T>::kLen - 1) / Vec16<T>::kLen,
+                            blockIdx.x, gridDim.x);
+  const Range r = gamma != nullptr ? seg.elements(units) : element_range<T>(units, n);
   if (barrier.poisoned()) return give_up(barrier, out, residual, r);
   copy_range(input, static_cast<T *>(peers.data[g.rank]), r);
   if (!barrier.arrive_and_wait()) return give_up(barrier, out, residual, r);
@@ -152,12 +187,11 @@ __global__ void __launch_bounds__(kThreads, 1)
                static_cast<T *>(nullptr));
   if (!barrier.arrive_and_wait()) return give_up(barrier, out, residual, r);
   barrier.commit();
-  if (gamma != nullptr) {
-    for (size_t row = rows_mine.begin; row < rows_mine.end; ++row) {
-      __syncthreads(); // the row's h, written by other threads, is complete
-      rms_norm_row(out + row * hidden, gamma, eps, out + row * hidden, hidden);
-    }
-  }
+  if (gamma == nullptr) return;
+  // The partials live in the result half of this rank's buffer, which one-shot leaves unused
+  // (a unit holds at least 4 bytes of data, so they fit in the capacity).
+  float *partials = reinterpret_cast<float *>(static_cast<char *>(peers.data[g.rank]) + g.capacity);
+  if (!normalize_units(barrier, seg, units, partials, gamma, eps, out)) give_up(barrier, out, residual, r);
 }
 
 // Slice p of the data (rank p reduces it), and block b's chunk of it, in elements.
@@ -293,9 +327,10 @@ int launch_all_reduce(int algo, const tpfuse_peers &peers, const tpfuse_group_ar
   const T *gam = static_cast<const T *>(gamma);
   T *o = static_cast<T *>(out);
   int grid = grid_for_message((rows * hidden * sizeof(T) + 15) / 16, g.blocks);
-  // One-shot with RMSNorm hands whole rows to blocks: no more blocks than rows.
-  if (algo == TPFUSE_ALGO_ONE_SHOT && gamma != nullptr && rows < static_cast<size_t>(grid)) {
-    grid = static_cast<int>(rows);
+  // One-shot with RMSNorm hands row segments to blocks: no more blocks than segments.
+  const size_t units = rows * segments_per_row<T>(hidden);
+  if (algo == TPFUSE_ALGO_ONE_SHOT && gamma != nullptr && units < static_cast<size_t>(grid)) {
+    grid = static_cast<int>(units);
   }
   const uint32_t descriptor =
       launch_descriptor({kKindAllReduce + static_cast<uint64_t>(algo), sizeof(T), rows, hidden,

@@ -54,6 +54,8 @@ struct Pad {
     return base + TPFUSE_SIGNAL_COUNTERS_OFFSET / 4 + block;
   }
   __device__ uint32_t *error() const { return base + TPFUSE_SIGNAL_ERROR_OFFSET / 4; }
+  __device__ uint32_t *grid_count() const { return base + TPFUSE_SIGNAL_GRID_COUNT_OFFSET / 4; }
+  __device__ uint32_t *grid_generation() const { return base + TPFUSE_SIGNAL_GRID_GENERATION_OFFSET / 4; }
   __device__ uint32_t *descriptor(int block, int src) const {
     return base + TPFUSE_SIGNAL_DESCRIPTORS_OFFSET / 4 + block * TPFUSE_MAX_RANKS + src;
   }
@@ -129,6 +131,51 @@ public:
     const bool passed = *failures_ == 0;
     if (passed && threadIdx.x == 0) note_barrier_passed();
     return passed;
+  }
+
+  // The blocks of this rank's launch meet (the one-shot RMSNorm's cross-block sum of
+  // squares); false when the launch failed meanwhile. Every block of the grid is resident
+  // at once (the group's CTA budget), so the wait ends.
+  //
+  // Protocol, thread 0 of each block, on grid_count and grid_generation of this rank's pad:
+  // read the generation (ld.acquire: it cannot be satisfied after the add below), then add
+  // 1 to the count with atom.acq_rel.gpu (it releases the block's writes, ordered before it
+  // by __syncthreads; the adds of one location form a release sequence, so the last adder
+  // acquires every earlier block's writes). The last arriver sets the count back to 0 (no
+  // block of this launch adds again, and the next launch on the stream starts after this
+  // one ends) and stores generation + 1 with st.release.sys; the others spin on the
+  // generation (relaxed), then acquire it once, under the launch's deadline like every wait.
+  // A __syncthreads then orders the whole block after thread 0's acquire.
+  __device__ bool meet_rank_blocks() {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      uint32_t *count = own_.grid_count();
+      uint32_t *generation = own_.grid_generation();
+      const uint32_t seen = ld_acquire_sys(generation);
+      if (atomic_add_acq_rel_gpu(count, 1u) + 1u == gridDim.x) {
+        st_release_sys(count, 0u);
+        st_release_sys(generation, seen + 1u);
+      } else {
+        bool met = true;
+        for (uint32_t spins = 0; ld_relaxed_sys(generation) == seen; ++spins) {
+          if ((spins & 1023u) != 1023u) continue;
+          if (ld_relaxed_sys(own_.error()) != 0 || expired()) {
+            met = false;
+            break;
+          }
+        }
+        if (met) {
+          (void)ld_acquire_sys(generation);
+        } else {
+          // A block of this rank gave up (it set the error word) or, without it, the
+          // deadline passed: record a timeout on this rank itself.
+          if (ld_relaxed_sys(own_.error()) == 0) report(TPFUSE_ERROR_PEER_TIMEOUT | static_cast<uint32_t>(g_.rank));
+          atomicAdd(failures_, 1);
+        }
+      }
+    }
+    __syncthreads();
+    return *failures_ == 0;
   }
 
   // Stores the epoch for the next launch; call once, after the last barrier passed.

@@ -70,18 +70,77 @@ __device__ __forceinline__ float block_sum(float v) {
   return total;
 }
 
-// out[i] = x[i] * rsqrt(mean(x^2) + eps) * gamma[i] over one row; x == out is allowed.
-// Shared by the fused kernel and the standalone one: same arithmetic, same bits.
+// RMSNorm, out[i] = x[i] * rsqrt(mean(x^2) + eps) * gamma[i] over a row of `hidden` elements
+// (a multiple of the vector length), in one fixed order that the fused one-shot kernel and
+// the standalone kernel share, so they give the same bits however the work is split:
+//
+//   - the row is cut into segments of kSegment elements (one 16-byte vector per thread of a
+//     block), the last one shorter;
+//   - a segment's partial sum of squares: each thread's vector (fmaf, in element order), then
+//     block_sum's fixed tree;
+//   - the row's sum: the partials added in segment order from 0 (f32);
+//   - then rstd = rsqrt(sum / hidden + eps) and y = x * rstd * gamma per element.
+//
+// The standalone kernel runs a row's segments in one block; the fused one-shot kernel
+// spreads a message's segments over its blocks and adds the partials across blocks.
+template <typename T> constexpr size_t kSegment = static_cast<size_t>(kThreads) * Vec16<T>::kLen;
+
+// Segments of a row of `hidden` elements.
+template <typename T> __host__ __device__ __forceinline__ size_t segments_per_row(size_t hidden) {
+  return (hidden + kSegment<T> - 1) / kSegment<T>;
+}
+
+// The partial sum of squares of elements [begin, end) of x (one segment: at most kSegment,
+// begin vector-aligned), the same value in every thread of the block.
+template <typename T>
+__device__ __forceinline__ float segment_sum_of_squares(const T *x, size_t begin, size_t end) {
+  float ss = 0.f;
+  const size_t i = begin + threadIdx.x * Vec16<T>::kLen;
+  if (i < end) {
+    const Vec16<T> v = load16(x + i);
+#pragma unroll
+    for (int j = 0; j < Vec16<T>::kLen; ++j) {
+      const float f = Elem<T>::to_f32(v.v[j]);
+      ss = fmaf(f, f, ss);
+    }
+  }
+  return block_sum(ss);
+}
+
+// The row's rstd from the sum of its segments' partials (added in segment order from 0).
+__device__ __forceinline__ float rstd_of(float sum_of_squares, size_t hidden, float eps) {
+  return rsqrtf(sum_of_squares / static_cast<float>(hidden) + eps);
+}
+
+// y = x * rstd * gamma[col] for the elements [begin, end) of one segment of a row that
+// starts at element `row_begin` (x == out allowed: each thread reads its vector, then writes
+// it).
+template <typename T>
+__device__ __forceinline__ void normalize_segment(const T *x, const T *gamma, float rstd, T *out, size_t row_begin,
+                                                  size_t begin, size_t end) {
+  const size_t i = begin + threadIdx.x * Vec16<T>::kLen;
+  if (i >= end) return;
+  const Vec16<T> v = load16(x + i);
+  const Vec16<T> g = load16(gamma + (i - row_begin));
+  Vec16<T> y;
+#pragma unroll
+  for (int j = 0; j < Vec16<T>::kLen; ++j) {
+    y.v[j] = Elem<T>::from_f32(Elem<T>::to_f32(v.v[j]) * rstd * Elem<T>::to_f32(g.v[j]));
+  }
+  store16(out + i, y);
+}
+
+// The standalone RMSNorm of one row, by one block (x == out allowed).
 template <typename T>
 __device__ __forceinline__ void rms_norm_row(const T *x, const T *gamma, float eps, T *out, size_t hidden) {
-  float ss = 0.f;
-  for (size_t i = threadIdx.x; i < hidden; i += kThreads) {
-    const float v = Elem<T>::to_f32(ld_global(x + i));
-    ss = fmaf(v, v, ss);
+  const size_t segments = segments_per_row<T>(hidden);
+  float sum = 0.f;
+  for (size_t s = 0; s < segments; ++s) {
+    sum += segment_sum_of_squares(x, s * kSegment<T>, min((s + 1) * kSegment<T>, hidden));
   }
-  const float rstd = rsqrtf(block_sum(ss) / static_cast<float>(hidden) + eps);
-  for (size_t i = threadIdx.x; i < hidden; i += kThreads) {
-    st_global(out + i, Elem<T>::from_f32(Elem<T>::to_f32(ld_global(x + i)) * rstd * Elem<T>::to_f32(ld_global(gamma + i))));
+  const float rstd = rstd_of(sum, hidden, eps);
+  for (size_t s = 0; s < segments; ++s) {
+    normalize_segment(x, gamma, rstd, out, 0, s * kSegment<T>, min((s + 1) * kSegment<T>, hidden));
   }
 }
 

@@ -84,6 +84,19 @@ __device__ __forceinline__ uint32_t atomic_cas_sys(uint32_t *p, uint32_t expecte
 #endif
 }
 
+// atom.acq_rel.gpu.global.add.u32 (PTX ISA: "atom"): adds v, returns the old value; a release
+// of what this thread ordered before it and an acquire of what the values it reads from
+// released (the read-modify-writes of one location form a release sequence).
+__device__ __forceinline__ uint32_t atomic_add_acq_rel_gpu(uint32_t *p, uint32_t v) {
+#ifdef TPFUSE_EMULATOR
+  return ::tpfuse_emu::atomic_add(p, v);
+#else
+  uint32_t old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+#endif
+}
+
 // ---- Shared memory and the sm80 GEMM's data movement.
 
 // The shared-window address of a pointer into (dynamic) shared memory.

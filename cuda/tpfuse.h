@@ -68,6 +68,8 @@ int32_t tpfuse_cudart_version(void);
  *       uint32 counters[TPFUSE_MAX_BLOCKS]                 barriers block b of this rank has
  *                                                         passed (its epoch)
  *       uint32 error                                       0, or TPFUSE_ERROR_* | peer
+ *       uint32 grid_count, grid_generation                 the barrier of one rank's blocks
+ *                                                         (one-shot RMSNorm), barrier.cuh
  *       (padding to 256 bytes)
  *       uint32 descriptors[TPFUSE_MAX_BLOCKS][TPFUSE_MAX_RANKS]  descriptors[b][src]: what
  *                                                         block b of rank src launched last
@@ -89,6 +91,8 @@ int32_t tpfuse_cudart_version(void);
 #define TPFUSE_SIGNAL_FLAGS_OFFSET 0
 #define TPFUSE_SIGNAL_COUNTERS_OFFSET (4 * TPFUSE_MAX_BLOCKS * TPFUSE_MAX_RANKS)
 #define TPFUSE_SIGNAL_ERROR_OFFSET (TPFUSE_SIGNAL_COUNTERS_OFFSET + 4 * TPFUSE_MAX_BLOCKS)
+#define TPFUSE_SIGNAL_GRID_COUNT_OFFSET (TPFUSE_SIGNAL_ERROR_OFFSET + 4)
+#define TPFUSE_SIGNAL_GRID_GENERATION_OFFSET (TPFUSE_SIGNAL_ERROR_OFFSET + 8)
 #define TPFUSE_SIGNAL_DESCRIPTORS_OFFSET (TPFUSE_SIGNAL_ERROR_OFFSET + 256)
 #define TPFUSE_SIGNAL_PAD_BYTES (TPFUSE_SIGNAL_DESCRIPTORS_OFFSET + 4 * TPFUSE_MAX_BLOCKS * TPFUSE_MAX_RANKS)
 

@@ -154,6 +154,10 @@ mutant bias-column-per-vector emu_all_reduce "the vector epilogue takes the bias
   epilogue.cuh 'b = load16(bias + i % hidden);' 'b = load16(bias + i / hidden % 1);'
 mutant two-shot-residual emu_all_reduce "two-shot does not gather peers' slices into residual" \
   all_reduce.cu 'if (residual != nullptr) copy_range(static_cast<const T *>(out), residual, r);' ''
+mutant partials-reversed emu_all_reduce "one-shot adds a row's segment partials in reverse (fused and unfused bits differ)" \
+  all_reduce.cu 'sum += ld_global(partials + first + s);' 'sum += ld_global(partials + first + seg.per_row - 1 - s);'
+mutant no-rank-meet emu_all_reduce "one-shot normalises before the rank's other blocks wrote their partials" \
+  all_reduce.cu 'if (!barrier.meet_rank_blocks()) return false;' ''
 mutant half-warp-sum emu_all_reduce "RMSNorm's warp sum skips the first shuffle" \
   epilogue.cuh 'for (int offset = 16; offset > 0; offset >>= 1)' 'for (int offset = 8; offset > 0; offset >>= 1)'
 mutant all-gather-offset emu_all_reduce "all-gather writes every rank's part at its own offset" \

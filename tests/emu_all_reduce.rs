@@ -391,6 +391,9 @@ fn all_reduce_every_world<T: TestElement>(seed: u64) {
             (1, 4100, &FLAT_EPILOGUES),
             (1, 256, &ROW_EPILOGUES),
             (3, 520, &ROW_EPILOGUES),
+            // Rows of several RMSNorm segments (4096 elements of f16/bf16, 2048 of f32), the
+            // last one short: one-shot splits them across blocks.
+            (2, 4104, &ROW_EPILOGUES),
         ];
         for (si, (rows, hidden, epilogues)) in shapes.into_iter().enumerate() {
             for (ei, &epi) in epilogues.iter().enumerate() {

@@ -13,8 +13,9 @@
 //!   per row tile (no more), writes m·n elements once, and its ldmatrix loads have no bank
 //!   conflicts (the swizzled shared-memory layout);
 //! - reduce_ranks: W·n read, n written, no peer bytes (its stream has no rank);
-//! - the grid follows the message: a block per 512 16-byte vectors, at most the budget, and
-//!   one-shot with RMSNorm no more blocks than rows (a decode step's 8 KB: one block).
+//! - the grid follows the message: a block per 512 16-byte vectors, at most the budget (a
+//!   decode step's 8 KB: one block), and one-shot with RMSNorm splits rows across blocks
+//!   (balanced peer reads at m = 1).
 #![cfg(feature = "emulator")]
 
 mod common;
@@ -344,7 +345,8 @@ fn a_decode_message_launches_only_the_blocks_it_needs() {
     );
     let hidden = 8192; // 16 KB of bf16 per row
     let gammas: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0x5f, world, hidden));
-    for (rows, norm, blocks) in [(1, false, 2), (1, true, 1), (2, true, 2), (3, false, 6)] {
+    // 16 KB rows: 2 blocks of 512 vectors; with RMSNorm the row's 2 segments go to 2 blocks.
+    for (rows, norm, blocks) in [(1, false, 2), (1, true, 2), (2, true, 4), (3, false, 6)] {
         let n = rows * hidden;
         let label = format!("one-shot rows={rows} rmsnorm={norm}");
         let ins: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0x5e, world, n));
@@ -368,6 +370,13 @@ fn a_decode_message_launches_only_the_blocks_it_needs() {
         });
         for rec in &recs {
             assert_barriers(&label, rec, 2);
+            // Every block pulls the same share from the peers, RMSNorm or not (a row is split
+            // across blocks, not handed whole to one).
+            let balance = rec.peer_read_balance().expect("peer reads");
+            assert!(
+                balance < 1.01,
+                "{label}: the busiest block reads {balance}x the mean"
+            );
         }
     }
 }
