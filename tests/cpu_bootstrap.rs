@@ -938,3 +938,107 @@ fn file_rendezvous_across_processes() {
         );
     }
 }
+
+// ----------------------------------------------------------------------------------------
+// issue 11: jobs that share a port or a path, repeated run ids, stray connections
+// ----------------------------------------------------------------------------------------
+
+fn slurm_env(extra: &[(&str, &str)]) -> LaunchEnv {
+    let base = [
+        ("SLURM_PROCID", "0"),
+        ("SLURM_NTASKS", "2"),
+        ("SLURM_LOCALID", "0"),
+        ("SLURM_JOB_ID", "1234"),
+        ("SLURM_STEP_ID", "7"),
+    ];
+    LaunchEnv::from_vars(vars(&[&base[..], extra].concat())).unwrap()
+}
+
+#[test]
+fn run_id_holds_the_restart_count_and_tpfuse_run_id_wins() {
+    let first = slurm_env(&[]).run_id.unwrap();
+    let requeued = slurm_env(&[("SLURM_RESTART_COUNT", "1")]).run_id.unwrap();
+    let again = slurm_env(&[("SLURM_RESTART_COUNT", "2")]).run_id.unwrap();
+    assert!(first.starts_with("1234.7"), "{first}");
+    assert!(
+        requeued.starts_with("1234.7") && requeued.contains('1'),
+        "{requeued}"
+    );
+    assert!(
+        first != requeued && requeued != again,
+        "{first} {requeued} {again}"
+    );
+
+    let torchrun = |extra: &[(&str, &str)]| env_of(1, 2, extra).run_id;
+    let run = [("TORCHELASTIC_RUN_ID", "abc")];
+    let restarted = [&run[..], &[("TORCHELASTIC_RESTART_COUNT", "3")]].concat();
+    assert_ne!(torchrun(&run), torchrun(&restarted));
+    assert!(torchrun(&restarted).unwrap().contains('3'));
+
+    // The user's own run id replaces the launcher's; the restart count still counts.
+    let mine = slurm_env(&[("TPFUSE_RUN_ID", "mine")]).run_id.unwrap();
+    assert!(mine.starts_with("mine") && !mine.contains("1234"), "{mine}");
+    assert_eq!(torchrun(&[("TPFUSE_RUN_ID", "x")]).as_deref(), Some("x"));
+    let mine_again = slurm_env(&[("TPFUSE_RUN_ID", "mine"), ("SLURM_RESTART_COUNT", "1")]);
+    assert_ne!(mine_again.run_id.unwrap(), mine);
+    assert_eq!(torchrun(&[]), None);
+}
+
+#[test]
+fn launch_env_refuses_a_stray_world_of_one_under_another_launcher() {
+    let stray = [("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")];
+    let mpi = [
+        ("OMPI_COMM_WORLD_RANK", "3"),
+        ("OMPI_COMM_WORLD_SIZE", "4"),
+        ("OMPI_COMM_WORLD_LOCAL_RANK", "3"),
+    ];
+    let srun = [
+        ("SLURM_PROCID", "1"),
+        ("SLURM_NTASKS", "2"),
+        ("SLURM_LOCALID", "1"),
+    ];
+    let message = launch_env_error(&[&stray[..], &mpi].concat());
+    assert!(
+        message.contains("WORLD_SIZE=1") && message.contains("OMPI_COMM_WORLD_SIZE=4"),
+        "{message}"
+    );
+    let message = launch_env_error(&[&stray[..], &srun].concat());
+    assert!(
+        message.contains("WORLD_SIZE=1") && message.contains("SLURM_NTASKS=2"),
+        "{message}"
+    );
+
+    // Nested launchers are normal: `srun torchrun` with one task per node.
+    let nested = [("RANK", "5"), ("WORLD_SIZE", "16"), ("LOCAL_RANK", "5")];
+    let env = LaunchEnv::from_vars(vars(&[&nested[..], &srun].concat())).unwrap();
+    assert_eq!(
+        (env.launcher, env.rank, env.world),
+        (Launcher::Torchrun, 5, 16)
+    );
+    // `mpirun -np 1` inside a Slurm allocation of several tasks.
+    let single_mpi = [
+        ("OMPI_COMM_WORLD_RANK", "0"),
+        ("OMPI_COMM_WORLD_SIZE", "1"),
+        ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
+    ];
+    let env = LaunchEnv::from_vars(vars(&[&single_mpi[..], &srun].concat())).unwrap();
+    assert_eq!((env.launcher, env.world), (Launcher::OpenMpi, 1));
+}
+
+#[test]
+fn master_port_65535_says_why_it_cannot_be_used() {
+    let env = env_of(
+        1,
+        2,
+        &[("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "65535")],
+    );
+    match unique_id_from_env(&env, || Ok(random_id()), SHORT) {
+        Err(Error::LaunchEnv(message)) => assert!(
+            message.contains("MASTER_PORT=65535")
+                && message.contains("MASTER_PORT + 1")
+                && message.contains("TPFUSE_MASTER_PORT"),
+            "{message}"
+        ),
+        other => panic!("expected Error::LaunchEnv, got {other:?}"),
+    }
+}

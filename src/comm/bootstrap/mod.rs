@@ -104,7 +104,7 @@ pub(crate) fn time_left(deadline: Instant) -> Option<Duration> {
 /// # Errors
 ///
 /// [`Error::LaunchEnv`] when neither rendezvous is configured, when `MASTER_ADDR` is set
-/// but no port is, or when the file rendezvous is chosen but the launcher gave no run id;
+/// but no port is (or `MASTER_PORT` is 65535, leaving no room for `MASTER_PORT + 1`), or when the file rendezvous is chosen but the launcher gave no run id;
 /// otherwise the errors of `create` and of the rendezvous functions.
 pub fn unique_id_from_env(
     env: &LaunchEnv,
@@ -122,9 +122,15 @@ pub fn unique_id_from_env(
     }
     if let Some(master) = &env.master_addr {
         let port = env.rendezvous_port().ok_or_else(|| {
-            Error::LaunchEnv(String::from(
-                "MASTER_ADDR is set but no rendezvous port: set MASTER_PORT (the rendezvous uses MASTER_PORT + 1) or TPFUSE_MASTER_PORT",
-            ))
+            Error::LaunchEnv(match env.master_port {
+                Some(port) => format!(
+                    "MASTER_PORT={port} leaves no port for the TCP rendezvous, which listens on MASTER_PORT + 1 \
+                     (and {port} + 1 is past 65535): set TPFUSE_MASTER_PORT to a free port, or use a lower MASTER_PORT"
+                ),
+                None => String::from(
+                    "MASTER_ADDR is set but no rendezvous port: set MASTER_PORT (the rendezvous uses MASTER_PORT + 1) or TPFUSE_MASTER_PORT",
+                ),
+            })
         })?;
         let host = master.trim_start_matches('[').trim_end_matches(']');
         if env.rank == 0 {
@@ -142,7 +148,7 @@ pub fn unique_id_from_env(
     } else if let Some(path) = &env.rendezvous_file {
         let run_id = env.run_id.as_deref().ok_or_else(|| {
             Error::LaunchEnv(format!(
-                "TPFUSE_RENDEZVOUS_FILE is set but {} gave no run id to tell this run's file from an old one; set MASTER_ADDR and MASTER_PORT to use TCP instead",
+                "TPFUSE_RENDEZVOUS_FILE is set but {} gave no run id to tell this run's file from another job's; set TPFUSE_RUN_ID to a token that is the same on every rank of this run, or set MASTER_ADDR and MASTER_PORT to use TCP instead",
                 env.launcher
             ))
         })?;
