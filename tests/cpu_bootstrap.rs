@@ -84,16 +84,20 @@ fn local_listener() -> (TcpListener, SocketAddr) {
     (listener, addr)
 }
 
-/// A 16-byte hello, possibly lying about its rank and world.
+/// A hello of run [`RUN`], possibly lying about its rank and world.
 fn hello(rank: u32, world: u32) -> Vec<u8> {
-    let mut bytes = b"TPFUSE01".to_vec();
+    let mut bytes = b"TPFUSE02".to_vec();
     bytes.extend_from_slice(&rank.to_le_bytes());
     bytes.extend_from_slice(&world.to_le_bytes());
+    bytes.extend_from_slice(&(RUN.len() as u32).to_le_bytes());
+    bytes.extend_from_slice(RUN.as_bytes());
     bytes
 }
 
 const SHORT: Duration = Duration::from_secs(1);
 const LONG: Duration = Duration::from_secs(3);
+/// The run id of the TCP tests.
+const RUN: &str = "test-run";
 
 // ----------------------------------------------------------------------------------------
 // unique ids
@@ -482,10 +486,10 @@ fn tcp_rendezvous_across_threads() {
     for world in 2..=8 {
         let (listener, addr) = local_listener();
         let id = random_id();
-        let server = thread::spawn(move || serve_tcp_on(listener, world, &id, LONG));
+        let server = thread::spawn(move || serve_tcp_on(listener, RUN, world, &id, LONG));
         let peers: Vec<_> = (1..world)
             .rev()
-            .map(|rank| thread::spawn(move || join_tcp(addr, rank, world, LONG)))
+            .map(|rank| thread::spawn(move || join_tcp(addr, RUN, rank, world, LONG)))
             .collect();
         for peer in peers {
             assert_eq!(peer.join().unwrap().unwrap(), id);
@@ -500,10 +504,10 @@ fn tcp_peers_may_come_before_the_server() {
     let id = random_id();
     drop(listener);
     let peers: Vec<_> = (1..3)
-        .map(|rank| thread::spawn(move || join_tcp(addr, rank, 3, LONG)))
+        .map(|rank| thread::spawn(move || join_tcp(addr, RUN, rank, 3, LONG)))
         .collect();
     thread::sleep(Duration::from_millis(200));
-    serve_tcp(addr, 3, &id, LONG).unwrap();
+    serve_tcp(addr, RUN, 3, &id, LONG).unwrap();
     for peer in peers {
         assert_eq!(peer.join().unwrap().unwrap(), id);
     }
@@ -516,10 +520,10 @@ type Peer = thread::JoinHandle<tpfuse::Result<UniqueId>>;
 fn server_with_good_peers(world: usize, ranks: &[usize]) -> (SocketAddr, Server, Vec<Peer>) {
     let (listener, addr) = local_listener();
     let id = random_id();
-    let server = thread::spawn(move || serve_tcp_on(listener, world, &id, LONG));
+    let server = thread::spawn(move || serve_tcp_on(listener, RUN, world, &id, LONG));
     let peers = ranks
         .iter()
-        .map(|&rank| thread::spawn(move || join_tcp(addr, rank, world, LONG)))
+        .map(|&rank| thread::spawn(move || join_tcp(addr, RUN, rank, world, LONG)))
         .collect();
     thread::sleep(Duration::from_millis(300));
     (addr, server, peers)
@@ -544,7 +548,7 @@ fn assert_peers_told(peers: Vec<Peer>, start: Instant) {
 fn tcp_world_size_mismatch() {
     let (addr, server, good) = server_with_good_peers(4, &[1, 2]);
     let start = Instant::now();
-    match join_tcp(addr, 2, 3, LONG) {
+    match join_tcp(addr, RUN, 2, 3, LONG) {
         Err(Error::Rendezvous { reason, .. }) => assert!(reason.contains("mismatch"), "{reason}"),
         other => panic!("expected Error::Rendezvous on the bad peer, got {other:?}"),
     }
@@ -564,7 +568,7 @@ fn tcp_duplicate_rank() {
     let (addr, server, good) = server_with_good_peers(3, &[1]);
     let start = Instant::now();
     assert!(matches!(
-        join_tcp(addr, 1, 3, LONG),
+        join_tcp(addr, RUN, 1, 3, LONG),
         Err(Error::Rendezvous { .. })
     ));
     assert!(matches!(
@@ -577,11 +581,11 @@ fn tcp_duplicate_rank() {
 #[test]
 fn tcp_rank_out_of_range() {
     assert!(matches!(
-        join_tcp("127.0.0.1:1", 0, 2, SHORT),
+        join_tcp("127.0.0.1:1", RUN, 0, 2, SHORT),
         Err(Error::RankOutOfRange { rank: 0, world: 2 })
     ));
     assert!(matches!(
-        join_tcp("127.0.0.1:1", 2, 2, SHORT),
+        join_tcp("127.0.0.1:1", RUN, 2, 2, SHORT),
         Err(Error::RankOutOfRange { rank: 2, world: 2 })
     ));
 
@@ -600,37 +604,44 @@ fn tcp_rank_out_of_range() {
 }
 
 #[test]
-fn tcp_garbage_peer() {
+fn tcp_garbage_peer_is_dropped_and_the_rendezvous_goes_on() {
     let (addr, server, good) = server_with_good_peers(3, &[1]);
-    let start = Instant::now();
     let mut junk = TcpStream::connect(addr).unwrap();
-    let junk_addr = junk.local_addr().unwrap();
-    junk.write_all(b"GET / HTTP/1.0\r\n").unwrap();
-    match server.join().unwrap() {
-        Err(Error::Rendezvous { peer, reason }) => {
-            assert_eq!(peer, junk_addr.to_string());
-            assert!(reason.contains("not a tpfuse"), "{reason}");
-        }
-        other => panic!("expected Error::Rendezvous, got {other:?}"),
+    junk.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+    junk.set_read_timeout(Some(SHORT)).unwrap();
+    // Rank 0 closes the connection without a word.
+    let mut answer = Vec::new();
+    match junk.read_to_end(&mut answer) {
+        Ok(0) => {}
+        // Closed with our bytes unread.
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        other => panic!("expected rank 0 to hang up, got {other:?} and {answer:?}"),
     }
-    assert_peers_told(good, start);
-
     // A peer that connects and hangs up without a hello.
-    let (addr, server, good) = server_with_good_peers(3, &[2]);
     drop(TcpStream::connect(addr).unwrap());
-    assert!(matches!(
-        server.join().unwrap(),
-        Err(Error::Rendezvous { .. })
-    ));
-    assert_peers_told(good, Instant::now());
+    // A tpfuse peer of an older protocol.
+    let mut old = TcpStream::connect(addr).unwrap();
+    old.write_all(b"TPFUSE01\x02\x00\x00\x00\x03\x00\x00\x00")
+        .unwrap();
+    thread::sleep(Duration::from_millis(100));
+    assert!(
+        !server.is_finished(),
+        "rank 0 gave up on a stray connection"
+    );
+    assert!(good.iter().all(|peer| !peer.is_finished()));
+    assert!(join_tcp(addr, RUN, 2, 3, SHORT).is_ok());
+    for peer in good {
+        assert!(peer.join().unwrap().is_ok());
+    }
+    server.join().unwrap().unwrap();
 }
 
 #[test]
 fn tcp_garbage_server() {
     for reply in [
         &b"HTTP/1.0 400 Bad Request\r\n\r\n"[..],
-        b"TPFUSE01\x07",
-        b"TPFUSE01\x00\x01",
+        b"TPFUSE02\x07",
+        b"TPFUSE02\x00\x01",
     ] {
         let (listener, addr) = local_listener();
         let server = thread::spawn(move || {
@@ -640,7 +651,7 @@ fn tcp_garbage_server() {
             stream.write_all(reply).unwrap();
         });
         let start = Instant::now();
-        match join_tcp(addr, 1, 2, LONG) {
+        match join_tcp(addr, RUN, 1, 2, LONG) {
             Err(Error::Rendezvous { peer, .. }) => assert!(peer.contains(&addr.to_string())),
             other => panic!("expected Error::Rendezvous for {reply:?}, got {other:?}"),
         }
@@ -654,7 +665,7 @@ fn tcp_join_with_nobody_listening_times_out() {
     let (listener, addr) = local_listener();
     drop(listener);
     let start = Instant::now();
-    match join_tcp(addr, 1, 2, SHORT) {
+    match join_tcp(addr, RUN, 1, 2, SHORT) {
         Err(Error::Timeout { after, what }) => {
             assert_eq!(after, SHORT);
             assert!(what.contains(&addr.to_string()), "{what}");
@@ -669,8 +680,8 @@ fn tcp_serve_with_missing_peers_times_out() {
     let (listener, addr) = local_listener();
     let id = random_id();
     let start = Instant::now();
-    let server = thread::spawn(move || serve_tcp_on(listener, 4, &id, SHORT));
-    let peer = thread::spawn(move || join_tcp(addr, 2, 4, LONG));
+    let server = thread::spawn(move || serve_tcp_on(listener, RUN, 4, &id, SHORT));
+    let peer = thread::spawn(move || join_tcp(addr, RUN, 2, 4, LONG));
     match server.join().unwrap() {
         Err(Error::Timeout { what, after }) => {
             assert_eq!(after, SHORT);
@@ -689,7 +700,7 @@ fn tcp_serve_with_missing_peers_times_out() {
     // A peer that connects but never says hello holds nobody past the deadline.
     let (listener, addr) = local_listener();
     let start = Instant::now();
-    let server = thread::spawn(move || serve_tcp_on(listener, 2, &id, SHORT));
+    let server = thread::spawn(move || serve_tcp_on(listener, RUN, 2, &id, SHORT));
     let _silent = TcpStream::connect(addr).unwrap();
     assert!(matches!(server.join().unwrap(), Err(Error::Timeout { .. })));
     assert_elapsed_within(start, SHORT);
@@ -698,10 +709,10 @@ fn tcp_serve_with_missing_peers_times_out() {
 #[test]
 fn tcp_world_of_one_needs_nobody() {
     let start = Instant::now();
-    serve_tcp("127.0.0.1:0", 1, &random_id(), LONG).unwrap();
+    serve_tcp("127.0.0.1:0", RUN, 1, &random_id(), LONG).unwrap();
     assert!(start.elapsed() < Duration::from_millis(100));
     assert!(matches!(
-        serve_tcp("127.0.0.1:0", 0, &random_id(), LONG),
+        serve_tcp("127.0.0.1:0", RUN, 0, &random_id(), LONG),
         Err(Error::InvalidArgument { .. })
     ));
 }
@@ -816,7 +827,7 @@ fn child_rank() {
     let rank: usize = rank.parse().unwrap();
     let world: usize = std::env::var(CHILD_WORLD).unwrap().parse().unwrap();
     let id = if let Ok(addr) = std::env::var(CHILD_ADDR) {
-        join_tcp(addr.as_str(), rank, world, LONG).unwrap()
+        join_tcp(addr.as_str(), RUN, rank, world, LONG).unwrap()
     } else {
         let file = std::env::var(CHILD_FILE).unwrap();
         let run = std::env::var(CHILD_RUN).unwrap();
@@ -902,7 +913,7 @@ fn tcp_rendezvous_across_processes() {
         let (listener, addr) = local_listener();
         let id = random_id();
         let mut children = Children::spawn(world, &[(CHILD_ADDR, addr.to_string())]);
-        serve_tcp_on(listener, world, &id, LONG).unwrap();
+        serve_tcp_on(listener, RUN, world, &id, LONG).unwrap();
         let ids = children.ids(LONG);
         assert_eq!(ids.len(), world - 1);
         assert!(
@@ -1041,4 +1052,94 @@ fn master_port_65535_says_why_it_cannot_be_used() {
         ),
         other => panic!("expected Error::LaunchEnv, got {other:?}"),
     }
+}
+
+#[test]
+fn tcp_bind_error_names_the_address_the_port_and_rank_0() {
+    let blocker = TcpListener::bind("0.0.0.0:0").unwrap();
+    let port = blocker.local_addr().unwrap().port();
+    let master = (port - 1).to_string();
+    let env = env_of(
+        0,
+        2,
+        &[("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", &master)],
+    );
+    let start = Instant::now();
+    let message = unique_id_from_env(&env, || Ok(random_id()), SHORT)
+        .unwrap_err()
+        .to_string();
+    assert!(start.elapsed() < SHORT, "took {:?}", start.elapsed());
+    for part in [
+        format!("0.0.0.0:{port}"),
+        String::from("MASTER_PORT + 1"),
+        String::from("TPFUSE_MASTER_PORT"),
+        String::from("RANK=0"),
+    ] {
+        assert!(message.contains(&part), "no {part:?} in: {message}");
+    }
+}
+
+#[test]
+fn tcp_jobs_sharing_a_port_do_not_mix() {
+    let port = free_port().to_string();
+    let (id_a, id_b) = (random_id(), random_id());
+    let job = |rank: usize, run: &str| {
+        env_of(
+            rank,
+            2,
+            &[
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("TPFUSE_MASTER_PORT", &port),
+                ("TORCHELASTIC_RUN_ID", run),
+            ],
+        )
+    };
+    let start = Instant::now();
+    let a0 = {
+        let env = job(0, "job-A");
+        thread::spawn(move || unique_id_from_env(&env, move || Ok(id_a), LONG))
+    };
+    thread::sleep(Duration::from_millis(100));
+    // Job B's rank 0 cannot listen: the port is job A's.
+    assert!(unique_id_from_env(&job(0, "job-B"), move || Ok(id_b), SHORT).is_err());
+    // Job B's rank 1 reaches job A's rank 0 and is turned away, at once.
+    match unique_id_from_env(&job(1, "job-B"), || unreachable!(), SHORT) {
+        Err(Error::Rendezvous { reason, .. }) => {
+            assert!(
+                reason.contains("job-A") && reason.contains("job-B"),
+                "{reason}"
+            )
+        }
+        other => panic!("expected Error::Rendezvous for job B's rank 1, got {other:?}"),
+    }
+    assert!(start.elapsed() < SHORT, "took {:?}", start.elapsed());
+    // Job A's rank 0 kept waiting for its own rank 1.
+    assert!(!a0.is_finished());
+    let a1 = unique_id_from_env(&job(1, "job-A"), || unreachable!(), SHORT).unwrap();
+    assert_eq!(a1, id_a);
+    assert_eq!(a0.join().unwrap().unwrap(), id_a);
+}
+
+#[test]
+fn tcp_stray_connections_do_not_break_the_rendezvous() {
+    let (listener, addr) = local_listener();
+    let id = random_id();
+    let start = Instant::now();
+    let server = thread::spawn(move || serve_tcp_on(listener, RUN, 3, &id, LONG));
+    // A connection that never speaks, an HTTP request and a port scan come first.
+    let _silent = TcpStream::connect(addr).unwrap();
+    let mut http = TcpStream::connect(addr).unwrap();
+    http.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    drop(TcpStream::connect(addr).unwrap());
+    thread::sleep(Duration::from_millis(50));
+    let peers: Vec<_> = [1, 2]
+        .into_iter()
+        .map(|rank| thread::spawn(move || join_tcp(addr, RUN, rank, 3, LONG)))
+        .collect();
+    for peer in peers {
+        assert_eq!(peer.join().unwrap().unwrap(), id);
+    }
+    server.join().unwrap().unwrap();
+    assert!(start.elapsed() < SHORT, "stalled for {:?}", start.elapsed());
 }

@@ -17,6 +17,17 @@ pub enum Launcher {
     OpenMpi,
 }
 
+impl Launcher {
+    /// The variable that gives a process its rank under this launcher: `RANK`,
+    /// `SLURM_PROCID` or `OMPI_COMM_WORLD_RANK`.
+    pub fn rank_variable(self) -> &'static str {
+        LAUNCHERS
+            .iter()
+            .find(|vars| vars.launcher == self)
+            .map_or("RANK", |vars| vars.rank)
+    }
+}
+
 impl fmt::Display for Launcher {
     /// The launcher's usual name: `torchrun`, `slurm` or `openmpi`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -85,11 +85,38 @@ pub(crate) fn time_left(deadline: Instant) -> Option<Duration> {
         .filter(|left| !left.is_zero())
 }
 
+/// What a rank 0 that cannot listen on `port` should know: where the port came from, and
+/// the two usual causes of a port that is taken.
+fn listen_advice(env: &LaunchEnv, port: u16) -> String {
+    let origin = match (env.tpfuse_master_port, env.master_port) {
+        (Some(_), _) => format!(
+            "port {port} comes from TPFUSE_MASTER_PORT (without it, the port is MASTER_PORT + 1)"
+        ),
+        (None, Some(master)) => format!(
+            "port {port} is MASTER_PORT + 1 ({master} + 1); set TPFUSE_MASTER_PORT to use another"
+        ),
+        (None, None) => {
+            format!("port {port} (MASTER_PORT + 1 by default; TPFUSE_MASTER_PORT overrides it)")
+        }
+    };
+    let rank_variable = env.launcher.rank_variable();
+    format!(
+        "{origin}. This process is rank 0 because {} says so ({rank_variable}=0), so whoever holds \
+         the port is another job on this node using the same port (give each job its own MASTER_PORT \
+         or TPFUSE_MASTER_PORT), or another process of this job that also believes it is rank 0 \
+         (every process saw {rank_variable}=0: a stray {rank_variable}=0 in the shell under \
+         mpirun or srun?)",
+        env.launcher
+    )
+}
+
 /// Gets this run's unique id on every rank, the way the launcher environment `env` says.
 ///
 /// Rank 0 calls `create` (the other ranks never do) and shares the result:
 ///
-/// - **TCP**, when `MASTER_ADDR` is set: rank 0 serves on port
+/// - **TCP**, when `MASTER_ADDR` is set: the hello of every rank carries
+///   [`LaunchEnv::run_id`] (empty when there is none) and the world size, and rank 0 turns
+///   away ranks of another run. Rank 0 serves on port
 ///   [`LaunchEnv::rendezvous_port`] of all its interfaces (`0.0.0.0`, or `[::]` when
 ///   `MASTER_ADDR` is an IPv6 address), not only on `MASTER_ADDR`'s address: a host's own
 ///   name often resolves to a loopback address on the host itself (`127.0.1.1` in
@@ -133,17 +160,19 @@ pub fn unique_id_from_env(
             })
         })?;
         let host = master.trim_start_matches('[').trim_end_matches(']');
+        let run_id = env.run_id.as_deref().unwrap_or("");
         if env.rank == 0 {
-            let id = create()?;
             let any = if host.parse::<std::net::Ipv6Addr>().is_ok() {
                 "::"
             } else {
                 "0.0.0.0"
             };
-            serve_tcp((any, port), env.world, &id, timeout)?;
+            let listener = tcp::bind_listener((any, port), &listen_advice(env, port))?;
+            let id = create()?;
+            serve_tcp_on(listener, run_id, env.world, &id, timeout)?;
             Ok(id)
         } else {
-            join_tcp((host, port), env.rank, env.world, timeout)
+            join_tcp((host, port), run_id, env.rank, env.world, timeout)
         }
     } else if let Some(path) = &env.rendezvous_file {
         let run_id = env.run_id.as_deref().ok_or_else(|| {
