@@ -346,6 +346,35 @@ fn rendezvous_port_rules() {
 // file rendezvous
 // ----------------------------------------------------------------------------------------
 
+type Publisher = thread::JoinHandle<tpfuse::Result<()>>;
+
+/// Rank 0 of the file rendezvous, on a thread.
+fn publisher(path: &Path, run: &str, world: usize, id: UniqueId, timeout: Duration) -> Publisher {
+    let (path, run) = (path.to_path_buf(), run.to_owned());
+    thread::spawn(move || publish_file(&path, &run, world, &id, timeout))
+}
+
+/// Ranks `1..world` of the file rendezvous, on threads.
+fn readers(path: &Path, run: &str, world: usize, timeout: Duration) -> Vec<Peer> {
+    (1..world)
+        .map(|rank| {
+            let (path, run) = (path.to_path_buf(), run.to_owned());
+            thread::spawn(move || read_file(&path, &run, rank, world, timeout))
+        })
+        .collect()
+}
+
+/// A whole file rendezvous of run `run`, which leaves its file at `path`; returns its id.
+fn finished_rendezvous(path: &Path, run: &str, world: usize) -> UniqueId {
+    let id = random_id();
+    let readers = readers(path, run, world, LONG);
+    publish_file(path, run, world, &id, LONG).unwrap();
+    for reader in readers {
+        assert_eq!(reader.join().unwrap().unwrap(), id);
+    }
+    id
+}
+
 #[test]
 fn file_rendezvous_across_threads() {
     let dir = TempDir::new("file-threads");
@@ -353,58 +382,54 @@ fn file_rendezvous_across_threads() {
         let path = dir.file(&format!("world-{world}.id"));
         let run = format!("run-{world}");
         let id = random_id();
-        let readers: Vec<_> = (1..world)
-            .map(|_| {
-                let (path, run) = (path.clone(), run.clone());
-                thread::spawn(move || read_file(&path, &run, world, LONG))
-            })
-            .collect();
+        let readers = readers(&path, &run, world, LONG);
         thread::sleep(Duration::from_millis(20 * (world as u64 % 3)));
-        publish_file(&path, &run, world, &id).unwrap();
+        publish_file(&path, &run, world, &id, LONG).unwrap();
         for reader in readers {
             assert_eq!(reader.join().unwrap().unwrap(), id);
         }
-        // A reader that comes late finds the file at once.
-        assert_eq!(read_file(&path, &run, world, Duration::ZERO).unwrap(), id);
-        assert_eq!(read_file(&path, &run, world, Duration::MAX).unwrap(), id);
     }
-    // Only the published files remain: no temporary file is left behind.
+    // Only the published files remain: no temporary file or arrival is left behind.
     let names: Vec<_> = std::fs::read_dir(&dir.0).unwrap().collect();
     assert_eq!(names.len(), 7, "{names:?}");
 }
 
 #[test]
-fn stale_file_is_never_returned() {
-    let dir = TempDir::new("stale");
+fn a_late_reader_never_takes_a_finished_rendezvous() {
+    // A reader that comes after rank 0 has published cannot tell that file from an earlier
+    // attempt's: it waits for a rank 0 of its own.
+    let dir = TempDir::new("late");
     let path = dir.file("id");
-    publish_file(&path, "old-run", 2, &random_id()).unwrap();
-    let start = Instant::now();
-    match read_file(&path, "new-run", 2, SHORT) {
-        Err(Error::Timeout { what, after }) => {
-            assert_eq!(after, SHORT);
-            assert!(what.contains("stale file from run \"old-run\""), "{what}");
-        }
+    finished_rendezvous(&path, "r", 2);
+    let wait = Duration::from_millis(200);
+    match read_file(&path, "r", 1, 2, wait) {
+        Err(Error::Timeout { what, .. }) => assert!(what.contains("earlier attempt"), "{what}"),
         other => panic!("expected a timeout, got {other:?}"),
     }
-    assert_elapsed_within(start, SHORT);
 }
 
 #[test]
-fn stale_file_replaced_mid_wait_is_picked_up() {
+fn a_file_of_another_run_is_never_returned_and_is_replaced_mid_wait() {
     let dir = TempDir::new("replaced");
     let path = dir.file("id");
-    let old = random_id();
+    finished_rendezvous(&path, "run-1", 4);
+    let old_rank_0 = publisher(&path, "run-1", 4, random_id(), SHORT);
     let new = random_id();
-    publish_file(&path, "run-1", 4, &old).unwrap();
-    let reader = {
-        let path = path.clone();
-        thread::spawn(move || read_file(&path, "run-2", 4, LONG))
-    };
+    let readers = readers(&path, "run-2", 4, LONG);
     thread::sleep(Duration::from_millis(300));
-    assert!(!reader.is_finished(), "the reader returned a stale id");
-    publish_file(&path, "run-2", 4, &new).unwrap();
+    assert!(
+        readers.iter().all(|r| !r.is_finished()),
+        "a reader returned the id of another run"
+    );
+    assert!(matches!(
+        old_rank_0.join().unwrap(),
+        Err(Error::Timeout { .. })
+    ));
     let start = Instant::now();
-    assert_eq!(reader.join().unwrap().unwrap(), new);
+    publish_file(&path, "run-2", 4, &new, LONG).unwrap();
+    for reader in readers {
+        assert_eq!(reader.join().unwrap().unwrap(), new);
+    }
     assert!(start.elapsed() < Duration::from_secs(1));
 }
 
@@ -412,8 +437,9 @@ fn stale_file_replaced_mid_wait_is_picked_up() {
 fn file_world_mismatch_and_garbage() {
     let dir = TempDir::new("garbage");
     let path = dir.file("id");
-    publish_file(&path, "r", 4, &random_id()).unwrap();
-    match read_file(&path, "r", 2, SHORT) {
+    let rank_0 = publisher(&path, "r", 4, random_id(), Duration::from_millis(300));
+    thread::sleep(Duration::from_millis(50));
+    match read_file(&path, "r", 1, 2, SHORT) {
         Err(Error::WorldSizeMismatch {
             expected: 2,
             got: 4,
@@ -421,15 +447,16 @@ fn file_world_mismatch_and_garbage() {
         }) => {}
         other => panic!("expected WorldSizeMismatch, got {other:?}"),
     }
+    assert!(matches!(rank_0.join().unwrap(), Err(Error::Timeout { .. })));
 
     for content in [
-        "tpfuse-unique-id v1\nrun_id r\nworld 2\nid 12zz\n",
-        "tpfuse-unique-id v1\nrun_id r\nworld two\nid 00\n",
-        "tpfuse-unique-id v1\nrun_id r\nworld 2\n",
+        "tpfuse-rendezvous v2\nrun_id r\nworld two\nnonce 00\nstate open\n",
+        "tpfuse-rendezvous v2\nrun_id r\nworld 2\nstate open\n",
+        "tpfuse-rendezvous v2\nrun_id r\nworld 2\nnonce 00\nstate closed\n",
     ] {
         std::fs::write(&path, content).unwrap();
         let start = Instant::now();
-        match read_file(&path, "r", 2, LONG) {
+        match read_file(&path, "r", 1, 2, LONG) {
             Err(Error::Rendezvous { peer, .. }) => assert!(peer.contains("id"), "{peer}"),
             other => panic!("expected Error::Rendezvous for {content:?}, got {other:?}"),
         }
@@ -439,14 +466,23 @@ fn file_world_mismatch_and_garbage() {
     // A file in another format might be replaced; it is waited on, and named on timeout.
     std::fs::write(&path, "hello\n").unwrap();
     let wait = Duration::from_millis(200);
-    match read_file(&path, "r", 2, wait) {
+    match read_file(&path, "r", 1, 2, wait) {
         Err(Error::Timeout { what, .. }) => assert!(what.contains("not a tpfuse"), "{what}"),
         other => panic!("expected a timeout, got {other:?}"),
     }
-    // Nothing at all: a plain timeout.
+    // Nothing at all: a plain timeout, on both sides.
     let start = Instant::now();
-    match read_file(&dir.file("missing"), "r", 2, wait) {
+    match read_file(&dir.file("missing"), "r", 1, 2, wait) {
         Err(Error::Timeout { after, .. }) => assert_eq!(after, wait),
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    assert_elapsed_within(start, wait);
+    let start = Instant::now();
+    match publish_file(&dir.file("alone"), "r", 3, &random_id(), wait) {
+        Err(Error::Timeout { what, after }) => {
+            assert_eq!(after, wait);
+            assert!(what.contains("[1, 2]"), "{what}");
+        }
         other => panic!("expected a timeout, got {other:?}"),
     }
     assert_elapsed_within(start, wait);
@@ -459,20 +495,26 @@ fn file_arguments_are_checked() {
     let id = random_id();
     for run in ["", "two\nlines"] {
         assert!(matches!(
-            publish_file(&path, run, 2, &id),
+            publish_file(&path, run, 2, &id, SHORT),
             Err(Error::InvalidArgument { .. })
         ));
         assert!(matches!(
-            read_file(&path, run, 2, SHORT),
+            read_file(&path, run, 1, 2, SHORT),
             Err(Error::InvalidArgument { .. })
         ));
     }
     assert!(matches!(
-        publish_file(&path, "r", 0, &id),
+        publish_file(&path, "r", 0, &id, SHORT),
         Err(Error::InvalidArgument { .. })
     ));
+    for rank in [0, 2] {
+        assert!(matches!(
+            read_file(&path, "r", rank, 2, SHORT),
+            Err(Error::RankOutOfRange { .. })
+        ));
+    }
     assert!(matches!(
-        publish_file(&dir.file("no/such/dir/id"), "r", 2, &id),
+        publish_file(&dir.file("no/such/dir/id"), "r", 2, &id, SHORT),
         Err(Error::Io { .. })
     ));
 }
@@ -831,7 +873,7 @@ fn child_rank() {
     } else {
         let file = std::env::var(CHILD_FILE).unwrap();
         let run = std::env::var(CHILD_RUN).unwrap();
-        read_file(Path::new(&file), &run, world, LONG).unwrap()
+        read_file(Path::new(&file), &run, rank, world, LONG).unwrap()
     };
     // On a line of its own: the test harness has printed "test child_rank ... " before.
     println!("\nID {id}");
@@ -929,8 +971,13 @@ fn file_rendezvous_across_processes() {
     for world in [2, 4, 8] {
         let path = dir.file("id");
         let run = format!("run-{}-{world}", std::process::id());
-        // A file of an earlier run is there first; the children must wait past it.
-        publish_file(&path, "an-earlier-run", world, &random_id()).unwrap();
+        // A file of another run, or of an earlier attempt of this very run id (a requeue,
+        // a restart), is there first; the children must wait past it.
+        let earlier = if world == 2 {
+            finished_rendezvous(&path, "an-earlier-run", world)
+        } else {
+            finished_rendezvous(&path, &run, world)
+        };
         let id = random_id();
         let mut children = Children::spawn(
             world,
@@ -940,8 +987,12 @@ fn file_rendezvous_across_processes() {
             ],
         );
         thread::sleep(Duration::from_millis(100));
-        publish_file(&path, &run, world, &id).unwrap();
+        publish_file(&path, &run, world, &id, LONG).unwrap();
         let ids = children.ids(LONG);
+        assert!(
+            !ids.contains(&earlier),
+            "world {world}: a child took the earlier id"
+        );
         assert_eq!(ids.len(), world - 1);
         assert!(
             ids.iter().all(|got| *got == id),
@@ -1142,4 +1193,88 @@ fn tcp_stray_connections_do_not_break_the_rendezvous() {
     }
     server.join().unwrap().unwrap();
     assert!(start.elapsed() < SHORT, "stalled for {:?}", start.elapsed());
+}
+
+#[test]
+fn a_file_of_another_run_names_its_run_id_and_the_expected_one() {
+    let dir = TempDir::new("other-run");
+    let path = dir.file("id");
+    let env = |rank: usize, run: &str| {
+        env_of(
+            rank,
+            2,
+            &[
+                ("TPFUSE_RENDEZVOUS_FILE", path.to_str().unwrap()),
+                ("TORCHELASTIC_RUN_ID", run),
+            ],
+        )
+    };
+    let other = thread::spawn({
+        let env = env(0, "job-other");
+        move || unique_id_from_env(&env, || Ok(random_id()), Duration::from_millis(600))
+    });
+    thread::sleep(Duration::from_millis(100));
+    match unique_id_from_env(
+        &env(1, "job-mine"),
+        || unreachable!(),
+        Duration::from_millis(300),
+    ) {
+        Err(Error::Timeout { what, .. }) => {
+            assert!(
+                what.contains("\"job-other\"") && what.contains("expected \"job-mine\""),
+                "{what}"
+            );
+            assert!(!what.contains("stale"), "{what}");
+        }
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    let _ = other.join().unwrap();
+}
+
+#[test]
+fn file_rendezvous_never_hands_out_the_id_of_an_earlier_attempt() {
+    let dir = TempDir::new("attempts");
+    let path = dir.file("id");
+    let env = |rank: usize| {
+        env_of(
+            rank,
+            3,
+            &[
+                ("TPFUSE_RENDEZVOUS_FILE", path.to_str().unwrap()),
+                ("TORCHELASTIC_RUN_ID", "same-every-attempt"),
+            ],
+        )
+    };
+    let attempt = |readers_first: bool| {
+        let id = random_id();
+        let spawn = |rank: usize| {
+            let env = env(rank);
+            thread::spawn(move || unique_id_from_env(&env, move || Ok(id), LONG))
+        };
+        let mut ranks = Vec::new();
+        if readers_first {
+            ranks.push(spawn(1));
+            ranks.push(spawn(2));
+            thread::sleep(Duration::from_millis(300));
+            assert!(
+                ranks.iter().all(|r| !r.is_finished()),
+                "a reader returned before rank 0 came"
+            );
+            ranks.push(spawn(0));
+        } else {
+            ranks.push(spawn(0));
+            thread::sleep(Duration::from_millis(100));
+            ranks.push(spawn(1));
+            ranks.push(spawn(2));
+        }
+        for rank in ranks {
+            assert_eq!(rank.join().unwrap().unwrap(), id);
+        }
+    };
+    attempt(false);
+    // The same run id again (a requeue, a restart, a reused --rdzv-id): the previous
+    // attempt's file is there, and the readers come first.
+    attempt(true);
+    attempt(true);
+    attempt(false);
 }

@@ -8,8 +8,9 @@
 //!   others connect, say who they are, and get the id back. Use it whenever the ranks can
 //!   reach rank 0's host, e.g. through the `MASTER_ADDR` a launcher already sets.
 //! - **a file** ([`publish_file`] on rank 0, [`read_file`] on the others) on a filesystem
-//!   every rank sees. Each file carries a *run id* so that a file left over from an earlier
-//!   run is never mistaken for this run's.
+//!   every rank sees. Each file carries a *run id* so that another job's file is never
+//!   mistaken for this run's, and a handshake (each reader's fresh token, quoted back by
+//!   rank 0) so that an earlier attempt's file with the same run id never is either.
 //!
 //! [`LaunchEnv`] reads rank, world size and rendezvous settings from the variables of
 //! torchrun, Open MPI or Slurm, and [`unique_id_from_env`] puts it all together. Every wait
@@ -43,9 +44,9 @@
 //! let id = UniqueId::from_bytes(&[42; 128])?;
 //! let reader = {
 //!     let path = path.clone();
-//!     std::thread::spawn(move || bootstrap::read_file(&path, "job-17", 2, Duration::from_secs(5)))
+//!     std::thread::spawn(move || bootstrap::read_file(&path, "job-17", 1, 2, Duration::from_secs(5)))
 //! };
-//! bootstrap::publish_file(&path, "job-17", 2, &id)?;
+//! bootstrap::publish_file(&path, "job-17", 2, &id, Duration::from_secs(5))?;
 //! assert_eq!(reader.join().unwrap()?, id);
 //! # std::fs::remove_file(&path).ok();
 //! # Ok::<(), tpfuse::Error>(())
@@ -123,7 +124,8 @@ fn listen_advice(env: &LaunchEnv, port: u16) -> String {
 ///   Debian's `/etc/hosts`), which the other nodes could not reach. The other ranks
 ///   connect to `MASTER_ADDR`.
 /// - **a file**, when `MASTER_ADDR` is not set and `TPFUSE_RENDEZVOUS_FILE` is: rank 0
-///   publishes at that path, with [`LaunchEnv::run_id`] as the run id.
+///   publishes at that path, with [`LaunchEnv::run_id`] as the run id, once every rank has
+///   arrived; a reader never takes the id of an earlier attempt with the same run id.
 ///
 /// With `world == 1`, `create` is called and nothing is exchanged. Every wait is bounded
 /// by `timeout`.
@@ -183,10 +185,10 @@ pub fn unique_id_from_env(
         })?;
         if env.rank == 0 {
             let id = create()?;
-            publish_file(path, run_id, env.world, &id)?;
+            publish_file(path, run_id, env.world, &id, timeout)?;
             Ok(id)
         } else {
-            read_file(path, run_id, env.world, timeout)
+            read_file(path, run_id, env.rank, env.world, timeout)
         }
     } else {
         Err(Error::LaunchEnv(String::from(
