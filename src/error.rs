@@ -125,6 +125,18 @@ pub enum Error {
         reason: String,
     },
 
+    /// Rank 0 could not listen for the TCP rendezvous (the port is taken, most often).
+    #[error("rank 0 cannot listen for the TCP rendezvous on {addr}: {source}; {advice}")]
+    RendezvousListen {
+        /// The address and port that could not be bound.
+        addr: String,
+        /// Where the port came from and what to check.
+        advice: String,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+
     /// A launcher environment variable is missing or malformed.
     #[error("launcher environment: {0}")]
     LaunchEnv(String),

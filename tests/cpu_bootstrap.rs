@@ -84,16 +84,20 @@ fn local_listener() -> (TcpListener, SocketAddr) {
     (listener, addr)
 }
 
-/// A 16-byte hello, possibly lying about its rank and world.
+/// A hello of run [`RUN`], possibly lying about its rank and world.
 fn hello(rank: u32, world: u32) -> Vec<u8> {
-    let mut bytes = b"TPFUSE01".to_vec();
+    let mut bytes = b"TPFUSE02".to_vec();
     bytes.extend_from_slice(&rank.to_le_bytes());
     bytes.extend_from_slice(&world.to_le_bytes());
+    bytes.extend_from_slice(&(RUN.len() as u32).to_le_bytes());
+    bytes.extend_from_slice(RUN.as_bytes());
     bytes
 }
 
 const SHORT: Duration = Duration::from_secs(1);
 const LONG: Duration = Duration::from_secs(3);
+/// The run id of the TCP tests.
+const RUN: &str = "test-run";
 
 // ----------------------------------------------------------------------------------------
 // unique ids
@@ -342,6 +346,35 @@ fn rendezvous_port_rules() {
 // file rendezvous
 // ----------------------------------------------------------------------------------------
 
+type Publisher = thread::JoinHandle<tpfuse::Result<()>>;
+
+/// Rank 0 of the file rendezvous, on a thread.
+fn publisher(path: &Path, run: &str, world: usize, id: UniqueId, timeout: Duration) -> Publisher {
+    let (path, run) = (path.to_path_buf(), run.to_owned());
+    thread::spawn(move || publish_file(&path, &run, world, &id, timeout))
+}
+
+/// Ranks `1..world` of the file rendezvous, on threads.
+fn readers(path: &Path, run: &str, world: usize, timeout: Duration) -> Vec<Peer> {
+    (1..world)
+        .map(|rank| {
+            let (path, run) = (path.to_path_buf(), run.to_owned());
+            thread::spawn(move || read_file(&path, &run, rank, world, timeout))
+        })
+        .collect()
+}
+
+/// A whole file rendezvous of run `run`, which leaves its file at `path`; returns its id.
+fn finished_rendezvous(path: &Path, run: &str, world: usize) -> UniqueId {
+    let id = random_id();
+    let readers = readers(path, run, world, LONG);
+    publish_file(path, run, world, &id, LONG).unwrap();
+    for reader in readers {
+        assert_eq!(reader.join().unwrap().unwrap(), id);
+    }
+    id
+}
+
 #[test]
 fn file_rendezvous_across_threads() {
     let dir = TempDir::new("file-threads");
@@ -349,58 +382,54 @@ fn file_rendezvous_across_threads() {
         let path = dir.file(&format!("world-{world}.id"));
         let run = format!("run-{world}");
         let id = random_id();
-        let readers: Vec<_> = (1..world)
-            .map(|_| {
-                let (path, run) = (path.clone(), run.clone());
-                thread::spawn(move || read_file(&path, &run, world, LONG))
-            })
-            .collect();
+        let readers = readers(&path, &run, world, LONG);
         thread::sleep(Duration::from_millis(20 * (world as u64 % 3)));
-        publish_file(&path, &run, world, &id).unwrap();
+        publish_file(&path, &run, world, &id, LONG).unwrap();
         for reader in readers {
             assert_eq!(reader.join().unwrap().unwrap(), id);
         }
-        // A reader that comes late finds the file at once.
-        assert_eq!(read_file(&path, &run, world, Duration::ZERO).unwrap(), id);
-        assert_eq!(read_file(&path, &run, world, Duration::MAX).unwrap(), id);
     }
-    // Only the published files remain: no temporary file is left behind.
+    // Only the published files remain: no temporary file or arrival is left behind.
     let names: Vec<_> = std::fs::read_dir(&dir.0).unwrap().collect();
     assert_eq!(names.len(), 7, "{names:?}");
 }
 
 #[test]
-fn stale_file_is_never_returned() {
-    let dir = TempDir::new("stale");
+fn a_late_reader_never_takes_a_finished_rendezvous() {
+    // A reader that comes after rank 0 has published cannot tell that file from an earlier
+    // attempt's: it waits for a rank 0 of its own.
+    let dir = TempDir::new("late");
     let path = dir.file("id");
-    publish_file(&path, "old-run", 2, &random_id()).unwrap();
-    let start = Instant::now();
-    match read_file(&path, "new-run", 2, SHORT) {
-        Err(Error::Timeout { what, after }) => {
-            assert_eq!(after, SHORT);
-            assert!(what.contains("stale file from run \"old-run\""), "{what}");
-        }
+    finished_rendezvous(&path, "r", 2);
+    let wait = Duration::from_millis(200);
+    match read_file(&path, "r", 1, 2, wait) {
+        Err(Error::Timeout { what, .. }) => assert!(what.contains("earlier attempt"), "{what}"),
         other => panic!("expected a timeout, got {other:?}"),
     }
-    assert_elapsed_within(start, SHORT);
 }
 
 #[test]
-fn stale_file_replaced_mid_wait_is_picked_up() {
+fn a_file_of_another_run_is_never_returned_and_is_replaced_mid_wait() {
     let dir = TempDir::new("replaced");
     let path = dir.file("id");
-    let old = random_id();
+    finished_rendezvous(&path, "run-1", 4);
+    let old_rank_0 = publisher(&path, "run-1", 4, random_id(), SHORT);
     let new = random_id();
-    publish_file(&path, "run-1", 4, &old).unwrap();
-    let reader = {
-        let path = path.clone();
-        thread::spawn(move || read_file(&path, "run-2", 4, LONG))
-    };
+    let readers = readers(&path, "run-2", 4, LONG);
     thread::sleep(Duration::from_millis(300));
-    assert!(!reader.is_finished(), "the reader returned a stale id");
-    publish_file(&path, "run-2", 4, &new).unwrap();
+    assert!(
+        readers.iter().all(|r| !r.is_finished()),
+        "a reader returned the id of another run"
+    );
+    assert!(matches!(
+        old_rank_0.join().unwrap(),
+        Err(Error::Timeout { .. })
+    ));
     let start = Instant::now();
-    assert_eq!(reader.join().unwrap().unwrap(), new);
+    publish_file(&path, "run-2", 4, &new, LONG).unwrap();
+    for reader in readers {
+        assert_eq!(reader.join().unwrap().unwrap(), new);
+    }
     assert!(start.elapsed() < Duration::from_secs(1));
 }
 
@@ -408,8 +437,9 @@ fn stale_file_replaced_mid_wait_is_picked_up() {
 fn file_world_mismatch_and_garbage() {
     let dir = TempDir::new("garbage");
     let path = dir.file("id");
-    publish_file(&path, "r", 4, &random_id()).unwrap();
-    match read_file(&path, "r", 2, SHORT) {
+    let rank_0 = publisher(&path, "r", 4, random_id(), Duration::from_millis(300));
+    thread::sleep(Duration::from_millis(50));
+    match read_file(&path, "r", 1, 2, SHORT) {
         Err(Error::WorldSizeMismatch {
             expected: 2,
             got: 4,
@@ -417,15 +447,16 @@ fn file_world_mismatch_and_garbage() {
         }) => {}
         other => panic!("expected WorldSizeMismatch, got {other:?}"),
     }
+    assert!(matches!(rank_0.join().unwrap(), Err(Error::Timeout { .. })));
 
     for content in [
-        "tpfuse-unique-id v1\nrun_id r\nworld 2\nid 12zz\n",
-        "tpfuse-unique-id v1\nrun_id r\nworld two\nid 00\n",
-        "tpfuse-unique-id v1\nrun_id r\nworld 2\n",
+        "tpfuse-rendezvous v2\nrun_id r\nworld two\nnonce 00\nstate open\n",
+        "tpfuse-rendezvous v2\nrun_id r\nworld 2\nstate open\n",
+        "tpfuse-rendezvous v2\nrun_id r\nworld 2\nnonce 00\nstate closed\n",
     ] {
         std::fs::write(&path, content).unwrap();
         let start = Instant::now();
-        match read_file(&path, "r", 2, LONG) {
+        match read_file(&path, "r", 1, 2, LONG) {
             Err(Error::Rendezvous { peer, .. }) => assert!(peer.contains("id"), "{peer}"),
             other => panic!("expected Error::Rendezvous for {content:?}, got {other:?}"),
         }
@@ -435,14 +466,23 @@ fn file_world_mismatch_and_garbage() {
     // A file in another format might be replaced; it is waited on, and named on timeout.
     std::fs::write(&path, "hello\n").unwrap();
     let wait = Duration::from_millis(200);
-    match read_file(&path, "r", 2, wait) {
+    match read_file(&path, "r", 1, 2, wait) {
         Err(Error::Timeout { what, .. }) => assert!(what.contains("not a tpfuse"), "{what}"),
         other => panic!("expected a timeout, got {other:?}"),
     }
-    // Nothing at all: a plain timeout.
+    // Nothing at all: a plain timeout, on both sides.
     let start = Instant::now();
-    match read_file(&dir.file("missing"), "r", 2, wait) {
+    match read_file(&dir.file("missing"), "r", 1, 2, wait) {
         Err(Error::Timeout { after, .. }) => assert_eq!(after, wait),
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    assert_elapsed_within(start, wait);
+    let start = Instant::now();
+    match publish_file(&dir.file("alone"), "r", 3, &random_id(), wait) {
+        Err(Error::Timeout { what, after }) => {
+            assert_eq!(after, wait);
+            assert!(what.contains("[1, 2]"), "{what}");
+        }
         other => panic!("expected a timeout, got {other:?}"),
     }
     assert_elapsed_within(start, wait);
@@ -455,20 +495,26 @@ fn file_arguments_are_checked() {
     let id = random_id();
     for run in ["", "two\nlines"] {
         assert!(matches!(
-            publish_file(&path, run, 2, &id),
+            publish_file(&path, run, 2, &id, SHORT),
             Err(Error::InvalidArgument { .. })
         ));
         assert!(matches!(
-            read_file(&path, run, 2, SHORT),
+            read_file(&path, run, 1, 2, SHORT),
             Err(Error::InvalidArgument { .. })
         ));
     }
     assert!(matches!(
-        publish_file(&path, "r", 0, &id),
+        publish_file(&path, "r", 0, &id, SHORT),
         Err(Error::InvalidArgument { .. })
     ));
+    for rank in [0, 2] {
+        assert!(matches!(
+            read_file(&path, "r", rank, 2, SHORT),
+            Err(Error::RankOutOfRange { .. })
+        ));
+    }
     assert!(matches!(
-        publish_file(&dir.file("no/such/dir/id"), "r", 2, &id),
+        publish_file(&dir.file("no/such/dir/id"), "r", 2, &id, SHORT),
         Err(Error::Io { .. })
     ));
 }
@@ -482,10 +528,10 @@ fn tcp_rendezvous_across_threads() {
     for world in 2..=8 {
         let (listener, addr) = local_listener();
         let id = random_id();
-        let server = thread::spawn(move || serve_tcp_on(listener, world, &id, LONG));
+        let server = thread::spawn(move || serve_tcp_on(listener, RUN, world, &id, LONG));
         let peers: Vec<_> = (1..world)
             .rev()
-            .map(|rank| thread::spawn(move || join_tcp(addr, rank, world, LONG)))
+            .map(|rank| thread::spawn(move || join_tcp(addr, RUN, rank, world, LONG)))
             .collect();
         for peer in peers {
             assert_eq!(peer.join().unwrap().unwrap(), id);
@@ -500,10 +546,10 @@ fn tcp_peers_may_come_before_the_server() {
     let id = random_id();
     drop(listener);
     let peers: Vec<_> = (1..3)
-        .map(|rank| thread::spawn(move || join_tcp(addr, rank, 3, LONG)))
+        .map(|rank| thread::spawn(move || join_tcp(addr, RUN, rank, 3, LONG)))
         .collect();
     thread::sleep(Duration::from_millis(200));
-    serve_tcp(addr, 3, &id, LONG).unwrap();
+    serve_tcp(addr, RUN, 3, &id, LONG).unwrap();
     for peer in peers {
         assert_eq!(peer.join().unwrap().unwrap(), id);
     }
@@ -516,10 +562,10 @@ type Peer = thread::JoinHandle<tpfuse::Result<UniqueId>>;
 fn server_with_good_peers(world: usize, ranks: &[usize]) -> (SocketAddr, Server, Vec<Peer>) {
     let (listener, addr) = local_listener();
     let id = random_id();
-    let server = thread::spawn(move || serve_tcp_on(listener, world, &id, LONG));
+    let server = thread::spawn(move || serve_tcp_on(listener, RUN, world, &id, LONG));
     let peers = ranks
         .iter()
-        .map(|&rank| thread::spawn(move || join_tcp(addr, rank, world, LONG)))
+        .map(|&rank| thread::spawn(move || join_tcp(addr, RUN, rank, world, LONG)))
         .collect();
     thread::sleep(Duration::from_millis(300));
     (addr, server, peers)
@@ -544,7 +590,7 @@ fn assert_peers_told(peers: Vec<Peer>, start: Instant) {
 fn tcp_world_size_mismatch() {
     let (addr, server, good) = server_with_good_peers(4, &[1, 2]);
     let start = Instant::now();
-    match join_tcp(addr, 2, 3, LONG) {
+    match join_tcp(addr, RUN, 2, 3, LONG) {
         Err(Error::Rendezvous { reason, .. }) => assert!(reason.contains("mismatch"), "{reason}"),
         other => panic!("expected Error::Rendezvous on the bad peer, got {other:?}"),
     }
@@ -564,7 +610,7 @@ fn tcp_duplicate_rank() {
     let (addr, server, good) = server_with_good_peers(3, &[1]);
     let start = Instant::now();
     assert!(matches!(
-        join_tcp(addr, 1, 3, LONG),
+        join_tcp(addr, RUN, 1, 3, LONG),
         Err(Error::Rendezvous { .. })
     ));
     assert!(matches!(
@@ -577,11 +623,11 @@ fn tcp_duplicate_rank() {
 #[test]
 fn tcp_rank_out_of_range() {
     assert!(matches!(
-        join_tcp("127.0.0.1:1", 0, 2, SHORT),
+        join_tcp("127.0.0.1:1", RUN, 0, 2, SHORT),
         Err(Error::RankOutOfRange { rank: 0, world: 2 })
     ));
     assert!(matches!(
-        join_tcp("127.0.0.1:1", 2, 2, SHORT),
+        join_tcp("127.0.0.1:1", RUN, 2, 2, SHORT),
         Err(Error::RankOutOfRange { rank: 2, world: 2 })
     ));
 
@@ -600,37 +646,44 @@ fn tcp_rank_out_of_range() {
 }
 
 #[test]
-fn tcp_garbage_peer() {
+fn tcp_garbage_peer_is_dropped_and_the_rendezvous_goes_on() {
     let (addr, server, good) = server_with_good_peers(3, &[1]);
-    let start = Instant::now();
     let mut junk = TcpStream::connect(addr).unwrap();
-    let junk_addr = junk.local_addr().unwrap();
-    junk.write_all(b"GET / HTTP/1.0\r\n").unwrap();
-    match server.join().unwrap() {
-        Err(Error::Rendezvous { peer, reason }) => {
-            assert_eq!(peer, junk_addr.to_string());
-            assert!(reason.contains("not a tpfuse"), "{reason}");
-        }
-        other => panic!("expected Error::Rendezvous, got {other:?}"),
+    junk.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+    junk.set_read_timeout(Some(SHORT)).unwrap();
+    // Rank 0 closes the connection without a word.
+    let mut answer = Vec::new();
+    match junk.read_to_end(&mut answer) {
+        Ok(0) => {}
+        // Closed with our bytes unread.
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        other => panic!("expected rank 0 to hang up, got {other:?} and {answer:?}"),
     }
-    assert_peers_told(good, start);
-
     // A peer that connects and hangs up without a hello.
-    let (addr, server, good) = server_with_good_peers(3, &[2]);
     drop(TcpStream::connect(addr).unwrap());
-    assert!(matches!(
-        server.join().unwrap(),
-        Err(Error::Rendezvous { .. })
-    ));
-    assert_peers_told(good, Instant::now());
+    // A tpfuse peer of an older protocol.
+    let mut old = TcpStream::connect(addr).unwrap();
+    old.write_all(b"TPFUSE01\x02\x00\x00\x00\x03\x00\x00\x00")
+        .unwrap();
+    thread::sleep(Duration::from_millis(100));
+    assert!(
+        !server.is_finished(),
+        "rank 0 gave up on a stray connection"
+    );
+    assert!(good.iter().all(|peer| !peer.is_finished()));
+    assert!(join_tcp(addr, RUN, 2, 3, SHORT).is_ok());
+    for peer in good {
+        assert!(peer.join().unwrap().is_ok());
+    }
+    server.join().unwrap().unwrap();
 }
 
 #[test]
 fn tcp_garbage_server() {
     for reply in [
         &b"HTTP/1.0 400 Bad Request\r\n\r\n"[..],
-        b"TPFUSE01\x07",
-        b"TPFUSE01\x00\x01",
+        b"TPFUSE02\x07",
+        b"TPFUSE02\x00\x01",
     ] {
         let (listener, addr) = local_listener();
         let server = thread::spawn(move || {
@@ -640,7 +693,7 @@ fn tcp_garbage_server() {
             stream.write_all(reply).unwrap();
         });
         let start = Instant::now();
-        match join_tcp(addr, 1, 2, LONG) {
+        match join_tcp(addr, RUN, 1, 2, LONG) {
             Err(Error::Rendezvous { peer, .. }) => assert!(peer.contains(&addr.to_string())),
             other => panic!("expected Error::Rendezvous for {reply:?}, got {other:?}"),
         }
@@ -654,7 +707,7 @@ fn tcp_join_with_nobody_listening_times_out() {
     let (listener, addr) = local_listener();
     drop(listener);
     let start = Instant::now();
-    match join_tcp(addr, 1, 2, SHORT) {
+    match join_tcp(addr, RUN, 1, 2, SHORT) {
         Err(Error::Timeout { after, what }) => {
             assert_eq!(after, SHORT);
             assert!(what.contains(&addr.to_string()), "{what}");
@@ -669,8 +722,8 @@ fn tcp_serve_with_missing_peers_times_out() {
     let (listener, addr) = local_listener();
     let id = random_id();
     let start = Instant::now();
-    let server = thread::spawn(move || serve_tcp_on(listener, 4, &id, SHORT));
-    let peer = thread::spawn(move || join_tcp(addr, 2, 4, LONG));
+    let server = thread::spawn(move || serve_tcp_on(listener, RUN, 4, &id, SHORT));
+    let peer = thread::spawn(move || join_tcp(addr, RUN, 2, 4, LONG));
     match server.join().unwrap() {
         Err(Error::Timeout { what, after }) => {
             assert_eq!(after, SHORT);
@@ -689,7 +742,7 @@ fn tcp_serve_with_missing_peers_times_out() {
     // A peer that connects but never says hello holds nobody past the deadline.
     let (listener, addr) = local_listener();
     let start = Instant::now();
-    let server = thread::spawn(move || serve_tcp_on(listener, 2, &id, SHORT));
+    let server = thread::spawn(move || serve_tcp_on(listener, RUN, 2, &id, SHORT));
     let _silent = TcpStream::connect(addr).unwrap();
     assert!(matches!(server.join().unwrap(), Err(Error::Timeout { .. })));
     assert_elapsed_within(start, SHORT);
@@ -698,10 +751,10 @@ fn tcp_serve_with_missing_peers_times_out() {
 #[test]
 fn tcp_world_of_one_needs_nobody() {
     let start = Instant::now();
-    serve_tcp("127.0.0.1:0", 1, &random_id(), LONG).unwrap();
+    serve_tcp("127.0.0.1:0", RUN, 1, &random_id(), LONG).unwrap();
     assert!(start.elapsed() < Duration::from_millis(100));
     assert!(matches!(
-        serve_tcp("127.0.0.1:0", 0, &random_id(), LONG),
+        serve_tcp("127.0.0.1:0", RUN, 0, &random_id(), LONG),
         Err(Error::InvalidArgument { .. })
     ));
 }
@@ -816,11 +869,11 @@ fn child_rank() {
     let rank: usize = rank.parse().unwrap();
     let world: usize = std::env::var(CHILD_WORLD).unwrap().parse().unwrap();
     let id = if let Ok(addr) = std::env::var(CHILD_ADDR) {
-        join_tcp(addr.as_str(), rank, world, LONG).unwrap()
+        join_tcp(addr.as_str(), RUN, rank, world, LONG).unwrap()
     } else {
         let file = std::env::var(CHILD_FILE).unwrap();
         let run = std::env::var(CHILD_RUN).unwrap();
-        read_file(Path::new(&file), &run, world, LONG).unwrap()
+        read_file(Path::new(&file), &run, rank, world, LONG).unwrap()
     };
     // On a line of its own: the test harness has printed "test child_rank ... " before.
     println!("\nID {id}");
@@ -902,7 +955,7 @@ fn tcp_rendezvous_across_processes() {
         let (listener, addr) = local_listener();
         let id = random_id();
         let mut children = Children::spawn(world, &[(CHILD_ADDR, addr.to_string())]);
-        serve_tcp_on(listener, world, &id, LONG).unwrap();
+        serve_tcp_on(listener, RUN, world, &id, LONG).unwrap();
         let ids = children.ids(LONG);
         assert_eq!(ids.len(), world - 1);
         assert!(
@@ -918,8 +971,13 @@ fn file_rendezvous_across_processes() {
     for world in [2, 4, 8] {
         let path = dir.file("id");
         let run = format!("run-{}-{world}", std::process::id());
-        // A file of an earlier run is there first; the children must wait past it.
-        publish_file(&path, "an-earlier-run", world, &random_id()).unwrap();
+        // A file of another run, or of an earlier attempt of this very run id (a requeue,
+        // a restart), is there first; the children must wait past it.
+        let earlier = if world == 2 {
+            finished_rendezvous(&path, "an-earlier-run", world)
+        } else {
+            finished_rendezvous(&path, &run, world)
+        };
         let id = random_id();
         let mut children = Children::spawn(
             world,
@@ -929,12 +987,294 @@ fn file_rendezvous_across_processes() {
             ],
         );
         thread::sleep(Duration::from_millis(100));
-        publish_file(&path, &run, world, &id).unwrap();
+        publish_file(&path, &run, world, &id, LONG).unwrap();
         let ids = children.ids(LONG);
+        assert!(
+            !ids.contains(&earlier),
+            "world {world}: a child took the earlier id"
+        );
         assert_eq!(ids.len(), world - 1);
         assert!(
             ids.iter().all(|got| *got == id),
             "world {world}: {ids:?} != {id:?}"
         );
     }
+}
+
+// ----------------------------------------------------------------------------------------
+// issue 11: jobs that share a port or a path, repeated run ids, stray connections
+// ----------------------------------------------------------------------------------------
+
+fn slurm_env(extra: &[(&str, &str)]) -> LaunchEnv {
+    let base = [
+        ("SLURM_PROCID", "0"),
+        ("SLURM_NTASKS", "2"),
+        ("SLURM_LOCALID", "0"),
+        ("SLURM_JOB_ID", "1234"),
+        ("SLURM_STEP_ID", "7"),
+    ];
+    LaunchEnv::from_vars(vars(&[&base[..], extra].concat())).unwrap()
+}
+
+#[test]
+fn run_id_holds_the_restart_count_and_tpfuse_run_id_wins() {
+    let first = slurm_env(&[]).run_id.unwrap();
+    let requeued = slurm_env(&[("SLURM_RESTART_COUNT", "1")]).run_id.unwrap();
+    let again = slurm_env(&[("SLURM_RESTART_COUNT", "2")]).run_id.unwrap();
+    assert!(first.starts_with("1234.7"), "{first}");
+    assert!(
+        requeued.starts_with("1234.7") && requeued.contains('1'),
+        "{requeued}"
+    );
+    assert!(
+        first != requeued && requeued != again,
+        "{first} {requeued} {again}"
+    );
+
+    let torchrun = |extra: &[(&str, &str)]| env_of(1, 2, extra).run_id;
+    let run = [("TORCHELASTIC_RUN_ID", "abc")];
+    let restarted = [&run[..], &[("TORCHELASTIC_RESTART_COUNT", "3")]].concat();
+    assert_ne!(torchrun(&run), torchrun(&restarted));
+    assert!(torchrun(&restarted).unwrap().contains('3'));
+
+    // The user's own run id replaces the launcher's; the restart count still counts.
+    let mine = slurm_env(&[("TPFUSE_RUN_ID", "mine")]).run_id.unwrap();
+    assert!(mine.starts_with("mine") && !mine.contains("1234"), "{mine}");
+    assert_eq!(torchrun(&[("TPFUSE_RUN_ID", "x")]).as_deref(), Some("x"));
+    let mine_again = slurm_env(&[("TPFUSE_RUN_ID", "mine"), ("SLURM_RESTART_COUNT", "1")]);
+    assert_ne!(mine_again.run_id.unwrap(), mine);
+    assert_eq!(torchrun(&[]), None);
+}
+
+#[test]
+fn launch_env_refuses_a_stray_world_of_one_under_another_launcher() {
+    let stray = [("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")];
+    let mpi = [
+        ("OMPI_COMM_WORLD_RANK", "3"),
+        ("OMPI_COMM_WORLD_SIZE", "4"),
+        ("OMPI_COMM_WORLD_LOCAL_RANK", "3"),
+    ];
+    let srun = [
+        ("SLURM_PROCID", "1"),
+        ("SLURM_NTASKS", "2"),
+        ("SLURM_LOCALID", "1"),
+    ];
+    let message = launch_env_error(&[&stray[..], &mpi].concat());
+    assert!(
+        message.contains("WORLD_SIZE=1") && message.contains("OMPI_COMM_WORLD_SIZE=4"),
+        "{message}"
+    );
+    let message = launch_env_error(&[&stray[..], &srun].concat());
+    assert!(
+        message.contains("WORLD_SIZE=1") && message.contains("SLURM_NTASKS=2"),
+        "{message}"
+    );
+
+    // Nested launchers are normal: `srun torchrun` with one task per node.
+    let nested = [("RANK", "5"), ("WORLD_SIZE", "16"), ("LOCAL_RANK", "5")];
+    let env = LaunchEnv::from_vars(vars(&[&nested[..], &srun].concat())).unwrap();
+    assert_eq!(
+        (env.launcher, env.rank, env.world),
+        (Launcher::Torchrun, 5, 16)
+    );
+    // `mpirun -np 1` inside a Slurm allocation of several tasks.
+    let single_mpi = [
+        ("OMPI_COMM_WORLD_RANK", "0"),
+        ("OMPI_COMM_WORLD_SIZE", "1"),
+        ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
+    ];
+    let env = LaunchEnv::from_vars(vars(&[&single_mpi[..], &srun].concat())).unwrap();
+    assert_eq!((env.launcher, env.world), (Launcher::OpenMpi, 1));
+}
+
+#[test]
+fn master_port_65535_says_why_it_cannot_be_used() {
+    let env = env_of(
+        1,
+        2,
+        &[("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "65535")],
+    );
+    match unique_id_from_env(&env, || Ok(random_id()), SHORT) {
+        Err(Error::LaunchEnv(message)) => assert!(
+            message.contains("MASTER_PORT=65535")
+                && message.contains("MASTER_PORT + 1")
+                && message.contains("TPFUSE_MASTER_PORT"),
+            "{message}"
+        ),
+        other => panic!("expected Error::LaunchEnv, got {other:?}"),
+    }
+}
+
+#[test]
+fn tcp_bind_error_names_the_address_the_port_and_rank_0() {
+    let blocker = TcpListener::bind("0.0.0.0:0").unwrap();
+    let port = blocker.local_addr().unwrap().port();
+    let master = (port - 1).to_string();
+    let env = env_of(
+        0,
+        2,
+        &[("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", &master)],
+    );
+    let start = Instant::now();
+    let message = unique_id_from_env(&env, || Ok(random_id()), SHORT)
+        .unwrap_err()
+        .to_string();
+    assert!(start.elapsed() < SHORT, "took {:?}", start.elapsed());
+    for part in [
+        format!("0.0.0.0:{port}"),
+        String::from("MASTER_PORT + 1"),
+        String::from("TPFUSE_MASTER_PORT"),
+        String::from("RANK=0"),
+    ] {
+        assert!(message.contains(&part), "no {part:?} in: {message}");
+    }
+}
+
+#[test]
+fn tcp_jobs_sharing_a_port_do_not_mix() {
+    let port = free_port().to_string();
+    let (id_a, id_b) = (random_id(), random_id());
+    let job = |rank: usize, run: &str| {
+        env_of(
+            rank,
+            2,
+            &[
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("TPFUSE_MASTER_PORT", &port),
+                ("TORCHELASTIC_RUN_ID", run),
+            ],
+        )
+    };
+    let start = Instant::now();
+    let a0 = {
+        let env = job(0, "job-A");
+        thread::spawn(move || unique_id_from_env(&env, move || Ok(id_a), LONG))
+    };
+    thread::sleep(Duration::from_millis(100));
+    // Job B's rank 0 cannot listen: the port is job A's.
+    assert!(unique_id_from_env(&job(0, "job-B"), move || Ok(id_b), SHORT).is_err());
+    // Job B's rank 1 reaches job A's rank 0 and is turned away, at once.
+    match unique_id_from_env(&job(1, "job-B"), || unreachable!(), SHORT) {
+        Err(Error::Rendezvous { reason, .. }) => {
+            assert!(
+                reason.contains("job-A") && reason.contains("job-B"),
+                "{reason}"
+            )
+        }
+        other => panic!("expected Error::Rendezvous for job B's rank 1, got {other:?}"),
+    }
+    assert!(start.elapsed() < SHORT, "took {:?}", start.elapsed());
+    // Job A's rank 0 kept waiting for its own rank 1.
+    assert!(!a0.is_finished());
+    let a1 = unique_id_from_env(&job(1, "job-A"), || unreachable!(), SHORT).unwrap();
+    assert_eq!(a1, id_a);
+    assert_eq!(a0.join().unwrap().unwrap(), id_a);
+}
+
+#[test]
+fn tcp_stray_connections_do_not_break_the_rendezvous() {
+    let (listener, addr) = local_listener();
+    let id = random_id();
+    let start = Instant::now();
+    let server = thread::spawn(move || serve_tcp_on(listener, RUN, 3, &id, LONG));
+    // A connection that never speaks, an HTTP request and a port scan come first.
+    let _silent = TcpStream::connect(addr).unwrap();
+    let mut http = TcpStream::connect(addr).unwrap();
+    http.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    drop(TcpStream::connect(addr).unwrap());
+    thread::sleep(Duration::from_millis(50));
+    let peers: Vec<_> = [1, 2]
+        .into_iter()
+        .map(|rank| thread::spawn(move || join_tcp(addr, RUN, rank, 3, LONG)))
+        .collect();
+    for peer in peers {
+        assert_eq!(peer.join().unwrap().unwrap(), id);
+    }
+    server.join().unwrap().unwrap();
+    assert!(start.elapsed() < SHORT, "stalled for {:?}", start.elapsed());
+}
+
+#[test]
+fn a_file_of_another_run_names_its_run_id_and_the_expected_one() {
+    let dir = TempDir::new("other-run");
+    let path = dir.file("id");
+    let env = |rank: usize, run: &str| {
+        env_of(
+            rank,
+            2,
+            &[
+                ("TPFUSE_RENDEZVOUS_FILE", path.to_str().unwrap()),
+                ("TORCHELASTIC_RUN_ID", run),
+            ],
+        )
+    };
+    let other = thread::spawn({
+        let env = env(0, "job-other");
+        move || unique_id_from_env(&env, || Ok(random_id()), Duration::from_millis(600))
+    });
+    thread::sleep(Duration::from_millis(100));
+    match unique_id_from_env(
+        &env(1, "job-mine"),
+        || unreachable!(),
+        Duration::from_millis(300),
+    ) {
+        Err(Error::Timeout { what, .. }) => {
+            assert!(
+                what.contains("\"job-other\"") && what.contains("expected \"job-mine\""),
+                "{what}"
+            );
+            assert!(!what.contains("stale"), "{what}");
+        }
+        other => panic!("expected a timeout, got {other:?}"),
+    }
+    let _ = other.join().unwrap();
+}
+
+#[test]
+fn file_rendezvous_never_hands_out_the_id_of_an_earlier_attempt() {
+    let dir = TempDir::new("attempts");
+    let path = dir.file("id");
+    let env = |rank: usize| {
+        env_of(
+            rank,
+            3,
+            &[
+                ("TPFUSE_RENDEZVOUS_FILE", path.to_str().unwrap()),
+                ("TORCHELASTIC_RUN_ID", "same-every-attempt"),
+            ],
+        )
+    };
+    let attempt = |readers_first: bool| {
+        let id = random_id();
+        let spawn = |rank: usize| {
+            let env = env(rank);
+            thread::spawn(move || unique_id_from_env(&env, move || Ok(id), LONG))
+        };
+        let mut ranks = Vec::new();
+        if readers_first {
+            ranks.push(spawn(1));
+            ranks.push(spawn(2));
+            thread::sleep(Duration::from_millis(300));
+            assert!(
+                ranks.iter().all(|r| !r.is_finished()),
+                "a reader returned before rank 0 came"
+            );
+            ranks.push(spawn(0));
+        } else {
+            ranks.push(spawn(0));
+            thread::sleep(Duration::from_millis(100));
+            ranks.push(spawn(1));
+            ranks.push(spawn(2));
+        }
+        for rank in ranks {
+            assert_eq!(rank.join().unwrap().unwrap(), id);
+        }
+    };
+    attempt(false);
+    // The same run id again (a requeue, a restart, a reused --rdzv-id): the previous
+    // attempt's file is there, and the readers come first.
+    attempt(true);
+    attempt(true);
+    attempt(false);
 }

@@ -116,3 +116,107 @@ fn selftest_refuses_unknown_options() {
     assert!(err.contains("\"--fast\""), "{err}");
     assert!(err.contains("usage: tpfuse"), "{err}");
 }
+
+/// Waits at most `within` for `child`, killing it if it takes longer.
+fn wait_bounded(mut child: std::process::Child, within: std::time::Duration) -> Output {
+    let deadline = std::time::Instant::now() + within;
+    while child.try_wait().expect("poll tpfuse").is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("tpfuse did not finish in {within:?}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    child.wait_with_output().expect("collect tpfuse")
+}
+
+#[test]
+fn doctor_into_a_closed_pipe_exits_quietly() {
+    use std::process::Stdio;
+    for args in [
+        &["doctor"][..],
+        &["doctor", "--json"],
+        &["doctor", "--build"],
+    ] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tpfuse"))
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("run tpfuse");
+        // `tpfuse doctor | head -0`: the reader is gone before the first line is written.
+        drop(child.stdout.take());
+        let o = wait_bounded(child, std::time::Duration::from_secs(20));
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(0), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+#[cfg_attr(
+    any(feature = "gpu-tests", feature = "emulator"),
+    ignore = "asserts the behaviour without a driver (the emulator is one)"
+)]
+fn bench_without_a_gpu_fails_with_the_reason() {
+    let o = tpfuse(&["bench"], &[]);
+    assert_ne!(o.status.code(), Some(0));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("no CUDA driver"), "{err}");
+}
+
+#[test]
+fn doctor_with_an_unreadable_topology_is_an_error() {
+    let dir = std::env::temp_dir();
+    let missing = dir.join(format!(
+        "tpfuse-no-such-topology-{}.json",
+        std::process::id()
+    ));
+    let malformed = dir.join(format!(
+        "tpfuse-malformed-topology-{}.json",
+        std::process::id()
+    ));
+    std::fs::write(&malformed, "{ not json").unwrap();
+    for path in [&missing, &malformed] {
+        for json in [false, true] {
+            let mut args = vec!["doctor", "--topology", path.to_str().unwrap()];
+            if json {
+                args.push("--json");
+            }
+            let o = tpfuse(&args, &[]);
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+            assert!(err.contains(path.to_str().unwrap()), "{err}");
+        }
+    }
+    std::fs::remove_file(&malformed).ok();
+}
+
+#[test]
+fn version_prints_the_crate_version() {
+    for flag in ["--version", "-V"] {
+        let o = tpfuse(&[flag], &[]);
+        assert!(o.status.success());
+        assert_eq!(
+            stdout(&o).trim(),
+            format!("tpfuse {}", env!("CARGO_PKG_VERSION"))
+        );
+    }
+}
+
+#[test]
+fn doctor_json_reports_working_unique_ids() {
+    let o = tpfuse(&["doctor", "--json"], &[]);
+    let value: serde_json::Value = serde_json::from_str(&stdout(&o)).expect("JSON");
+    assert_eq!(value["nccl"]["found"], true, "{value}");
+    assert_eq!(value["nccl"]["unique_ids"]["works"], true, "{value}");
+
+    let o = tpfuse(
+        &["doctor", "--json"],
+        &[("TPFUSE_NCCL_LIB", "/nonexistent/libnccl.so.2")],
+    );
+    let value: serde_json::Value = serde_json::from_str(&stdout(&o)).expect("JSON");
+    assert_eq!(value["nccl"]["found"], false, "{value}");
+}

@@ -5,8 +5,8 @@ use std::process::ExitCode;
 
 pub fn run() -> ExitCode {
     if !tpfuse::device::driver_present() {
-        println!("tpfuse bench needs a GPU: no CUDA driver on this machine.");
-        return ExitCode::SUCCESS;
+        eprintln!("tpfuse bench: needs a GPU: no CUDA driver on this machine (libcuda.so could not be loaded)");
+        return ExitCode::FAILURE;
     }
     match measure() {
         Ok(()) => ExitCode::SUCCESS,

@@ -2,9 +2,11 @@
 //!
 //! Gathers the facts once (build, NCCL, CUDA driver, NVML topology) and prints them for
 //! people or, with `--json`, for machines. Exits 0 whatever the machine lacks: saying what is
-//! missing is its job.
+//! missing is its job. A `--topology` file that cannot be read is a usage error (exit 2). A
+//! reader that goes away early (`tpfuse doctor | head -3`) ends the report quietly.
 
 use serde_json::{json, Value};
+use std::io::{self, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use tpfuse::build_info::{self, KernelResources};
@@ -54,7 +56,7 @@ struct Device {
 /// Where the topology came from.
 enum TopologySource {
     Machine(Discovery),
-    File(PathBuf, Result<Topology, String>),
+    File(PathBuf, Topology),
 }
 
 struct Facts {
@@ -70,18 +72,40 @@ struct Facts {
 
 /// Runs the command.
 pub fn run(options: &Options) -> ExitCode {
-    let facts = gather(options);
-    if options.json {
+    let topology = match &options.topology_file {
+        Some(path) => match read_topology(path) {
+            Ok(t) => TopologySource::File(path.clone(), t),
+            Err(e) => {
+                eprintln!(
+                    "tpfuse doctor: cannot read the topology in {}: {e}",
+                    path.display()
+                );
+                return ExitCode::from(2);
+            }
+        },
+        None => TopologySource::Machine(topology::discover()),
+    };
+    let facts = gather(topology);
+    let mut out = io::stdout().lock();
+    let written = if options.json {
         let text = serde_json::to_string_pretty(&to_json(&facts))
             .unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"));
-        println!("{text}");
+        writeln!(out, "{text}")
     } else {
-        print_text(&facts, options.build_report);
+        print_text(&mut out, &facts, options.build_report)
+    };
+    match written.and_then(|()| out.flush()) {
+        Ok(()) => ExitCode::SUCCESS,
+        // The reader has what it wanted (`tpfuse doctor | head -3`): not a failure.
+        Err(e) if e.kind() == io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tpfuse doctor: writing the report failed: {e}");
+            ExitCode::FAILURE
+        }
     }
-    ExitCode::SUCCESS
 }
 
-fn gather(options: &Options) -> Facts {
+fn gather(topology: TopologySource) -> Facts {
     let mut missing = Vec::new();
     let resources = build_info::kernel_resources();
     for k in resources.iter().filter(|k| k.spills()) {
@@ -112,18 +136,10 @@ fn gather(options: &Options) -> Facts {
         missing.push("an NVIDIA driver and GPU (only needed to run kernels)".into());
         Ok(Vec::new())
     };
-    let topology = match &options.topology_file {
-        Some(path) => TopologySource::File(path.clone(), read_topology(path)),
-        None => TopologySource::Machine(topology::discover()),
-    };
-    match &topology {
-        TopologySource::Machine(Discovery::Broken(e)) => missing.push(format!(
+    if let TopologySource::Machine(Discovery::Broken(e)) = &topology {
+        missing.push(format!(
             "a working NVML (the driver is installed but broken: {e})"
-        )),
-        TopologySource::File(path, Err(e)) => {
-            missing.push(format!("a readable topology in {} ({e})", path.display()))
-        }
-        _ => {}
+        ));
     }
     Facts {
         resources,
@@ -201,122 +217,133 @@ fn devices(missing: &mut Vec<String>) -> Result<Vec<Device>, String> {
     Ok(out)
 }
 
-fn print_text(facts: &Facts, build_report: bool) {
-    println!("tpfuse {} doctor\n", env!("CARGO_PKG_VERSION"));
-    print_build(facts, build_report);
+fn print_text(out: &mut impl Write, facts: &Facts, build_report: bool) -> io::Result<()> {
+    writeln!(out, "tpfuse {} doctor\n", env!("CARGO_PKG_VERSION"))?;
+    print_build(out, facts, build_report)?;
 
-    println!("\nNCCL");
+    writeln!(out, "\nNCCL")?;
     match &facts.nccl {
         Ok(info) => {
             let (a, b, c) = info.version;
-            println!("  found               {a}.{b}.{c} at {}", info.path);
-            println!("  bindings from       nccl.h {}", info.header_version);
+            writeln!(out, "  found               {a}.{b}.{c} at {}", info.path)?;
+            writeln!(out, "  bindings from       nccl.h {}", info.header_version)?;
             match &facts.unique_ids {
-                Ok(()) => println!("  unique ids          ok (ncclGetUniqueId works)"),
-                Err(e) => println!("  unique ids          FAILED: {e}"),
+                Ok(()) => writeln!(out, "  unique ids          ok (ncclGetUniqueId works)")?,
+                Err(e) => writeln!(out, "  unique ids          FAILED: {e}")?,
             }
         }
-        Err(e) => println!("  not found           {e}"),
+        Err(e) => writeln!(out, "  not found           {e}")?,
     }
 
-    println!("\nCUDA driver");
+    writeln!(out, "\nCUDA driver")?;
     if facts.driver_present {
         if let Some(v) = &facts.driver_version {
-            println!("  driver              CUDA {v}");
+            writeln!(out, "  driver              CUDA {v}")?;
         }
         match &facts.devices {
             Ok(devices) => {
-                println!("  devices             {}", devices.len());
+                writeln!(out, "  devices             {}", devices.len())?;
                 for d in devices {
-                    println!(
+                    writeln!(
+                        out,
                         "    {}: {}, {}, {} SMs: {}",
                         d.ordinal, d.name, d.code, d.sms, d.kernels
-                    );
+                    )?;
                 }
             }
-            Err(e) => println!("  devices             error: {e}"),
+            Err(e) => writeln!(out, "  devices             error: {e}")?,
         }
     } else {
-        println!("  not found           libcuda.so could not be loaded");
-        println!(
+        writeln!(out, "  not found           libcuda.so could not be loaded")?;
+        writeln!(
+            out,
             "  This machine has no NVIDIA driver, so no GPU work can run here: the kernels,\n  \
              Comm::init_* and the gpu-tests need one. Building, the CPU tests and NCCL's\n  \
              version and unique ids work without it."
-        );
+        )?;
     }
 
-    println!("\nTopology");
+    writeln!(out, "\nTopology")?;
     match &facts.topology {
-        TopologySource::Machine(Discovery::Found(t)) => print_indented(&topology::render(t)),
-        TopologySource::Machine(Discovery::NoDriver) => println!(
+        TopologySource::Machine(Discovery::Found(t)) => print_indented(out, &topology::render(t))?,
+        TopologySource::Machine(Discovery::NoDriver) => writeln!(
+            out,
             "  NVML (libnvidia-ml.so) is not installed: without an NVIDIA driver tpfuse cannot\n  \
              see the GPUs, their NVLink and PCIe connections or peer access here.\n  \
              (tpfuse doctor --topology FILE examines a topology recorded elsewhere.)"
-        ),
+        )?,
         TopologySource::Machine(Discovery::Broken(e)) => {
-            println!("  NVML is installed but failed: {e}")
+            writeln!(out, "  NVML is installed but failed: {e}")?
         }
-        TopologySource::File(path, Ok(t)) => {
-            println!("  recorded topology from {}", path.display());
-            print_indented(&topology::render(t));
-        }
-        TopologySource::File(path, Err(e)) => {
-            println!("  cannot read {}: {e}", path.display())
+        TopologySource::File(path, t) => {
+            writeln!(out, "  recorded topology from {}", path.display())?;
+            print_indented(out, &topology::render(t))?;
         }
     }
 
-    println!();
+    writeln!(out)?;
     if facts.missing.is_empty() {
-        println!("Verdict: nothing missing.");
+        writeln!(out, "Verdict: nothing missing.")?;
     } else {
-        println!("Verdict: missing on this machine:");
+        writeln!(out, "Verdict: missing on this machine:")?;
         for m in &facts.missing {
-            println!("  - {m}");
+            writeln!(out, "  - {m}")?;
         }
     }
+    Ok(())
 }
 
-fn print_indented(text: &str) {
+fn print_indented(out: &mut impl Write, text: &str) -> io::Result<()> {
     for line in text.lines() {
         if line.is_empty() {
-            println!();
+            writeln!(out)?;
         } else {
-            println!("  {line}");
+            writeln!(out, "  {line}")?;
         }
     }
+    Ok(())
 }
 
-fn print_build(facts: &Facts, build_report: bool) {
-    println!("Build");
-    println!(
+fn print_build(out: &mut impl Write, facts: &Facts, build_report: bool) -> io::Result<()> {
+    writeln!(out, "Build")?;
+    writeln!(
+        out,
         "  CUDA architectures  {}",
         build_info::architectures().join(", ")
-    );
+    )?;
     let (rt_major, rt_minor) = build_info::cudart_version();
-    println!(
+    writeln!(
+        out,
         "  nvcc                {} ({})",
         build_info::NVCC_RELEASE,
         build_info::NVCC
-    );
-    println!("  CUDA runtime        {rt_major}.{rt_minor}, linked statically");
+    )?;
+    writeln!(
+        out,
+        "  CUDA runtime        {rt_major}.{rt_minor}, linked statically"
+    )?;
     let kernels = build_info::kernels();
     let spilling = facts.resources.iter().filter(|k| k.spills()).count();
-    println!(
+    writeln!(
+        out,
         "  kernels             {} ({} kernel x architecture builds, {spilling} with spills)",
         kernels.len(),
         facts.resources.len(),
-    );
+    )?;
     for k in &kernels {
-        println!("    {k}");
+        writeln!(out, "    {k}")?;
     }
-    println!("  nccl.h              {}", build_info::NCCL_HEADER);
+    writeln!(out, "  nccl.h              {}", build_info::NCCL_HEADER)?;
     if !build_report {
-        println!(
+        writeln!(out,
             "  (tpfuse doctor --build shows the GEMM paths and registers, spills and memory per kernel)"
-        );
-        return;
+        )?;
+        return Ok(());
     }
-    println!("\n  GEMM paths per architecture (chosen at run time by compute capability)");
+    writeln!(
+        out,
+        "\n  GEMM paths per architecture (chosen at run time by compute capability)"
+    )?;
     for (arch, paths) in tpfuse::ops::gemm::gemm_paths() {
         let names: Vec<&str> = paths.iter().map(|p| p.name()).collect();
         let names = if names.is_empty() {
@@ -324,19 +351,25 @@ fn print_build(facts: &Facts, build_report: bool) {
         } else {
             names.join(", ")
         };
-        println!("  {arch:<12} {names}");
+        writeln!(out, "  {arch:<12} {names}")?;
     }
-    println!("\n  ptxas resource report (per kernel and architecture)");
-    println!(
+    writeln!(
+        out,
+        "\n  ptxas resource report (per kernel and architecture)"
+    )?;
+    writeln!(
+        out,
         "  {:<8} {:>5} {:>12} {:>11} {:>6} {:>6}  kernel",
         "arch", "regs", "spill stores", "spill loads", "stack", "smem"
-    );
+    )?;
     for k in &facts.resources {
-        println!(
+        writeln!(
+            out,
             "  {:<8} {:>5} {:>12} {:>11} {:>6} {:>6}  {}",
             k.arch, k.registers, k.spill_stores, k.spill_loads, k.stack, k.shared, k.kernel
-        );
+        )?;
     }
+    Ok(())
 }
 
 fn to_json(facts: &Facts) -> Value {
@@ -347,7 +380,10 @@ fn to_json(facts: &Facts) -> Value {
             "version": format!("{}.{}.{}", info.version.0, info.version.1, info.version.2),
             "path": info.path,
             "header_version": info.header_version,
-            "unique_ids": facts.unique_ids.as_ref().err(),
+            "unique_ids": match &facts.unique_ids {
+                Ok(()) => json!({ "works": true }),
+                Err(e) => json!({ "works": false, "error": e }),
+            },
         }),
         Err(e) => json!({ "found": false, "error": e }),
     };
@@ -370,13 +406,9 @@ fn to_json(facts: &Facts) -> Value {
         TopologySource::Machine(Discovery::Broken(e)) => {
             (json!({"status": "broken", "error": e}), None)
         }
-        TopologySource::File(path, Ok(t)) => (
+        TopologySource::File(path, t) => (
             json!({"status": "recorded", "file": path.display().to_string()}),
             Some(t),
-        ),
-        TopologySource::File(path, Err(e)) => (
-            json!({"status": "unreadable", "file": path.display().to_string(), "error": e}),
-            None,
         ),
     };
     let verdicts = topo.map(|t| {

@@ -6,7 +6,8 @@
 //!   or the CPU emulator, every kernel family on virtual ranks against the references (and a
 //!   one-rank NCCL communicator on a GPU); `--counters` prints the emulator's counters.
 //! - `tpfuse bench`: a quick reduce_ranks bandwidth figure (needs a GPU; the criterion
-//!   benches are the real measurement).
+//!   benches are the real measurement); fails (exit 1) without one.
+//! - `tpfuse --version`: the crate version.
 
 mod bench;
 mod doctor;
@@ -31,8 +32,11 @@ commands:
                      emulator (--features emulator), every kernel family on virtual ranks
                      against the f64 and bit-exact references
                        --counters  the emulator's counters per op (emulator builds)
-  bench              quick reduce_ranks bandwidth on GPU 0
-  help               this text";
+  bench              quick reduce_ranks bandwidth on GPU 0 (fails without a GPU)
+  help               this text
+
+options:
+  --version, -V      the version of tpfuse";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -53,6 +57,10 @@ fn main() -> ExitCode {
             }
         },
         ["bench"] => bench::run(),
+        ["--version"] | ["-V"] => {
+            println!("tpfuse {}", env!("CARGO_PKG_VERSION"));
+            ExitCode::SUCCESS
+        }
         [] | ["help"] | ["--help"] | ["-h"] => {
             println!("{USAGE}");
             ExitCode::SUCCESS

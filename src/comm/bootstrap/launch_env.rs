@@ -17,6 +17,17 @@ pub enum Launcher {
     OpenMpi,
 }
 
+impl Launcher {
+    /// The variable that gives a process its rank under this launcher: `RANK`,
+    /// `SLURM_PROCID` or `OMPI_COMM_WORLD_RANK`.
+    pub fn rank_variable(self) -> &'static str {
+        LAUNCHERS
+            .iter()
+            .find(|vars| vars.launcher == self)
+            .map_or("RANK", |vars| vars.rank)
+    }
+}
+
 impl fmt::Display for Launcher {
     /// The launcher's usual name: `torchrun`, `slurm` or `openmpi`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -46,8 +57,9 @@ pub struct LaunchEnv {
     pub master_addr: Option<String>,
     /// `MASTER_PORT`: torchrun's own store port. See [`LaunchEnv::rendezvous_port`].
     pub master_port: Option<u16>,
-    /// A token that is the same on every rank of this run and differs between runs: the
-    /// launcher's job id. `None` when the launcher sets none.
+    /// A token that is the same on every rank of this run and differs between runs:
+    /// `TPFUSE_RUN_ID` if set, else the launcher's job id, followed by the launcher's restart
+    /// count when it sets one (see [`LaunchEnv::from_vars`]). `None` when there is no id.
     pub run_id: Option<String>,
     /// `TPFUSE_MASTER_PORT`: the port of the TCP rendezvous, when it should not be
     /// `MASTER_PORT + 1`.
@@ -89,6 +101,49 @@ const LAUNCHERS: [LauncherVars; 3] = [
     },
 ];
 
+/// The restart counts that `launcher` sets, appended to the run id.
+fn restart_counts(launcher: Launcher) -> &'static [&'static str] {
+    match launcher {
+        // torchrun restarts its workers with the same run id; `srun torchrun` is requeued
+        // by Slurm with the same one too.
+        Launcher::Torchrun => &["TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"],
+        Launcher::Slurm => &["SLURM_RESTART_COUNT"],
+        // Every mpirun has a new namespace and job id.
+        Launcher::OpenMpi => &[],
+    }
+}
+
+/// Refuses a world of one when another launcher's variables say the job is larger: a stray
+/// `RANK=0 WORLD_SIZE=1` under `mpirun` or `srun` would make every process rank 0 of its own
+/// world. Open MPI's world of one inside a Slurm allocation is allowed (`mpirun -np 1` there
+/// inherits the allocation's `SLURM_*` variables).
+fn check_no_stray_world_of_one(
+    chosen: &LauncherVars,
+    world: usize,
+    get: &impl Fn(&str) -> Option<String>,
+) -> Result<()> {
+    if world != 1 {
+        return Ok(());
+    }
+    for other in LAUNCHERS.iter().filter(|v| v.launcher != chosen.launcher) {
+        if chosen.launcher == Launcher::OpenMpi && other.launcher == Launcher::Slurm {
+            continue;
+        }
+        let other_world = get(other.rank)
+            .and_then(|_| get(other.world))
+            .and_then(|w| w.parse::<usize>().ok());
+        if let Some(other_world) = other_world.filter(|&w| w > 1) {
+            return Err(Error::LaunchEnv(format!(
+                "{}=1 ({} says this process is alone) but {}={other_world} ({} says the job has {other_world} processes): \
+                 a stray {}/{} in the environment would make every process a world of one; unset them, \
+                 or set them consistently",
+                chosen.world, chosen.launcher, other.world, other.launcher, chosen.rank, chosen.world
+            )));
+        }
+    }
+    Ok(())
+}
+
 impl LaunchEnv {
     /// Reads the launcher's variables from this process's environment.
     ///
@@ -110,16 +165,35 @@ impl LaunchEnv {
     ///
     /// torchrun sets `TORCHELASTIC_RUN_ID` to its `--rdzv-id`, which is `none` unless given
     /// (or `--standalone` is used); `none` is the same in every run, so it is no run id.
+    /// `TPFUSE_RUN_ID`, when set, is the run id whatever the launcher.
     ///
+    /// A run id can repeat: a Slurm requeue keeps the job and step ids, torchrun keeps its
+    /// run id across restarts, a user may reuse `--rdzv-id`. So the restart counts that the
+    /// launcher sets are appended, as `+NAME=VALUE` (for example `1234.7+SLURM_RESTART_COUNT=1`):
+    /// `TORCHELASTIC_RESTART_COUNT` and `SLURM_RESTART_COUNT` under torchrun (which may run
+    /// under `srun`), `SLURM_RESTART_COUNT` under Slurm. Open MPI sets none: every `mpirun`
+    /// has a new namespace and job id.
+    ///
+    /// # Precedence
+    ///
+    /// Launchers nest (`srun torchrun` gives every process both `SLURM_PROCID` and a
+    /// different `RANK`), so the innermost launcher wins: torchrun, then Open MPI, then Slurm.
     /// Open MPI is tried before Slurm: `mpirun` inside a Slurm allocation inherits `SLURM_*`
     /// variables that describe the allocation, not the MPI process.
+    ///
+    /// One disagreement is refused: the launcher chosen says the world is 1 while another
+    /// launcher's variables say it is larger. That is a stray `RANK=0 WORLD_SIZE=1` left in
+    /// the shell under `mpirun` or `srun`, which would make every process a world of one.
+    /// (`mpirun -np 1` inside a Slurm allocation of several tasks is allowed, for the reason
+    /// above.)
     ///
     /// Whatever the launcher, `MASTER_ADDR`, `MASTER_PORT`, `TPFUSE_MASTER_PORT` and
     /// `TPFUSE_RENDEZVOUS_FILE` are read too.
     ///
     /// # Errors
     ///
-    /// [`Error::LaunchEnv`] when no launcher's variables are set, when one of the three
+    /// [`Error::LaunchEnv`] when no launcher's variables are set, when the launcher chosen
+    /// says the world is 1 and another says more (naming both), when one of the three
     /// variables of the launcher found is missing, when a value is not a number (or not a
     /// port), when the world size is 0, or when the rank or local rank is not below the
     /// world size; the message names the variable and its value.
@@ -173,6 +247,8 @@ impl LaunchEnv {
             }
         }
 
+        check_no_stray_world_of_one(vars, world, &get)?;
+
         let port = |name: &str| -> Result<Option<u16>> {
             let Some(value) = get(name) else {
                 return Ok(None);
@@ -185,7 +261,7 @@ impl LaunchEnv {
             }
         };
 
-        let run_id = match vars.launcher {
+        let launcher_run_id = match vars.launcher {
             // torchrun's default `--rdzv-id` is "none", the same in every run.
             Launcher::Torchrun => get("TORCHELASTIC_RUN_ID").filter(|id| id != "none"),
             Launcher::OpenMpi => get("PMIX_NAMESPACE").or_else(|| get("OMPI_MCA_ess_base_jobid")),
@@ -194,6 +270,14 @@ impl LaunchEnv {
                 (job, _) => job,
             },
         };
+        let run_id = get("TPFUSE_RUN_ID").or(launcher_run_id).map(|mut id| {
+            for name in restart_counts(vars.launcher) {
+                if let Some(count) = get(name) {
+                    id.push_str(&format!("+{name}={count}"));
+                }
+            }
+            id
+        });
 
         Ok(LaunchEnv {
             launcher: vars.launcher,

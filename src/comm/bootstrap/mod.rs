@@ -8,8 +8,9 @@
 //!   others connect, say who they are, and get the id back. Use it whenever the ranks can
 //!   reach rank 0's host, e.g. through the `MASTER_ADDR` a launcher already sets.
 //! - **a file** ([`publish_file`] on rank 0, [`read_file`] on the others) on a filesystem
-//!   every rank sees. Each file carries a *run id* so that a file left over from an earlier
-//!   run is never mistaken for this run's.
+//!   every rank sees. Each file carries a *run id* so that another job's file is never
+//!   mistaken for this run's, and a handshake (each reader's fresh token, quoted back by
+//!   rank 0) so that an earlier attempt's file with the same run id never is either.
 //!
 //! [`LaunchEnv`] reads rank, world size and rendezvous settings from the variables of
 //! torchrun, Open MPI or Slurm, and [`unique_id_from_env`] puts it all together. Every wait
@@ -43,9 +44,9 @@
 //! let id = UniqueId::from_bytes(&[42; 128])?;
 //! let reader = {
 //!     let path = path.clone();
-//!     std::thread::spawn(move || bootstrap::read_file(&path, "job-17", 2, Duration::from_secs(5)))
+//!     std::thread::spawn(move || bootstrap::read_file(&path, "job-17", 1, 2, Duration::from_secs(5)))
 //! };
-//! bootstrap::publish_file(&path, "job-17", 2, &id)?;
+//! bootstrap::publish_file(&path, "job-17", 2, &id, Duration::from_secs(5))?;
 //! assert_eq!(reader.join().unwrap()?, id);
 //! # std::fs::remove_file(&path).ok();
 //! # Ok::<(), tpfuse::Error>(())
@@ -85,18 +86,46 @@ pub(crate) fn time_left(deadline: Instant) -> Option<Duration> {
         .filter(|left| !left.is_zero())
 }
 
+/// What a rank 0 that cannot listen on `port` should know: where the port came from, and
+/// the two usual causes of a port that is taken.
+fn listen_advice(env: &LaunchEnv, port: u16) -> String {
+    let origin = match (env.tpfuse_master_port, env.master_port) {
+        (Some(_), _) => format!(
+            "port {port} comes from TPFUSE_MASTER_PORT (without it, the port is MASTER_PORT + 1)"
+        ),
+        (None, Some(master)) => format!(
+            "port {port} is MASTER_PORT + 1 ({master} + 1); set TPFUSE_MASTER_PORT to use another"
+        ),
+        (None, None) => {
+            format!("port {port} (MASTER_PORT + 1 by default; TPFUSE_MASTER_PORT overrides it)")
+        }
+    };
+    let rank_variable = env.launcher.rank_variable();
+    format!(
+        "{origin}. This process is rank 0 because {} says so ({rank_variable}=0), so whoever holds \
+         the port is another job on this node using the same port (give each job its own MASTER_PORT \
+         or TPFUSE_MASTER_PORT), or another process of this job that also believes it is rank 0 \
+         (every process saw {rank_variable}=0: a stray {rank_variable}=0 in the shell under \
+         mpirun or srun?)",
+        env.launcher
+    )
+}
+
 /// Gets this run's unique id on every rank, the way the launcher environment `env` says.
 ///
 /// Rank 0 calls `create` (the other ranks never do) and shares the result:
 ///
-/// - **TCP**, when `MASTER_ADDR` is set: rank 0 serves on port
+/// - **TCP**, when `MASTER_ADDR` is set: the hello of every rank carries
+///   [`LaunchEnv::run_id`] (empty when there is none) and the world size, and rank 0 turns
+///   away ranks of another run. Rank 0 serves on port
 ///   [`LaunchEnv::rendezvous_port`] of all its interfaces (`0.0.0.0`, or `[::]` when
 ///   `MASTER_ADDR` is an IPv6 address), not only on `MASTER_ADDR`'s address: a host's own
 ///   name often resolves to a loopback address on the host itself (`127.0.1.1` in
 ///   Debian's `/etc/hosts`), which the other nodes could not reach. The other ranks
 ///   connect to `MASTER_ADDR`.
 /// - **a file**, when `MASTER_ADDR` is not set and `TPFUSE_RENDEZVOUS_FILE` is: rank 0
-///   publishes at that path, with [`LaunchEnv::run_id`] as the run id.
+///   publishes at that path, with [`LaunchEnv::run_id`] as the run id, once every rank has
+///   arrived; a reader never takes the id of an earlier attempt with the same run id.
 ///
 /// With `world == 1`, `create` is called and nothing is exchanged. Every wait is bounded
 /// by `timeout`.
@@ -104,7 +133,7 @@ pub(crate) fn time_left(deadline: Instant) -> Option<Duration> {
 /// # Errors
 ///
 /// [`Error::LaunchEnv`] when neither rendezvous is configured, when `MASTER_ADDR` is set
-/// but no port is, or when the file rendezvous is chosen but the launcher gave no run id;
+/// but no port is (or `MASTER_PORT` is 65535, leaving no room for `MASTER_PORT + 1`), or when the file rendezvous is chosen but the launcher gave no run id;
 /// otherwise the errors of `create` and of the rendezvous functions.
 pub fn unique_id_from_env(
     env: &LaunchEnv,
@@ -122,36 +151,44 @@ pub fn unique_id_from_env(
     }
     if let Some(master) = &env.master_addr {
         let port = env.rendezvous_port().ok_or_else(|| {
-            Error::LaunchEnv(String::from(
-                "MASTER_ADDR is set but no rendezvous port: set MASTER_PORT (the rendezvous uses MASTER_PORT + 1) or TPFUSE_MASTER_PORT",
-            ))
+            Error::LaunchEnv(match env.master_port {
+                Some(port) => format!(
+                    "MASTER_PORT={port} leaves no port for the TCP rendezvous, which listens on MASTER_PORT + 1 \
+                     (and {port} + 1 is past 65535): set TPFUSE_MASTER_PORT to a free port, or use a lower MASTER_PORT"
+                ),
+                None => String::from(
+                    "MASTER_ADDR is set but no rendezvous port: set MASTER_PORT (the rendezvous uses MASTER_PORT + 1) or TPFUSE_MASTER_PORT",
+                ),
+            })
         })?;
         let host = master.trim_start_matches('[').trim_end_matches(']');
+        let run_id = env.run_id.as_deref().unwrap_or("");
         if env.rank == 0 {
-            let id = create()?;
             let any = if host.parse::<std::net::Ipv6Addr>().is_ok() {
                 "::"
             } else {
                 "0.0.0.0"
             };
-            serve_tcp((any, port), env.world, &id, timeout)?;
+            let listener = tcp::bind_listener((any, port), &listen_advice(env, port))?;
+            let id = create()?;
+            serve_tcp_on(listener, run_id, env.world, &id, timeout)?;
             Ok(id)
         } else {
-            join_tcp((host, port), env.rank, env.world, timeout)
+            join_tcp((host, port), run_id, env.rank, env.world, timeout)
         }
     } else if let Some(path) = &env.rendezvous_file {
         let run_id = env.run_id.as_deref().ok_or_else(|| {
             Error::LaunchEnv(format!(
-                "TPFUSE_RENDEZVOUS_FILE is set but {} gave no run id to tell this run's file from an old one; set MASTER_ADDR and MASTER_PORT to use TCP instead",
+                "TPFUSE_RENDEZVOUS_FILE is set but {} gave no run id to tell this run's file from another job's; set TPFUSE_RUN_ID to a token that is the same on every rank of this run, or set MASTER_ADDR and MASTER_PORT to use TCP instead",
                 env.launcher
             ))
         })?;
         if env.rank == 0 {
             let id = create()?;
-            publish_file(path, run_id, env.world, &id)?;
+            publish_file(path, run_id, env.world, &id, timeout)?;
             Ok(id)
         } else {
-            read_file(path, run_id, env.world, timeout)
+            read_file(path, run_id, env.rank, env.world, timeout)
         }
     } else {
         Err(Error::LaunchEnv(String::from(
