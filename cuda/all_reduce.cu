@@ -151,6 +151,9 @@ template <typename T> struct Segments {
 template <typename T>
 __device__ __forceinline__ bool normalize_units(BlockBarrier &barrier, const Segments<T> &seg, Range units,
                                                 float *partials, const T *gamma, float eps, T *out) {
+  // A unit's elements were written in reduce_range by other threads of the block where the
+  // range crosses a short last segment: this barrier orders those writes before the reads.
+  __syncthreads();
   for (size_t u = units.begin; u < units.end; ++u) {
     const float partial = segment_sum_of_squares(out, seg.begin(u), seg.end(u));
     if (threadIdx.x == 0) st_global(partials + u, partial);
@@ -189,7 +192,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   barrier.commit();
   if (gamma == nullptr) return;
   // The partials live in the result half of this rank's buffer, which one-shot leaves unused
-  // (a unit holds at least 4 bytes of data, so they fit in the capacity).
+  // (a unit holds at least 16 bytes of data and its partial 4, so they fit in the capacity).
   float *partials = reinterpret_cast<float *>(static_cast<char *>(peers.data[g.rank]) + g.capacity);
   if (!normalize_units(barrier, seg, units, partials, gamma, eps, out)) give_up(barrier, out, residual, r);
 }
@@ -327,7 +330,8 @@ int launch_all_reduce(int algo, const tpfuse_peers &peers, const tpfuse_group_ar
   const T *gam = static_cast<const T *>(gamma);
   T *o = static_cast<T *>(out);
   int grid = grid_for_message((rows * hidden * sizeof(T) + 15) / 16, g.blocks);
-  // One-shot with RMSNorm hands row segments to blocks: no more blocks than segments.
+  // One-shot with RMSNorm hands row segments to blocks: no more blocks than segments (a
+  // guard: a message's segments are never fewer than its 512-vector blocks).
   const size_t units = rows * segments_per_row<T>(hidden);
   if (algo == TPFUSE_ALGO_ONE_SHOT && gamma != nullptr && units < static_cast<size_t>(grid)) {
     grid = static_cast<int>(units);

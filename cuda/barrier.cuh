@@ -45,6 +45,9 @@
 
 namespace tpfuse {
 
+static_assert(TPFUSE_SIGNAL_GRID_GENERATION_OFFSET + 4 <= TPFUSE_SIGNAL_DESCRIPTORS_OFFSET,
+              "the words after the error word fit before the descriptors");
+
 struct Pad {
   uint32_t *base;
   __device__ uint32_t *flag(int block, int src) const {
@@ -104,7 +107,8 @@ public:
     if (peer < g_.world) {
       const Pad theirs{peers_.signals[peer]};
       const bool first = value == first_ + 1;
-      if (first) st_release_sys(theirs.descriptor(blockIdx.x, g_.rank), descriptor_);
+      // Relaxed: the flag's release just below orders it (same thread, program order).
+      if (first) st_relaxed_sys(theirs.descriptor(blockIdx.x, g_.rank), descriptor_);
       st_release_sys(theirs.flag(blockIdx.x, g_.rank), value);
       const uint32_t *flag = own_.flag(blockIdx.x, peer);
       bool arrived = true;
@@ -168,8 +172,8 @@ public:
           (void)ld_acquire_sys(generation);
         } else {
           // A block of this rank gave up (it set the error word) or, without it, the
-          // deadline passed: record a timeout on this rank itself.
-          if (ld_relaxed_sys(own_.error()) == 0) report(TPFUSE_ERROR_PEER_TIMEOUT | static_cast<uint32_t>(g_.rank));
+          // deadline passed: not every block was resident at once.
+          if (ld_relaxed_sys(own_.error()) == 0) report(TPFUSE_ERROR_GRID_TIMEOUT | static_cast<uint32_t>(g_.rank));
           atomicAdd(failures_, 1);
         }
       }
@@ -202,8 +206,10 @@ private:
            (waited_cycles > 0 && static_cast<uint64_t>(waited_cycles) > g_.backstop_cycles);
   }
 
-  // Records `word` in this rank's error word (the first failure wins) and in every peer's
-  // (so that they stop waiting at once instead of each running out its deadline).
+  // Records `word` in this rank's error word (unless one is there already) and in every
+  // peer's (so that they stop waiting at once instead of each running out its deadline).
+  // Peers store unconditionally, so a word may be replaced by another failure's; it never
+  // returns to 0, and any nonzero word is a failure.
   __device__ void report(uint32_t word) const {
     atomic_cas_sys(own_.error(), 0u, word);
     for (int p = 0; p < g_.world; ++p) {

@@ -68,6 +68,11 @@ extern "C" int tpfuse_rms_norm(tpfuse_dtype dtype, const void *x, const void *ga
                                void *out, size_t rows, size_t hidden, void *stream) {
   using namespace tpfuse;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
+  // The kernel moves 16-byte vectors (the Rust side validates first).
+  const size_t elem = dtype == TPFUSE_DTYPE_F32 ? 4 : 2;
+  if ((hidden * elem) % 16 != 0 || !is_aligned16(x) || !is_aligned16(gamma) || !is_aligned16(out)) {
+    return cudaErrorInvalidValue;
+  }
   switch (dtype) {
   case TPFUSE_DTYPE_F32:
     return launch_rms_norm(static_cast<const float *>(x), static_cast<const float *>(gamma), eps,

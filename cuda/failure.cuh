@@ -4,31 +4,29 @@
 // inside a replayed CUDA graph where no host call sees the launch.
 #pragma once
 
-#include <string.h>
-
 #include "common.cuh"
 #include "ptx.cuh"
 
 namespace tpfuse {
 
-template <typename T> __device__ __forceinline__ T failed_element() {
-  const uint32_t bits = TPFUSE_FAILED_OUTPUT_BITS16 * 0x10001u;
-  T x;
-  memcpy(&x, &bits, sizeof(T)); // little-endian: the low sizeof(T) bytes
-  return x;
-}
-
-// Marks elements [begin, end) of p failed, p may be NULL; begin is 16-byte aligned (the
-// ranges of the kernels are). The block's threads share the work.
+// Marks elements [begin, end) of p failed, p may be NULL; element `begin` is 16-byte aligned
+// (the ranges of the kernels are). The marker is stored through 16-bit integer views, so it
+// never passes through a float register. The block's threads share the work.
 template <typename T> __device__ __forceinline__ void mark_failed(T *p, size_t begin, size_t end) {
   if (p == nullptr) return;
-  constexpr size_t kVec = Vec16<T>::kLen;
-  Vec16<T> v;
+  constexpr size_t kHalves = sizeof(T) / 2;
+  uint16_t *q = reinterpret_cast<uint16_t *>(p);
+  begin *= kHalves;
+  end *= kHalves;
+  constexpr size_t kVec = Vec16<uint16_t>::kLen;
+  Vec16<uint16_t> v;
 #pragma unroll
-  for (int j = 0; j < kVec; ++j) v.v[j] = failed_element<T>();
+  for (int j = 0; j < kVec; ++j) v.v[j] = TPFUSE_FAILED_OUTPUT_BITS16;
   const size_t full_end = begin + (end - begin) / kVec * kVec;
-  for (size_t i = begin + threadIdx.x * kVec; i < full_end; i += blockDim.x * kVec) store16(p + i, v);
-  for (size_t i = full_end + threadIdx.x; i < end; i += blockDim.x) st_global(p + i, failed_element<T>());
+  for (size_t i = begin + threadIdx.x * kVec; i < full_end; i += blockDim.x * kVec) store16(q + i, v);
+  for (size_t i = full_end + threadIdx.x; i < end; i += blockDim.x) {
+    st_global(q + i, static_cast<uint16_t>(TPFUSE_FAILED_OUTPUT_BITS16));
+  }
 }
 
 // The error words a kernel that follows a collective consults (the two-shot all-reduce's

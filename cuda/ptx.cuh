@@ -35,6 +35,14 @@ __device__ __forceinline__ void st_release_sys(uint32_t *p, uint32_t v) {
 #endif
 }
 
+__device__ __forceinline__ void st_relaxed_sys(uint32_t *p, uint32_t v) {
+#ifdef TPFUSE_EMULATOR
+  ::tpfuse_emu::signal_store(p, v);
+#else
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+#endif
+}
+
 __device__ __forceinline__ uint32_t ld_relaxed_sys(const uint32_t *p) {
 #ifdef TPFUSE_EMULATOR
   return ::tpfuse_emu::poll_load(p, __ATOMIC_RELAXED);
@@ -79,7 +87,7 @@ __device__ __forceinline__ uint32_t atomic_cas_sys(uint32_t *p, uint32_t expecte
   return ::tpfuse_emu::atomic_cas(p, expected, desired);
 #else
   uint32_t old;
-  asm volatile("atom.relaxed.sys.cas.b32 %0, [%1], %2, %3;" : "=r"(old) : "l"(p), "r"(expected), "r"(desired) : "memory");
+  asm volatile("atom.relaxed.sys.global.cas.b32 %0, [%1], %2, %3;" : "=r"(old) : "l"(p), "r"(expected), "r"(desired) : "memory");
   return old;
 #endif
 }
@@ -89,7 +97,7 @@ __device__ __forceinline__ uint32_t atomic_cas_sys(uint32_t *p, uint32_t expecte
 // released (the read-modify-writes of one location form a release sequence).
 __device__ __forceinline__ uint32_t atomic_add_acq_rel_gpu(uint32_t *p, uint32_t v) {
 #ifdef TPFUSE_EMULATOR
-  return ::tpfuse_emu::atomic_add(p, v);
+  return ::tpfuse_emu::atomic_add_acq_rel(p, v);
 #else
   uint32_t old;
   asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");

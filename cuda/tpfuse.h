@@ -97,13 +97,19 @@ int32_t tpfuse_cudart_version(void);
 #define TPFUSE_SIGNAL_PAD_BYTES (TPFUSE_SIGNAL_DESCRIPTORS_OFFSET + 4 * TPFUSE_MAX_BLOCKS * TPFUSE_MAX_RANKS)
 
 /* Error word values. TIMEOUT | p: rank p did not arrive before the deadline. MISMATCH | p |
- * (q << 16): ranks p and q launched different kernels, sizes, epilogues or grids (q noticed). */
+ * (q << 16): ranks p and q launched different kernels, sizes, epilogues or grids (q noticed).
+ * GRID_TIMEOUT | r: the blocks of rank r's launch did not all meet before the deadline (they
+ * were not all resident at once). The pad's error word is sticky: nothing clears it, and the
+ * barriers' epochs, descriptors and grid count are only consistent while it is 0 (a launch
+ * that fails leaves them as they are); a group whose word is set is rebuilt, never reset. */
 #define TPFUSE_ERROR_PEER_TIMEOUT 0x100
 #define TPFUSE_ERROR_PEER_MISMATCH 0x200
+#define TPFUSE_ERROR_GRID_TIMEOUT 0x400
 
 /* What a failed launch leaves in its outputs: every 16 bits of an element hold this. It is a
  * quiet NaN with the sign set and a payload of tpfuse's own in f32 (0xFFD5FFD5), f16 and
- * bf16 (0xFFD5), distinct from the NaN arithmetic produces (0x7FC00000, 0x7E00, 0x7FC0). */
+ * bf16 (0xFFD5), distinct from the NaN a GPU's arithmetic and conversions produce (the
+ * canonical 0x7FFFFFFF, 0x7FFF) and from a CPU's default NaN (0x7FC00000, 0x7E00, 0x7FC0). */
 #define TPFUSE_FAILED_OUTPUT_BITS16 0xFFD5
 
 /* Algorithms. */
@@ -159,7 +165,8 @@ int tpfuse_reduce_scatter(tpfuse_dtype dtype, const tpfuse_peers *peers,
                           size_t len, void *stream);
 
 /* Standalone RMSNorm of rows x hidden, in place allowed (x == out): the same arithmetic as
- * the fused epilogue, so fused and unfused give the same bits. */
+ * the fused epilogue, so fused and unfused give the same bits. hidden is a multiple of
+ * 16 / sizeof(T) and x, gamma, out are 16-byte aligned (cudaErrorInvalidValue otherwise). */
 int tpfuse_rms_norm(tpfuse_dtype dtype, const void *x, const void *gamma, float eps, void *out,
                     size_t rows, size_t hidden, void *stream);
 

@@ -139,7 +139,7 @@ mutant missing-rank-not-told emu_all_reduce "a timed-out rank does not tell the 
 mutant no-descriptor-check emu_all_reduce "the first barrier does not compare the ranks' descriptors" \
   barrier.cuh 'ld_relaxed_sys(own_.descriptor(blockIdx.x, peer)) != descriptor_' 'false'
 mutant descriptor-without-grid emu_all_reduce "the descriptor leaves out the grid" \
-  all_reduce.cu 'static_cast<uint64_t>(g.blocks), bias != nullptr' 'uint64_t{0}, bias != nullptr'
+  all_reduce.cu 'static_cast<uint64_t>(grid), bias != nullptr' 'uint64_t{0}, bias != nullptr'
 mutant no-clock-backstop emu_all_reduce "a wait trusts %globaltimer alone" \
   barrier.cuh '(waited_cycles > 0 && static_cast<uint64_t>(waited_cycles) > g_.backstop_cycles)' 'false'
 mutant failed-output-unmarked emu_all_reduce "a block that gives up leaves its outputs as they were" \

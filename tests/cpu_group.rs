@@ -124,8 +124,9 @@ fn the_abi_limits_are_the_headers() {
     assert_eq!(MAX_RANKS, 8);
     assert_eq!(MAX_WORLD, 8);
     assert_eq!(MAX_BLOCKS, 64);
-    // flags[64][8] + counters[64] (u32 each) + 256 bytes for the error word.
-    assert_eq!(SIGNAL_PAD_BYTES, 4 * 64 * 8 + 4 * 64 + 256);
+    // flags[64][8] + counters[64] (u32 each) + 256 bytes for the error word and the rank's
+    // grid barrier + descriptors[64][8].
+    assert_eq!(SIGNAL_PAD_BYTES, 4 * 64 * 8 + 4 * 64 + 256 + 4 * 64 * 8);
 }
 
 #[test]

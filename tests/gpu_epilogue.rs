@@ -167,6 +167,20 @@ fn bad_calls() {
         }
         let r = ops::rms_norm(&stream, &x, &g, EPS, &mut out.slice_mut(0..n + 8));
         expect_invalid_saying("long out", r, "out", &["must hold 256"]);
+        // Rows of 4 bf16 (8 bytes) are not whole 16-byte vectors.
+        let r = ops::rms_norm(
+            &stream,
+            &x,
+            &gamma.slice(0..4),
+            EPS,
+            &mut out.slice_mut(0..n),
+        );
+        expect_invalid_saying("rows of 4", r, "gamma", &["multiple of 8"]);
+        // A view that starts 8 elements in (16 bytes: aligned) is taken; 4 in (8 bytes) is not.
+        let r = ops::rms_norm(&stream, &x, &g, EPS, &mut out.slice_mut(4..n + 4));
+        expect_invalid_saying("misaligned out", r, "out", &["16-byte aligned"]);
+        let r = ops::rms_norm_in_place(&stream, &mut residual.slice_mut(4..n - 60), &g, EPS);
+        expect_invalid_saying("misaligned x", r, "x", &["16-byte aligned"]);
         let r = ops::rms_norm_in_place(&stream, &mut residual, &gamma.slice(0..0), EPS);
         expect_invalid_saying("empty gamma", r, "x", &["rows of 0"]);
         let b = gamma.slice(0..48);

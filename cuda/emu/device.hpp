@@ -57,6 +57,7 @@ uint32_t poll_load(const uint32_t *p, int memory_order);
 void signal_store(uint32_t *p, uint32_t v);
 int atomic_add(int *p, int v);
 unsigned atomic_add(unsigned *p, unsigned v);
+unsigned atomic_add_acq_rel(unsigned *p, unsigned v);
 int atomic_cas(int *p, int expected, int desired);
 unsigned atomic_cas(unsigned *p, unsigned expected, unsigned desired);
 uint64_t global_timer_ns();

@@ -120,6 +120,11 @@ unsigned atomic_add(unsigned *p, unsigned v) {
   observable_step();
   return old;
 }
+unsigned atomic_add_acq_rel(unsigned *p, unsigned v) {
+  const unsigned old = __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL);
+  observable_step();
+  return old;
+}
 int atomic_cas(int *p, int expected, int desired) {
   __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
   observable_step();

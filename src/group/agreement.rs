@@ -169,6 +169,17 @@ pub(super) fn agree(records: &[RankRecord]) -> Result<Agreement> {
         }
     }
     let world = records.len();
+    let fewest_sms = records.iter().map(|r| r.sms as usize).min().unwrap_or(1);
+    if first.blocks as usize > fewest_sms {
+        return Err(Error::invalid(
+            "options.blocks",
+            format!(
+                "{} blocks, but a rank's GPU has {fewest_sms} SMs: every block of a custom \
+                 kernel must be resident at once (one block per SM)",
+                first.blocks
+            ),
+        ));
+    }
     let blocks = if first.blocks > 0 {
         first.blocks as usize
     } else {
@@ -337,6 +348,12 @@ mod tests {
         records[0].blocks = 8;
         records[1].blocks = 8;
         assert_eq!(agree(&records).unwrap().blocks, 8);
+        // More blocks than the smallest GPU has SMs: they could not all be resident.
+        let mut big = records.clone();
+        big[0].blocks = 79;
+        big[1].blocks = 79;
+        let e = agree(&big).unwrap_err().to_string();
+        assert!(e.contains("options.blocks") && e.contains("78 SMs"), "{e}");
 
         // Same hostname, other boot: another machine.
         records[1].boot_id = "other".to_string();

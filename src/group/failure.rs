@@ -120,6 +120,14 @@ pub(crate) fn error_of_word(word: u32, rank: usize, timeout: Duration) -> Option
             peer,
             after: timeout,
         })
+    } else if word & kernels::TPFUSE_ERROR_GRID_TIMEOUT != 0 {
+        Some(Error::Timeout {
+            what: format!(
+                "the blocks of one launch of rank {peer} to meet (they were not all resident \
+                 at once: other work holding SMs, or more blocks than the GPU runs together)"
+            ),
+            after: timeout,
+        })
     } else if word & kernels::TPFUSE_ERROR_PEER_MISMATCH != 0 {
         let noticed = ((word >> 16) & 0xff) as usize;
         Some(Error::PeerMismatch {
@@ -164,6 +172,11 @@ mod tests {
                 ranks: [1, 2]
             }
         ));
+        let grid = error_of_word(kernels::TPFUSE_ERROR_GRID_TIMEOUT | 3, 3, t).unwrap();
+        assert!(
+            matches!(&grid, Error::Timeout { what, after } if what.contains("rank 3") && *after == t),
+            "{grid}"
+        );
         let other = error_of_word(0x4000, 3, t).unwrap().to_string();
         assert!(
             other.contains("0x4000") && other.contains("rank 3"),

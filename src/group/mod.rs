@@ -42,7 +42,7 @@
 //! it on a poisoned group fails at once and marks its outputs again. An engine that replays
 //! graphs calls [`TpGroup::failure`] (no synchronisation) once per step, after it has
 //! synchronised with the step's results and before it uses them. [`TpGroup::check`] waits
-//! for the stream first (bounded by twice the timeout plus one second): a stream that does
+//! for the stream first (bounded by five times the timeout plus one second): a stream that does
 //! not drain in time, or that reports a CUDA error, poisons the group too. Groups built
 //! together in one process ([`TpGroup::virtual_ranks`], [`TpGroup::single_process`]) share
 //! one poison flag: a failure seen by one rank poisons all of them. Ranks in other processes
@@ -170,11 +170,12 @@ pub fn cta_budget(sms: usize, world: usize, virtual_ranks: bool) -> usize {
     per_rank.clamp(1, MAX_BLOCKS)
 }
 
-/// How long [`TpGroup::check`] (and Drop) wait for a rank's stream: twice the kernels'
-/// deadline plus one second.
+/// How long [`TpGroup::check`] (and Drop) wait for a rank's stream: five times the kernels'
+/// deadline plus one second, past the kernels' `%clock64` backstop (4 x the deadline at the
+/// peak clock) should `%globaltimer` stall.
 fn wait_bound(timeout: Duration) -> Duration {
     timeout
-        .saturating_mul(2)
+        .saturating_mul(5)
         .saturating_add(Duration::from_secs(1))
 }
 
@@ -376,10 +377,22 @@ impl TpGroup {
         let ctxs: Vec<Arc<CudaContext>> =
             comms.iter().map(|c| c.stream().context().clone()).collect();
         let mut budget = MAX_BLOCKS;
+        let mut fewest_sms = usize::MAX;
         for ctx in &ctxs {
-            budget = budget.min(cta_budget(sm_count(ctx)?, world, false));
+            let sms = sm_count(ctx)?;
+            fewest_sms = fewest_sms.min(sms);
+            budget = budget.min(cta_budget(sms, world, false));
         }
         let blocks = options.blocks.unwrap_or(budget);
+        if blocks > fewest_sms {
+            return Err(Error::invalid(
+                "options.blocks",
+                format!(
+                    "{blocks} blocks, but a device of the group has {fewest_sms} SMs: every \
+                     block of a custom kernel must be resident at once (one block per SM)"
+                ),
+            ));
+        }
         let verdict = match topology::discover() {
             Discovery::Found(topo) => {
                 let ordinals: Vec<u32> = ordinals.iter().map(|&o| o as u32).collect();
@@ -596,7 +609,7 @@ impl TpGroup {
     }
 
     /// Waits until everything enqueued on this rank's stream has finished (polling, bounded
-    /// by twice the timeout plus one second, never an unbounded synchronize), then reads this
+    /// by five times the timeout plus one second, never an unbounded synchronize), then reads this
     /// rank's error word.
     ///
     /// - `Ok(())`: the stream drained and no kernel of this rank timed out.
@@ -730,7 +743,7 @@ mod tests {
 
     #[test]
     fn the_wait_bound_covers_the_kernel_deadline() {
-        assert_eq!(wait_bound(Duration::from_secs(10)), Duration::from_secs(21));
+        assert_eq!(wait_bound(Duration::from_secs(10)), Duration::from_secs(51));
         assert_eq!(wait_bound(Duration::MAX), Duration::MAX);
     }
 

@@ -10,8 +10,9 @@ use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use std::ffi::c_void;
 
 /// `out = x * rsqrt(mean(x^2) + eps) * gamma` per row. Shapes: `x`, `out` `[rows, hidden]`,
-/// `gamma` `[hidden]`. `x` and `out` are separate buffers (for in place, use
-/// [`rms_norm_in_place`]).
+/// `gamma` `[hidden]`, with `hidden` a multiple of 16 bytes (8 f16/bf16, 4 f32) and every
+/// buffer 16-byte aligned (the kernel moves 16-byte vectors). `x` and `out` are separate
+/// buffers (for in place, use [`rms_norm_in_place`]).
 pub fn rms_norm<T: Element>(
     stream: &CudaStream,
     x: &impl DevicePtr<T>,
@@ -25,6 +26,9 @@ pub fn rms_norm<T: Element>(
     let (gp, _g2) = gamma.device_ptr(stream);
     let (op, _g3) = out.device_ptr_mut(stream);
     let span = |p, len| BufferInfo::new(p, len, device);
+    span(xp, x.len()).check_aligned16("x")?;
+    span(gp, gamma.len()).check_aligned16("gamma")?;
+    span(op, x.len()).check_aligned16("out")?;
     check_disjoint::<T>("x", &span(xp, x.len()), "out", &span(op, x.len()))?;
     check_disjoint::<T>("gamma", &span(gp, gamma.len()), "out", &span(op, x.len()))?;
     launch_rms::<T>(stream, xp, gp, eps, op, x.len(), gamma.len())
@@ -37,10 +41,12 @@ pub fn rms_norm_in_place<T: Element>(
     gamma: &impl DevicePtr<T>,
     eps: f32,
 ) -> Result<()> {
-    check_rms(stream, x.len(), owner(&*x), gamma, eps)?;
+    let device = check_rms(stream, x.len(), owner(&*x), gamma, eps)?;
     let len = x.len();
     let (gp, _g2) = gamma.device_ptr(stream);
     let (xp, _g1) = x.device_ptr_mut(stream);
+    BufferInfo::new(xp, len, device).check_aligned16("x")?;
+    BufferInfo::new(gp, gamma.len(), device).check_aligned16("gamma")?;
     launch_rms::<T>(stream, xp, gp, eps, xp, len, gamma.len())
 }
 
@@ -97,8 +103,9 @@ pub fn add_bias_residual<T: Element>(
 }
 
 /// The checks of both RMSNorm entry points: `x` (`x_len` elements on device `x_device`) and
-/// `gamma` on `stream`'s device, `x` whole rows of `gamma`, `eps`. Returns the device.
-fn check_rms<T>(
+/// `gamma` on `stream`'s device, `x` whole rows of `gamma`, rows of whole 16-byte vectors,
+/// `eps`. Returns the device.
+fn check_rms<T: Element>(
     stream: &CudaStream,
     x_len: usize,
     x_device: usize,
@@ -107,6 +114,18 @@ fn check_rms<T>(
 ) -> Result<usize> {
     let device = stream.context().ordinal();
     check(device, "x", x_len, x_device, gamma.len(), owner(gamma), eps)?;
+    let per_vector = 16 / std::mem::size_of::<T>();
+    if gamma.len() % per_vector != 0 {
+        return Err(Error::invalid(
+            "gamma",
+            format!(
+                "hidden = {} {} elements is not a multiple of {per_vector} (16 bytes): the \
+                 kernel moves 16-byte vectors",
+                gamma.len(),
+                T::NAME
+            ),
+        ));
+    }
     Ok(device)
 }
 
