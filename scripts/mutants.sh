@@ -82,25 +82,43 @@ wanted() {
 total=0
 caught=0
 failed=()
+names=()
 started=$(date +%s)
+# Mutants run TPFUSE_MUTANT_JOBS at a time (default: the CPU count), each in its own copy of
+# cuda/ with its own library and logs; the outcomes are printed in order once all are done.
+jobs_max=${TPFUSE_MUTANT_JOBS:-$(nproc 2>/dev/null || echo 2)}
 # mutant NAME TEST DESCRIPTION FILE OLD NEW [FILE OLD NEW ...]
 mutant() {
   local name=$1 test=$2 what=$3
   shift 3
   wanted "$name" || return 0
-  total=$((total + 1))
-  local t0=$(date +%s)
+  names+=("$name")
+  printf '%s\t%s\n' "$test" "$what" >"$work/$name.about"
   if ! apply "$name" "$@"; then
-    failed+=("$name (does not apply)")
+    echo "apply 0" >"$work/$name.outcome"
     return 0
   fi
-  local status=0
-  run_tests "$name" "$test" || status=$?
-  local secs=$(($(date +%s) - t0))
-  if [ $status -eq 0 ]; then
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n || true; done
+  (
+    t0=$(date +%s)
+    status=0
+    run_tests "$name" "$test" || status=$?
+    echo "$status $(($(date +%s) - t0))" >"$work/$name.outcome"
+  ) &
+}
+
+# Prints the outcome of mutant NAME and counts it.
+report() {
+  local name=$1 test what status secs
+  IFS=$'\t' read -r test what <"$work/$name.about"
+  read -r status secs <"$work/$name.outcome"
+  total=$((total + 1))
+  if [ "$status" = apply ]; then
+    failed+=("$name (does not apply)")
+  elif [ "$status" -eq 0 ]; then
     echo "SURVIVED  $name ($what): $test passed (${secs}s)"
     failed+=("$name (survived)")
-  elif [ $status -eq 2 ]; then
+  elif [ "$status" -eq 2 ]; then
     failed+=("$name (does not build)")
   else
     caught=$((caught + 1))
@@ -201,8 +219,10 @@ mutant emu-ldmatrix-banks emu_counters "the emulator counts a phase's bank confl
 mutant emu-mma-b-rows emu_ops "the emulated mma reads b1 as k rows 2t..2t+1" \
   emu/warp.cpp 'B[2 * t + 8 * r][g] =' 'B[2 * t + 0 * r][g] ='
 
+wait
+for name in "${names[@]}"; do report "$name"; done
 echo
-echo "mutants: $caught of $total caught in $(($(date +%s) - started)) s"
+echo "mutants: $caught of $total caught in $(($(date +%s) - started)) s ($jobs_max at a time)"
 if [ ${#failed[@]} -gt 0 ]; then
   printf 'mutants: FAILED: %s\n' "${failed[@]}"
   exit 1

@@ -124,7 +124,8 @@ pub(crate) fn error_of_word(word: u32, rank: usize, timeout: Duration) -> Option
         Some(Error::Timeout {
             what: format!(
                 "the blocks of one launch of rank {peer} to meet (they were not all resident \
-                 at once: other work holding SMs, or more blocks than the GPU runs together)"
+                 at once: other work holding SMs, or more blocks than the GPU runs together); \
+                 the group is poisoned, rebuild it"
             ),
             after: timeout,
         })

@@ -34,7 +34,8 @@
 //! outputs with [`Element::failed_output`](crate::Element::failed_output) (a NaN of
 //! tpfuse's own payload) and copies the error word to the rank's word in mapped host
 //! memory. The host reads that word before every launch, without synchronising: the op
-//! returns [`Error::PeerTimeout`] / [`Error::PeerMismatch`] and *poisons* the group, which
+//! returns [`Error::PeerTimeout`] / [`Error::PeerMismatch`] (or [`Error::Timeout`] when the
+//! blocks of a launch could not all meet) and *poisons* the group, which
 //! then refuses every further custom launch ([`Error::GroupPoisoned`]): the barriers' epochs
 //! of the ranks no longer agree, so the group must be dropped and rebuilt.
 //!
@@ -81,7 +82,7 @@ pub struct GroupOptions {
     /// multiple of 256). Each rank allocates twice this (staging and results). Default:
     /// 8 MiB.
     pub capacity_bytes: usize,
-    /// Bound on every wait of a custom kernel for a peer (and, doubled plus one second, on
+    /// Bound on every wait of a custom kernel for a peer (and, five times plus one second, on
     /// [`TpGroup::check`]'s wait for the stream). Default: 10 s.
     pub timeout: Duration,
     /// Thread blocks per custom kernel launch (1 ..= [`MAX_BLOCKS`]), instead of
@@ -171,8 +172,10 @@ pub fn cta_budget(sms: usize, world: usize, virtual_ranks: bool) -> usize {
 }
 
 /// How long [`TpGroup::check`] (and Drop) wait for a rank's stream: five times the kernels'
-/// deadline plus one second, past the kernels' `%clock64` backstop (4 x the deadline at the
-/// peak clock) should `%globaltimer` stall.
+/// deadline plus one second. Should `%globaltimer` stall, that is past the kernels' `%clock64`
+/// backstop (4 x the deadline in peak-clock cycles) while the SMs run at 80% of their peak
+/// clock or more; slower, the host gives up first (`Error::Timeout`, the group poisoned,
+/// and Drop leaks the buffers rather than free them under a running kernel).
 fn wait_bound(timeout: Duration) -> Duration {
     timeout
         .saturating_mul(5)
@@ -356,7 +359,8 @@ impl TpGroup {
     /// false)` over the devices.
     ///
     /// Errors: [`Error::InvalidArgument`] for a number of ordinals outside 2 ..= 8, an
-    /// ordinal listed twice, or invalid `options`; NCCL's and CUDA's errors.
+    /// ordinal listed twice, invalid `options`, or `options.blocks` above a device's SM count
+    /// (every block of a custom kernel must be resident at once); NCCL's and CUDA's errors.
     pub fn single_process(ordinals: &[usize], options: GroupOptions) -> Result<Vec<TpGroup>> {
         symmetric::check_world("ordinals", ordinals.len())?;
         for (i, a) in ordinals.iter().enumerate() {
@@ -448,7 +452,8 @@ impl TpGroup {
     /// [`TpGroup::custom_kernels_refused`] says why, and the ops use NCCL.
     ///
     /// Errors: [`Error::InvalidArgument`] for a communicator of fewer than 2 or more than 8
-    /// ranks, invalid `options`, or ranks whose options differ; the communicator's and
+    /// ranks, invalid `options`, ranks whose options differ, or `options.blocks` above a
+    /// rank's SM count; the communicator's and
     /// CUDA's errors. A rank that fails alone (before the exchange) leaves its peers waiting
     /// up to the communicator's timeout.
     pub fn from_comm(comm: Comm, options: GroupOptions) -> Result<TpGroup> {
@@ -616,6 +621,8 @@ impl TpGroup {
     /// - [`Error::PeerTimeout`] (`rank` = this rank, `peer` = the rank that did not arrive,
     ///   `after` = the timeout): a kernel gave up on a peer; the group is now poisoned.
     /// - [`Error::PeerMismatch`]: two ranks launched different collectives; poisoned.
+    /// - [`Error::Timeout`] naming the blocks of a launch: they did not all meet (not all
+    ///   resident at once); poisoned.
     /// - [`Error::Timeout`]: the stream did not drain within the bound; poisoned.
     /// - [`Error::Cuda`]: the stream failed; poisoned.
     /// - [`Error::GroupPoisoned`]: the group (or a group built with it) was poisoned before.
@@ -675,8 +682,8 @@ impl TpGroup {
     /// every launch that does not complete sets before it returns.
     ///
     /// - `Ok(())`: no launch of this rank has failed so far (launches still running may).
-    /// - [`Error::PeerTimeout`] / [`Error::PeerMismatch`]: a launch failed; the group is now
-    ///   poisoned. Its outputs hold
+    /// - [`Error::PeerTimeout`] / [`Error::PeerMismatch`] / [`Error::Timeout`] (the blocks of
+    ///   a launch did not all meet): a launch failed; the group is now poisoned. Its outputs hold
     ///   [`Element::failed_output`](crate::Element::failed_output).
     /// - [`Error::GroupPoisoned`]: the group (or a group built with it) was poisoned before.
     ///
