@@ -60,6 +60,27 @@ impl Ranks {
         }
     }
 
+    /// W ranks where rank `stopped` never runs and the %globaltimer of rank `frozen`'s
+    /// kernels stands still.
+    fn stopped_and_frozen(
+        world: usize,
+        blocks: i32,
+        timeout_ns: u64,
+        stopped: usize,
+        frozen: usize,
+    ) -> Ranks {
+        let ranks = Ranks::new(world, blocks, timeout_ns);
+        ranks.streams[stopped].set_fault(Fault {
+            stop: true,
+            ..Fault::default()
+        });
+        ranks.streams[frozen].set_fault(Fault {
+            freeze_timer: true,
+            ..Fault::default()
+        });
+        ranks
+    }
+
     fn peers(&self) -> abi::tpfuse_peers {
         let mut p = abi::tpfuse_peers {
             data: [std::ptr::null_mut(); 8],
@@ -663,16 +684,7 @@ fn a_rank_whose_timer_is_frozen_learns_of_the_timeout_from_its_peers() {
         "emu_all_reduce",
         "a_rank_whose_timer_is_frozen_learns_of_the_timeout_from_its_peers",
     );
-    let timeout = 1_000_000;
-    let ranks = Ranks::new(3, 1, timeout);
-    ranks.streams[2].set_fault(Fault {
-        stop: true,
-        ..Fault::default()
-    });
-    ranks.streams[0].set_fault(Fault {
-        freeze_timer: true,
-        ..Fault::default()
-    });
+    let ranks = Ranks::stopped_and_frozen(3, 1, 1_000_000, 2, 0);
     let input = DeviceBuffer::from_slice(&vec![1.0f32; 64]);
     let outs: Vec<DeviceBuffer<f32>> = (0..2).map(|_| DeviceBuffer::new(64)).collect();
     for (r, out) in outs.iter().enumerate() {
@@ -723,15 +735,7 @@ fn a_wait_ends_when_the_timer_stands_still() {
     // Rank 1 never comes and rank 0's %globaltimer stands still: only the %clock64 backstop
     // (4 x the timeout at the peak clock) ends rank 0's wait. Before it, the wait was endless.
     let timeout = 1_000_000;
-    let ranks = Ranks::new(2, 2, timeout);
-    ranks.streams[1].set_fault(Fault {
-        stop: true,
-        ..Fault::default()
-    });
-    ranks.streams[0].set_fault(Fault {
-        freeze_timer: true,
-        ..Fault::default()
-    });
+    let ranks = Ranks::stopped_and_frozen(2, 2, timeout, 1, 0);
     let input = DeviceBuffer::from_slice(&vec![1.0f32; 64]);
     let out = DeviceBuffer::<f32>::new(64);
     let start = emulator::now_ns();
