@@ -29,6 +29,57 @@ build="$(dirname "${emu_lib:-.}")/build.sh"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
+# The same build, reusing the objects already in OUT/obj: a mutant starts from the baseline's
+# objects less those of the translation units its edits reach (units_reaching).
+incremental="$work/build-incremental.sh"
+sed -e '/^rm -f "\$out"\/obj\/\*\.o$/d' \
+  -e 's|^  "c++" "\${flags\[@\]}" -c "\$src"|  [ -f "$out/obj/$(basename "$src").o" ] \|\| "c++" "${flags[@]}" -c "$src"|' \
+  "$build" >"$incremental"
+if grep -q '^rm -f "\$out"/obj' "$incremental" || ! grep -q '|| "c++"' "$incremental"; then
+  echo "mutants: cannot derive an incremental build from $build" >&2
+  exit 1
+fi
+
+# The translation units (cuda/*.cu, cuda/emu/*.cpp, relative to DIR) that FILE reaches: itself,
+# or every unit that includes it directly or through other headers of DIR.
+units_reaching() {
+  local dir=$1 file=$2
+  case $file in *.cu | *.cpp) echo "$file" && return 0 ;; esac
+  local frontier=("$(basename "$file")") seen=" " f g rel
+  while [ ${#frontier[@]} -gt 0 ]; do
+    f=${frontier[0]}
+    frontier=("${frontier[@]:1}")
+    for g in $(grep -l "#include \"$f\"" "$dir"/*.cu "$dir"/*.cuh "$dir"/*.h "$dir"/emu/*.cpp "$dir"/emu/*.hpp 2>/dev/null); do
+      rel=${g#"$dir"/}
+      case "$seen" in *" $rel "*) continue ;; esac
+      seen+="$rel "
+      case $rel in
+      *.cu | *.cpp) echo "$rel" ;;
+      *) frontier+=("$(basename "$rel")") ;;
+      esac
+    done
+  done
+}
+
+# Builds $work/NAME's library once: the baseline whole; a mutant from the baseline's objects,
+# recompiling only the units its edited files reach (all of them without a baseline).
+build_library() {
+  local name=$1 out="$work/$1/out" unit file
+  [ -f "$out/libtpfuse_emu.so" ] && return 0
+  if [ "$name" = baseline ] || [ ! -f "$work/baseline/out/libtpfuse_emu.so" ]; then
+    bash "$build" "$work/$name/cuda" "$out"
+    return
+  fi
+  mkdir -p "$out/obj"
+  cp "$work/baseline/out/obj/"*.o "$out/obj/"
+  while read -r file; do
+    for unit in $(units_reaching "$work/$name/cuda" "$file"); do
+      rm -f "$out/obj/$(basename "$unit").o"
+    done
+  done <"$work/$name.files"
+  bash "$incremental" "$work/$name/cuda" "$out"
+}
+
 # Copies cuda/ to $work/NAME/cuda and applies the edits: FILE OLD NEW, repeated; each OLD must
 # occur exactly once.
 apply() {
@@ -37,9 +88,11 @@ apply() {
   rm -rf "$work/$name"
   mkdir -p "$work/$name"
   cp -r cuda "$work/$name/cuda"
+  : >"$work/$name.files"
   while [ $# -gt 0 ]; do
     local file=$1 old=$2 new=$3
     shift 3
+    echo "$file" >>"$work/$name.files"
     if ! OLD="$old" NEW="$new" perl -0777 -i -pe \
       'BEGIN { $n = 0 } $n += s/\Q$ENV{OLD}\E/$ENV{NEW}/g; END { exit($n == 1 ? 0 : 3) }' \
       "$work/$name/cuda/$file"; then
@@ -56,7 +109,7 @@ run_tests() {
   local bin
   bin=$(test_binary "$test")
   [ -x "$bin" ] || { echo "mutants: no test binary $test" >&2; return 2; }
-  if ! bash "$build" "$work/$name/cuda" "$work/$name/out" >"$work/$name/build.log" 2>&1; then
+  if ! build_library "$name" >"$work/$name/build.log" 2>&1; then
     echo "mutants: $name does not compile:" >&2
     tail -n 20 "$work/$name/build.log" >&2
     return 2
