@@ -347,7 +347,7 @@ int launch_all_reduce(int algo, const tpfuse_peers &peers, const tpfuse_group_ar
     TPFUSE_LAUNCH(two_shot_kernel<T>, grid, kThreads, 0, stream)(peers, g, descriptor, in, b, res, o,
                                                                  rows, hidden);
     if (gam != nullptr) {
-      const FailureWords failure{peers.signals[g.rank] + TPFUSE_SIGNAL_ERROR_OFFSET / 4, g.host_error};
+      const FailureWords failure{Pad{peers.signals[g.rank]}.error(), g.host_error};
       const int code = launch_rms_norm<T>(o, gam, eps, o, rows, hidden, stream, failure);
       if (code != cudaSuccess) return code;
     }
@@ -401,8 +401,7 @@ extern "C" int tpfuse_reduce_scatter(tpfuse_dtype dtype, const tpfuse_peers *pee
   if (peers == nullptr || !valid(group)) return cudaErrorInvalidValue;
   if (len == 0) return cudaSuccess;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const size_t elem = dtype == TPFUSE_DTYPE_F32 ? 4 : 2;
-  const int grid = grid_for_message((len * elem + 15) / 16, group->blocks);
+  const int grid = grid_for_message((len * dtype_size(dtype) + 15) / 16, group->blocks);
   const uint32_t d = launch_descriptor({kKindReduceScatter, static_cast<uint64_t>(dtype), len,
                                         static_cast<uint64_t>(grid)});
   switch (dtype) {

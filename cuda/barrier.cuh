@@ -56,7 +56,7 @@ struct Pad {
   __device__ uint32_t *counter(int block) const {
     return base + TPFUSE_SIGNAL_COUNTERS_OFFSET / 4 + block;
   }
-  __device__ uint32_t *error() const { return base + TPFUSE_SIGNAL_ERROR_OFFSET / 4; }
+  __host__ __device__ uint32_t *error() const { return base + TPFUSE_SIGNAL_ERROR_OFFSET / 4; }
   __device__ uint32_t *grid_count() const { return base + TPFUSE_SIGNAL_GRID_COUNT_OFFSET / 4; }
   __device__ uint32_t *grid_generation() const { return base + TPFUSE_SIGNAL_GRID_GENERATION_OFFSET / 4; }
   __device__ uint32_t *descriptor(int block, int src) const {

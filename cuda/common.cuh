@@ -84,6 +84,9 @@ template <typename T> __device__ __forceinline__ void store16(T *p, const Vec16<
   st_global(reinterpret_cast<uint4 *>(p), *reinterpret_cast<const uint4 *>(&x));
 }
 
+// Host: bytes of an element of `dtype` (a valid TPFUSE_DTYPE_*).
+inline size_t dtype_size(tpfuse_dtype dtype) { return dtype == TPFUSE_DTYPE_F32 ? 4 : 2; }
+
 __host__ __device__ __forceinline__ bool is_aligned16(const void *p) {
   return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
 }

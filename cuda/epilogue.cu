@@ -69,8 +69,7 @@ extern "C" int tpfuse_rms_norm(tpfuse_dtype dtype, const void *x, const void *ga
   using namespace tpfuse;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   // The kernel moves 16-byte vectors (the Rust side validates first).
-  const size_t elem = dtype == TPFUSE_DTYPE_F32 ? 4 : 2;
-  if ((hidden * elem) % 16 != 0 || !is_aligned16(x) || !is_aligned16(gamma) || !is_aligned16(out)) {
+  if ((hidden * dtype_size(dtype)) % 16 != 0 || !is_aligned16(x) || !is_aligned16(gamma) || !is_aligned16(out)) {
     return cudaErrorInvalidValue;
   }
   switch (dtype) {
