@@ -26,7 +26,7 @@
 // and grid) that the first barrier compares across ranks.
 
 #include "barrier.cuh"
-#include "epilogue.cuh"
+#include "reduce.cuh"
 
 namespace tpfuse {
 namespace {
@@ -67,26 +67,14 @@ template <typename T> __device__ __forceinline__ void copy_range_from_peer(const
   }
 }
 
-// The 16-byte vectors of [begin, end) (vector-aligned) of reduce_range, for a world of W:
-// all W loads of a vector are issued before the first add (the unrolled loop keeps them in
-// registers), then added in rank order 0..W-1 in f32.
+// The 16-byte vectors of [begin, end) (vector-aligned) of reduce_range, for a world of W
+// (reduce.cuh).
 template <typename T, int W>
 __device__ __forceinline__ void reduce_vectors(const tpfuse_peers &peers, size_t peer_offset, size_t begin,
                                                size_t end, const Epilogue<T> &epi, T *out, T *publish) {
   constexpr size_t kVec = Vec16<T>::kLen;
   for (size_t i = begin + threadIdx.x * kVec; i < end; i += kThreads * kVec) {
-    Vec16<T> x[W];
-#pragma unroll
-    for (int p = 0; p < W; ++p) x[p] = load16_peer(static_cast<const T *>(peers.data[p]) + peer_offset + i);
-    float acc[kVec];
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) acc[j] = Elem<T>::to_f32(x[0].v[j]);
-#pragma unroll
-    for (int p = 1; p < W; ++p) {
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) acc[j] += Elem<T>::to_f32(x[p].v[j]);
-    }
-    const Vec16<T> y = epi.apply_vec(acc, i);
+    const Vec16<T> y = reduce_vector<T, W>(peers, W, peer_offset, i, epi);
     store16(out + i, y);
     if (publish != nullptr) store16(publish + i, y);
   }

@@ -21,10 +21,8 @@
 //
 // Flags only grow, so they are never reset and a replayed CUDA graph works.
 //
-// Deadlines. Every wait of a launch ends by start + timeout_ns of %globaltimer (a signed
-// difference: a timer that jumps backwards does not make the wait endless), with a
-// %clock64 backstop of backstop_cycles (tpfuse.h) should %globaltimer stall: the PTX ISA
-// promises neither monotonicity nor progress for it. Spin counts are no bound.
+// Deadlines. Every wait of a launch ends by start + timeout_ns of %globaltimer, with a
+// %clock64 backstop of backstop_cycles (tpfuse.h): Deadline below.
 //
 // Failures. A peer that does not arrive in time, or a descriptor that differs (the ranks
 // launched different sizes, grids or kernels, which would pair the wrong ranges), is
@@ -62,7 +60,57 @@ struct Pad {
   __device__ uint32_t *descriptor(int block, int src) const {
     return base + TPFUSE_SIGNAL_DESCRIPTORS_OFFSET / 4 + block * TPFUSE_MAX_RANKS + src;
   }
+  // The fused GEMM + all-reduce's words (gemm_all_reduce.cu).
+  __device__ uint32_t *fused_epoch() const { return base + TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET / 4; }
+  __device__ uint32_t *fused_done() const { return base + TPFUSE_SIGNAL_FUSED_DONE_OFFSET / 4; }
+  __device__ uint32_t *strip_count(int strip) const {
+    return base + TPFUSE_SIGNAL_STRIP_COUNTS_OFFSET / 4 + strip;
+  }
+  __device__ uint64_t *tile_flag(int tile, int src) const {
+    return reinterpret_cast<uint64_t *>(reinterpret_cast<char *>(base) + TPFUSE_SIGNAL_TILE_FLAGS_OFFSET) +
+           static_cast<size_t>(tile) * TPFUSE_MAX_RANKS + src;
+  }
 };
+
+// The deadline of one launch, for all its waits: %globaltimer past start + timeout_ns (a
+// signed difference: a timer that jumps backwards does not make a wait endless), or the
+// %clock64 backstop past start + backstop_cycles should %globaltimer stall (the PTX ISA
+// promises neither monotonicity nor progress for it). Spin counts are no bound.
+class Deadline {
+public:
+  __device__ explicit Deadline(const tpfuse_group_args &g)
+      : timeout_ns_(g.timeout_ns), backstop_cycles_(g.backstop_cycles), start_ns_(global_timer_ns()),
+        start_cycles_(clock_cycles()) {}
+
+  __device__ bool expired() const {
+    const int64_t waited_ns = static_cast<int64_t>(global_timer_ns() - start_ns_);
+    const int64_t waited_cycles = static_cast<int64_t>(clock_cycles() - start_cycles_);
+    return (waited_ns > 0 && static_cast<uint64_t>(waited_ns) > timeout_ns_) ||
+           (waited_cycles > 0 && static_cast<uint64_t>(waited_cycles) > backstop_cycles_);
+  }
+
+private:
+  uint64_t timeout_ns_, backstop_cycles_;
+  uint64_t start_ns_, start_cycles_;
+};
+
+// Records `word` in this rank's error word (unless one is there already) and in every
+// peer's (so that they stop waiting at once instead of each running out its deadline).
+// Peers store unconditionally, so a word may be replaced by another failure's; it never
+// returns to 0, and any nonzero word is a failure.
+__device__ __forceinline__ void report_failure(const tpfuse_peers &peers, const tpfuse_group_args &g,
+                                               uint32_t word) {
+  atomic_cas_sys(Pad{peers.signals[g.rank]}.error(), 0u, word);
+  for (int p = 0; p < g.world; ++p) {
+    if (p != g.rank) st_release_sys(Pad{peers.signals[p]}.error(), word);
+  }
+}
+
+// Copies this rank's error word to its host-mapped word (when there is one), where the host
+// sees it without synchronising. One thread calls it.
+__device__ __forceinline__ void publish_error_to_host(const tpfuse_peers &peers, const tpfuse_group_args &g) {
+  if (g.host_error != nullptr) st_release_sys(g.host_error, ld_relaxed_sys(Pad{peers.signals[g.rank]}.error()));
+}
 
 // Host: a 32-bit digest of what a launch is (kernel, element size, sizes, grid), equal on
 // every rank exactly when the ranks launched the same thing.
@@ -84,13 +132,12 @@ class BlockBarrier {
 public:
   __device__ BlockBarrier(const tpfuse_peers &peers, const tpfuse_group_args &g, uint32_t descriptor,
                           int *failures)
-      : peers_(peers), g_(g), own_{peers.signals[g.rank]}, failures_(failures), descriptor_(descriptor) {
+      : peers_(peers), g_(g), own_{peers.signals[g.rank]}, failures_(failures), descriptor_(descriptor),
+        deadline_(g) {
     // Only this block of this rank touches counters[b]; the previous launch on the stream
     // wrote it and has finished.
     epoch_ = *own_.counter(blockIdx.x);
     first_ = epoch_;
-    start_ns_ = global_timer_ns();
-    start_cycles_ = clock_cycles();
     if (threadIdx.x == 0) *failures_ = ld_relaxed_sys(own_.error()) != 0 ? 1 : 0;
     __syncthreads();
   }
@@ -114,7 +161,7 @@ public:
       bool arrived = true;
       for (uint32_t spins = 0; static_cast<int32_t>(ld_relaxed_sys(flag) - value) < 0; ++spins) {
         if ((spins & 1023u) != 1023u) continue;
-        if (ld_relaxed_sys(own_.error()) != 0 || expired()) {
+        if (ld_relaxed_sys(own_.error()) != 0 || deadline_.expired()) {
           arrived = false;
           break;
         }
@@ -163,7 +210,7 @@ public:
         bool met = true;
         for (uint32_t spins = 0; ld_relaxed_sys(generation) == seen; ++spins) {
           if ((spins & 1023u) != 1023u) continue;
-          if (ld_relaxed_sys(own_.error()) != 0 || expired()) {
+          if (ld_relaxed_sys(own_.error()) != 0 || deadline_.expired()) {
             met = false;
             break;
           }
@@ -191,31 +238,11 @@ public:
   // thread: copies this rank's error word to its host-mapped word, where the host sees it
   // without synchronising.
   __device__ void publish_failure() const {
-    if (threadIdx.x == 0 && g_.host_error != nullptr) {
-      st_release_sys(g_.host_error, ld_relaxed_sys(own_.error()));
-    }
+    if (threadIdx.x == 0) publish_error_to_host(peers_, g_);
   }
 
 private:
-  // Whether the launch's deadline passed: %globaltimer past start + timeout_ns (signed), or
-  // the %clock64 backstop past start + backstop_cycles.
-  __device__ bool expired() const {
-    const int64_t waited_ns = static_cast<int64_t>(global_timer_ns() - start_ns_);
-    const int64_t waited_cycles = static_cast<int64_t>(clock_cycles() - start_cycles_);
-    return (waited_ns > 0 && static_cast<uint64_t>(waited_ns) > g_.timeout_ns) ||
-           (waited_cycles > 0 && static_cast<uint64_t>(waited_cycles) > g_.backstop_cycles);
-  }
-
-  // Records `word` in this rank's error word (unless one is there already) and in every
-  // peer's (so that they stop waiting at once instead of each running out its deadline).
-  // Peers store unconditionally, so a word may be replaced by another failure's; it never
-  // returns to 0, and any nonzero word is a failure.
-  __device__ void report(uint32_t word) const {
-    atomic_cas_sys(own_.error(), 0u, word);
-    for (int p = 0; p < g_.world; ++p) {
-      if (p != g_.rank) st_release_sys(Pad{peers_.signals[p]}.error(), word);
-    }
-  }
+  __device__ void report(uint32_t word) const { report_failure(peers_, g_, word); }
 
   const tpfuse_peers &peers_;
   const tpfuse_group_args &g_;
@@ -224,8 +251,7 @@ private:
   uint32_t descriptor_;
   uint32_t epoch_;
   uint32_t first_;          // the epoch at the start of the launch
-  uint64_t start_ns_;       // the launch's deadline is start_ns_ + timeout_ns, for all its waits
-  uint64_t start_cycles_;   // and its backstop start_cycles_ + backstop_cycles
+  Deadline deadline_;       // one for all the launch's waits
 };
 
 } // namespace tpfuse

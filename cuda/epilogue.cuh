@@ -56,33 +56,24 @@ template <typename T> struct Epilogue {
   }
 };
 
-// The sum of `v` over the block, the same value in every thread, in a fixed order.
-__device__ __forceinline__ float block_sum(float v) {
-  TPFUSE_SHARED(float[kThreads / 32], warp_sums);
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x / 32] = v;
-  __syncthreads();
-  float total = 0.f;
-#pragma unroll
-  for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w];
-  __syncthreads(); // warp_sums is reused by the next call
-  return total;
-}
-
 // RMSNorm, out[i] = x[i] * rsqrt(mean(x^2) + eps) * gamma[i] over a row of `hidden` elements
 // (a multiple of the vector length), in one fixed order that the fused one-shot kernel and
 // the standalone kernel share, so they give the same bits however the work is split:
 //
 //   - the row is cut into segments of kSegment elements (one 16-byte vector per thread of a
 //     block), the last one shorter;
-//   - a segment's partial sum of squares: each thread's vector (fmaf, in element order), then
-//     block_sum's fixed tree;
+//   - a segment's partial sum of squares: each of kThreads virtual threads takes one vector
+//     (fmaf, in element order), the 32 lanes of each virtual warp add with an xor-shuffle
+//     tree, and the kThreads / 32 warp sums are added in warp order;
 //   - the row's sum: the partials added in segment order from 0 (f32);
 //   - then rstd = rsqrt(sum / hidden + eps) and y = x * rstd * gamma per element.
 //
 // The standalone kernel runs a row's segments in one block; the fused one-shot kernel
-// spreads a message's segments over its blocks and adds the partials across blocks.
+// spreads a message's segments over its blocks and adds the partials across blocks; the fused
+// GEMM + all-reduce runs whole rows in blocks of fewer threads. A block of kThreads threads
+// is one virtual thread per thread; a smaller one (a multiple of 32 threads) runs the
+// virtual warps in turns, warp w taking virtual warps w, w + warps, ...: a virtual warp is
+// always one real warp's 32 lanes, so the shuffle tree, and so the bits, are the same.
 template <typename T> constexpr size_t kSegment = static_cast<size_t>(kThreads) * Vec16<T>::kLen;
 
 // Segments of a row of `hidden` elements.
@@ -91,20 +82,34 @@ template <typename T> __host__ __device__ __forceinline__ size_t segments_per_ro
 }
 
 // The partial sum of squares of elements [begin, end) of x (one segment: at most kSegment,
-// begin vector-aligned), the same value in every thread of the block.
+// begin vector-aligned), the same value in every thread of the block (blockDim.x a multiple
+// of 32, at most kThreads).
 template <typename T>
 __device__ __forceinline__ float segment_sum_of_squares(const T *x, size_t begin, size_t end) {
-  float ss = 0.f;
-  const size_t i = begin + threadIdx.x * Vec16<T>::kLen;
-  if (i < end) {
-    const Vec16<T> v = load16(x + i);
+  constexpr int kWarps = kThreads / 32;
+  TPFUSE_SHARED(float[kWarps], warp_sums);
+  const int lane = threadIdx.x & 31;
+  for (int w = threadIdx.x / 32; w < kWarps; w += blockDim.x / 32) {
+    float ss = 0.f;
+    const size_t i = begin + (static_cast<size_t>(w) * 32 + lane) * Vec16<T>::kLen;
+    if (i < end) {
+      const Vec16<T> v = load16(x + i);
 #pragma unroll
-    for (int j = 0; j < Vec16<T>::kLen; ++j) {
-      const float f = Elem<T>::to_f32(v.v[j]);
-      ss = fmaf(f, f, ss);
+      for (int j = 0; j < Vec16<T>::kLen; ++j) {
+        const float f = Elem<T>::to_f32(v.v[j]);
+        ss = fmaf(f, f, ss);
+      }
     }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, offset);
+    if (lane == 0) warp_sums[w] = ss;
   }
-  return block_sum(ss);
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) total += warp_sums[w];
+  __syncthreads(); // warp_sums is reused by the next call
+  return total;
 }
 
 // The row's rstd from the sum of its segments' partials (added in segment order from 0).
@@ -118,19 +123,20 @@ __device__ __forceinline__ float rstd_of(float sum_of_squares, size_t hidden, fl
 template <typename T>
 __device__ __forceinline__ void normalize_segment(const T *x, const T *gamma, float rstd, T *out, size_t row_begin,
                                                   size_t begin, size_t end) {
-  const size_t i = begin + threadIdx.x * Vec16<T>::kLen;
-  if (i >= end) return;
-  const Vec16<T> v = load16(x + i);
-  const Vec16<T> g = load16(gamma + (i - row_begin));
-  Vec16<T> y;
+  for (size_t i = begin + threadIdx.x * Vec16<T>::kLen; i < end; i += blockDim.x * Vec16<T>::kLen) {
+    const Vec16<T> v = load16(x + i);
+    const Vec16<T> g = load16(gamma + (i - row_begin));
+    Vec16<T> y;
 #pragma unroll
-  for (int j = 0; j < Vec16<T>::kLen; ++j) {
-    y.v[j] = Elem<T>::from_f32(Elem<T>::to_f32(v.v[j]) * rstd * Elem<T>::to_f32(g.v[j]));
+    for (int j = 0; j < Vec16<T>::kLen; ++j) {
+      y.v[j] = Elem<T>::from_f32(Elem<T>::to_f32(v.v[j]) * rstd * Elem<T>::to_f32(g.v[j]));
+    }
+    store16(out + i, y);
   }
-  store16(out + i, y);
 }
 
-// The standalone RMSNorm of one row, by one block (x == out allowed).
+// The RMSNorm of one row, by one block (x == out allowed): the standalone kernel's, and the
+// fused GEMM + all-reduce's for each row it normalises.
 template <typename T>
 __device__ __forceinline__ void rms_norm_row(const T *x, const T *gamma, float eps, T *out, size_t hidden) {
   const size_t segments = segments_per_row<T>(hidden);

@@ -83,16 +83,8 @@ int launch_config(const T *a, const T *b, const T *bias, const T *residual, T *c
   const long long tiles_n = (n + Cfg::kBlockN - 1) / Cfg::kBlockN;
   if (tiles_m * tiles_n > INT_MAX) return cudaErrorInvalidConfiguration;
   auto gemm_sm80 = gemm_sm80_kernel<T, Cfg, GemmEpilogue<T>>;
-  if (Cfg::kSmemBytes > 48 * 1024) {
-    // Opting in to more than 48 KiB of dynamic shared memory is an attribute of the function
-    // in the current context. It is set on every call rather than cached: a context can be
-    // destroyed and recreated under the same device (cudarc releases the primary context
-    // with its last handle), and the new one starts without it. Setting a function attribute
-    // is host-side work, no stream operation, so it is allowed during stream capture.
-    const cudaError_t err =
-        cudaFuncSetAttribute(gemm_sm80, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-    if (err != cudaSuccess) return err;
-  }
+  const cudaError_t err = allow_dynamic_smem(gemm_sm80, Cfg::kSmemBytes);
+  if (err != cudaSuccess) return err;
   const GemmEpilogue<T> epi{c, bias, residual, n};
   TPFUSE_LAUNCH(gemm_sm80, static_cast<unsigned>(tiles_m * tiles_n), Cfg::kThreads, Cfg::kSmemBytes, stream)(
       a, b, m, n, k, static_cast<int>(tiles_m), static_cast<int>(tiles_n), epi);

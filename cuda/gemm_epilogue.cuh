@@ -7,10 +7,9 @@
 //
 //   GemmEpilogue (here):  c[row, col..col+8) = round(acc + bias[col..] + residual[row, col..])
 //
-// and later work plugs in other epilogues without touching the mainloop, e.g. a store to a
-// peer's buffer for GEMM + all-gather / reduce-scatter (replace store8), or a per-tile ready
-// flag for a consumer on another rank (set kSignalsTiles and implement tile_done: the kernel
-// then runs a block barrier after the tile's last store8 and calls tile_done from thread 0).
+// and other epilogues plug in without touching the mainloop: the fused GEMM + all-reduce
+// (gemm_all_reduce.cu) stores the rounded partial into the rank's symmetric buffer
+// (StagingEpilogue) and signals finished tiles itself, between gemm_tile calls.
 #pragma once
 
 #include "common.cuh"
@@ -29,9 +28,6 @@ template <typename T> struct GemmEpilogue {
   const T *bias;      // [n] or nullptr
   const T *residual;  // [m, n] row-major, or nullptr; may equal c
   int n;              // row length of c and residual
-
-  // No per-tile signal: the kernel skips the barrier and the call below.
-  static constexpr bool kSignalsTiles = false;
 
   // Columns col..col+8 of row `row`; `col` is a multiple of 8 (16-byte aligned, as every
   // pointer is), and the whole run lies inside the matrix.
@@ -56,10 +52,6 @@ template <typename T> struct GemmEpilogue {
     for (int j = 0; j < 8; ++j) out.v[j] = Elem<T>::from_f32(v[j]);
     store16(c + at, out);
   }
-
-  // Called once per tile by thread 0 after every store8 of the tile (and a block barrier),
-  // only when kSignalsTiles is true.
-  __device__ __forceinline__ void tile_done(int /*tile_m*/, int /*tile_n*/) const {}
 };
 
 } // namespace gemm

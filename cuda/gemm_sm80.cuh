@@ -119,6 +119,17 @@ struct SmallM16x64 : TileConfig<16, 64, 64, 1, 4, 6, 1> {};   // 128 threads, 60
 struct Tile64x64 : TileConfig<64, 64, 32, 2, 2, 6, 2> {};     // 128 threads, 48 KiB
 struct Tile128x128 : TileConfig<128, 128, 32, 2, 4, 4, 2> {}; // 256 threads, 66 KiB
 
+// Host: opts `kernel` in to `bytes` of dynamic shared memory when that is more than the
+// default 48 KiB. The attribute belongs to the function in the current context; it is set on
+// every call rather than cached: a context can be destroyed and recreated under the same
+// device (cudarc releases the primary context with its last handle), and the new one starts
+// without it. Setting a function attribute is host-side work, no stream operation, so it is
+// allowed during stream capture.
+template <typename Kernel> cudaError_t allow_dynamic_smem(Kernel kernel, int bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+
 // ---- The kernel -----------------------------------------------------------------------------
 
 // Block index -> tile, in groups of 8 tile rows: consecutive blocks walk down a group's rows
@@ -134,19 +145,16 @@ __device__ __forceinline__ void tile_of_block(int block, int tiles_m, int tiles_
   tile_n = within / rows;
 }
 
-// C = A · B^T through `epi`. m, n, k < 2^30; n and k multiples of 8; every pointer 16-byte
-// aligned; grid = tiles_m * tiles_n blocks of Cfg::kThreads, Cfg::kSmemBytes of dynamic
-// shared memory.
+// One BM x BN tile of C = A · B^T, (tile_m, tile_n), through `epi`, by the whole block, with
+// `smem` (Cfg::kSmemBytes of dynamic shared memory). The block must not touch `smem` while a
+// call runs; the call's last accesses to it are the epilogue's reads, so a block that runs
+// another tile afterwards passes a __syncthreads first (the first thing a call does is write
+// `smem`). m, n, k < 2^30; n and k multiples of 8; every pointer 16-byte aligned.
 template <typename T, typename Cfg, typename Epi>
-__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
-    gemm_sm80_kernel(const T *__restrict__ a, const T *__restrict__ b, int m, int n, int k, int tiles_m,
-                     int tiles_n, const Epi epi) {
+__device__ __forceinline__ void gemm_tile(const T *__restrict__ a, const T *__restrict__ b, int m, int n, int k,
+                                          int tile_m, int tile_n, const Epi &epi, unsigned char *smem) {
   constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, BK = Cfg::kBlockK, STAGES = Cfg::kStages;
   constexpr int MT = Cfg::kMTiles, NT = Cfg::kNTiles;
-  TPFUSE_DYNAMIC_SHARED(smem);
-
-  int tile_m, tile_n;
-  tile_of_block(blockIdx.x, tiles_m, tiles_n, tile_m, tile_n);
   const int m0 = tile_m * BM;
   const int n0 = tile_n * BN;
   const int tid = threadIdx.x;
@@ -327,10 +335,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       epi.store8(row, col, v);
     }
   }
-  if constexpr (Epi::kSignalsTiles) {
-    __syncthreads();
-    if (tid == 0) epi.tile_done(tile_m, tile_n);
-  }
+}
+
+// C = A · B^T through `epi`, one tile per block. m, n, k < 2^30; n and k multiples of 8;
+// every pointer 16-byte aligned; grid = tiles_m * tiles_n blocks of Cfg::kThreads,
+// Cfg::kSmemBytes of dynamic shared memory.
+template <typename T, typename Cfg, typename Epi>
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
+    gemm_sm80_kernel(const T *__restrict__ a, const T *__restrict__ b, int m, int n, int k, int tiles_m,
+                     int tiles_n, const Epi epi) {
+  TPFUSE_DYNAMIC_SHARED(smem);
+  int tile_m, tile_n;
+  tile_of_block(blockIdx.x, tiles_m, tiles_n, tile_m, tile_n);
+  gemm_tile<T, Cfg>(a, b, m, n, k, tile_m, tile_n, epi, smem);
 }
 
 } // namespace gemm

@@ -53,6 +53,38 @@ __device__ __forceinline__ uint32_t ld_relaxed_sys(const uint32_t *p) {
 #endif
 }
 
+// The same three on a naturally aligned 64-bit word: the fused GEMM's tile flags, whose epoch
+// and descriptor halves must be seen together. A scalar .u64 access is one memory operation
+// on its 8 bytes (PTX ISA, "Memory Consistency Model": only vector accesses are split into
+// one operation per element), so a load sees one store's whole value.
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t *p) {
+#ifdef TPFUSE_EMULATOR
+  return ::tpfuse_emu::poll_load(p, __ATOMIC_ACQUIRE);
+#else
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+#endif
+}
+
+__device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t *p) {
+#ifdef TPFUSE_EMULATOR
+  return ::tpfuse_emu::poll_load(p, __ATOMIC_RELAXED);
+#else
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+#endif
+}
+
+__device__ __forceinline__ void st_release_sys(uint64_t *p, uint64_t v) {
+#ifdef TPFUSE_EMULATOR
+  ::tpfuse_emu::signal_store(p, v);
+#else
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+#endif
+}
+
 // %globaltimer (PTX ISA: "Special Registers: %globaltimer"): nanoseconds. Emulated: virtual
 // time (docs/emulator.md).
 __device__ __forceinline__ uint64_t global_timer_ns() {

@@ -76,6 +76,14 @@ int32_t tpfuse_cudart_version(void);
  *                                                         (a hash of the kernel, its sizes
  *                                                         and its grid), compared at the
  *                                                         first barrier of every launch
+ *       uint32 fused_epoch, fused_done                    the fused GEMM + all-reduce's launch
+ *                                                         epoch and its blocks' end count
+ *       (padding to 256 bytes)
+ *       uint32 strip_counts[TPFUSE_MAX_FUSED_TILES]       tiles of a row strip reduced (RMSNorm)
+ *       uint64 tile_flags[TPFUSE_MAX_FUSED_TILES][TPFUSE_MAX_RANKS]  tile_flags[t][src]: rank
+ *                                                         src's partial of tile t is ready:
+ *                                                         epoch << 32 | descriptor
+ *   (gemm_all_reduce.cu explains the fused words)
  * The kernels never reset flags: every barrier waits for a larger value (epochs), so the
  * same launch can be replayed from a CUDA graph.
  *
@@ -88,13 +96,18 @@ int32_t tpfuse_cudart_version(void);
 
 #define TPFUSE_MAX_RANKS 8
 #define TPFUSE_MAX_BLOCKS 64
+#define TPFUSE_MAX_FUSED_TILES 4096
 #define TPFUSE_SIGNAL_FLAGS_OFFSET 0
 #define TPFUSE_SIGNAL_COUNTERS_OFFSET (4 * TPFUSE_MAX_BLOCKS * TPFUSE_MAX_RANKS)
 #define TPFUSE_SIGNAL_ERROR_OFFSET (TPFUSE_SIGNAL_COUNTERS_OFFSET + 4 * TPFUSE_MAX_BLOCKS)
 #define TPFUSE_SIGNAL_GRID_COUNT_OFFSET (TPFUSE_SIGNAL_ERROR_OFFSET + 4)
 #define TPFUSE_SIGNAL_GRID_GENERATION_OFFSET (TPFUSE_SIGNAL_ERROR_OFFSET + 8)
 #define TPFUSE_SIGNAL_DESCRIPTORS_OFFSET (TPFUSE_SIGNAL_ERROR_OFFSET + 256)
-#define TPFUSE_SIGNAL_PAD_BYTES (TPFUSE_SIGNAL_DESCRIPTORS_OFFSET + 4 * TPFUSE_MAX_BLOCKS * TPFUSE_MAX_RANKS)
+#define TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET (TPFUSE_SIGNAL_DESCRIPTORS_OFFSET + 4 * TPFUSE_MAX_BLOCKS * TPFUSE_MAX_RANKS)
+#define TPFUSE_SIGNAL_FUSED_DONE_OFFSET (TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET + 4)
+#define TPFUSE_SIGNAL_STRIP_COUNTS_OFFSET (TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET + 256)
+#define TPFUSE_SIGNAL_TILE_FLAGS_OFFSET (TPFUSE_SIGNAL_STRIP_COUNTS_OFFSET + 4 * TPFUSE_MAX_FUSED_TILES)
+#define TPFUSE_SIGNAL_PAD_BYTES (TPFUSE_SIGNAL_TILE_FLAGS_OFFSET + 8 * TPFUSE_MAX_FUSED_TILES * TPFUSE_MAX_RANKS)
 
 /* Error word values. TIMEOUT | p: rank p did not arrive before the deadline. MISMATCH | p |
  * (q << 16): ranks p and q launched different kernels, sizes, epilogues or grids (q noticed).
@@ -242,6 +255,30 @@ int32_t tpfuse_gemm_select(size_t m, size_t n, size_t k, int32_t cc_major, int32
 
 /* Fills *info for a TPFUSE_GEMM_CONFIG_* (not AUTO). Returns 0, or cudaErrorInvalidValue. */
 int tpfuse_gemm_describe(int32_t config, tpfuse_gemm_config_info *info);
+
+/* ---------------------------------------------------------------------------------------
+ * The row-parallel layer in one launch per rank (cuda/gemm_all_reduce.cu): this rank's partial
+ * p = x * w^T ([m, k] x [n, k]^T, f32 accumulation, rounded to T as tpfuse_gemm rounds it),
+ * then out = tpfuse_all_reduce's one-shot result of every rank's p with the epilogue (bias,
+ * residual, gamma, eps; rows = m, hidden = n): the same bits as tpfuse_gemm followed by
+ * tpfuse_all_reduce (either algorithm), on every rank.
+ *
+ * dtype:   TPFUSE_DTYPE_F16 or TPFUSE_DTYPE_BF16
+ * config:  a TPFUSE_GEMM_CONFIG_* tile configuration (not AUTO: the caller resolves it with
+ *          tpfuse_gemm_select, so that every rank runs the same one)
+ * blocks:  the persistent grid's size bound (1 ..= the blocks that fit on the device at once,
+ *          divided among the virtual ranks sharing it); the same on every rank
+ * x [m, k], w [n, k], bias [n] or NULL, residual [m, n] or NULL, gamma [n] or NULL, out [m, n]
+ * m >= 1; n, k positive multiples of 8; m * n * sizeof(T) <= capacity / 2; at most
+ * TPFUSE_MAX_FUSED_TILES tiles of the configuration. Every pointer 16-byte aligned; out and
+ * residual overlap nothing. Returns a cudaError_t; the outcome of the waits is in this rank's
+ * error word, and a launch that does not complete marks out and residual failed, as
+ * tpfuse_all_reduce does.
+ */
+int tpfuse_gemm_all_reduce(tpfuse_dtype dtype, int32_t config, const tpfuse_peers *peers,
+                           const tpfuse_group_args *group, int32_t blocks, const void *x, const void *w,
+                           const void *bias, void *residual, const void *gamma, float eps, void *out,
+                           size_t m, size_t n, size_t k, void *stream);
 
 #ifdef __cplusplus
 }

@@ -184,10 +184,10 @@ report() {
 # The unmutated copy must pass, or every "caught" below would mean nothing.
 if wanted baseline; then
   apply baseline
-  for t in emu_ops emu_reduce_ranks emu_all_reduce emu_gemm emu_counters; do
+  for t in emu_ops emu_reduce_ranks emu_all_reduce emu_gemm emu_gemm_all_reduce emu_counters; do
     run_tests baseline "$t" || { echo "mutants: the unmutated cuda/ fails $t; see $work/baseline/test.log" >&2; cat "$work/baseline/test.log" >&2; exit 1; }
   done
-  echo "baseline  unmutated cuda/ passes emu_ops, emu_reduce_ranks, emu_all_reduce, emu_gemm, emu_counters"
+  echo "baseline  unmutated cuda/ passes emu_ops, emu_reduce_ranks, emu_all_reduce, emu_gemm, emu_gemm_all_reduce, emu_counters"
 fi
 
 mutant closing-barrier emu_all_reduce "one-shot without its closing barrier" \
@@ -197,26 +197,26 @@ mutant first-barrier emu_all_reduce "one-shot reads peers before they staged" \
   all_reduce.cu $'copy_range(input, static_cast<T *>(peers.data[g.rank]), r);\n  if (!barrier.arrive_and_wait()) return give_up(barrier, out, residual, r);' \
   $'copy_range(input, static_cast<T *>(peers.data[g.rank]), r);'
 mutant reverse-rank-order emu_all_reduce "ranks summed W-1..0 (vector path)" \
-  all_reduce.cu 'x[p] = load16_peer(static_cast<const T *>(peers.data[p]) + peer_offset + i);' \
-  'x[p] = load16_peer(static_cast<const T *>(peers.data[W - 1 - p]) + peer_offset + i);'
+  reduce.cuh 'x[p] = load16_peer(static_cast<const T *>(peers.data[p]) + offset + i);' \
+  'x[p] = load16_peer(static_cast<const T *>(peers.data[world - 1 - p]) + offset + i);'
 mutant no-sync-before-release emu_all_reduce "a barrier publishes before the whole block is done" \
   barrier.cuh $'const uint32_t value = ++epoch_;\n    __syncthreads();' 'const uint32_t value = ++epoch_;'
 mutant wait-own-rank-only emu_all_reduce "a barrier that waits only for rank 0" \
   barrier.cuh 'if (peer < g_.world) {' 'if (peer < 1) {'
 mutant no-timeout-broadcast emu_all_reduce "a timed-out rank does not tell its peers" \
-  barrier.cuh 'if (p != g_.rank) st_release_sys' 'if (false) st_release_sys'
+  barrier.cuh 'if (p != g.rank) st_release_sys' 'if (false) st_release_sys'
 mutant missing-rank-not-told emu_all_reduce "a timed-out rank does not tell the rank that was late" \
-  barrier.cuh 'if (p != g_.rank) st_release_sys' 'if (p != g_.rank && p != static_cast<int>(word & 0xffu)) st_release_sys'
+  barrier.cuh 'if (p != g.rank) st_release_sys' 'if (p != g.rank && p != static_cast<int>(word & 0xffu)) st_release_sys'
 mutant no-descriptor-check emu_all_reduce "the first barrier does not compare the ranks' descriptors" \
   barrier.cuh 'ld_relaxed_sys(own_.descriptor(blockIdx.x, peer)) != descriptor_' 'false'
 mutant descriptor-without-grid emu_all_reduce "the descriptor leaves out the grid" \
   all_reduce.cu 'static_cast<uint64_t>(grid), bias != nullptr' 'uint64_t{0}, bias != nullptr'
 mutant no-clock-backstop emu_all_reduce "a wait trusts %globaltimer alone" \
-  barrier.cuh '(waited_cycles > 0 && static_cast<uint64_t>(waited_cycles) > g_.backstop_cycles)' 'false'
+  barrier.cuh '(waited_cycles > 0 && static_cast<uint64_t>(waited_cycles) > backstop_cycles_)' 'false'
 mutant failed-output-unmarked emu_all_reduce "a block that gives up leaves its outputs as they were" \
   failure.cuh 'if (p == nullptr) return;' 'return;'
 mutant no-host-publish emu_all_reduce "a failed launch does not publish its error word to the host" \
-  barrier.cuh 'if (threadIdx.x == 0 && g_.host_error != nullptr) {' 'if (false) {'
+  barrier.cuh 'if (g.host_error != nullptr) st_release_sys' 'if (false) st_release_sys'
 mutant rmsnorm-after-failure emu_all_reduce "the two-shot RMSNorm normalises a failed launch's marker" \
   epilogue.cu 'if (failed) {' 'if (false) {'
 mutant residual-not-written emu_all_reduce "the epilogue does not write the residual back" \
@@ -253,10 +253,23 @@ mutant last-slice-steps emu_gemm "the last k-slice runs one k16-step too few" \
   'const int last_steps = (k - (slices - 1) * BK) / 16;'
 mutant epilogue-no-bias emu_gemm "the GEMM epilogue reads bias at column 0" \
   gemm_epilogue.cuh 'const Vec16<T> b = load16(bias + col);' 'const Vec16<T> b = load16(bias);'
+mutant flag-before-tile emu_gemm_all_reduce "the fused kernel publishes a tile's flag before computing the tile" \
+  gemm_all_reduce.cu $'    gemm_tile<T, Cfg>(x, w, m, n, k, tm, tn, staging, smem);\n    __syncthreads(); // the tile\'s stores (and the epilogue\'s reads of smem), before the flags\n    if (threadIdx.x < g.world) st_release_sys(Pad{peers.signals[threadIdx.x]}.tile_flag(tile, g.rank), flag_value);' \
+  $'    if (threadIdx.x < g.world) st_release_sys(Pad{peers.signals[threadIdx.x]}.tile_flag(tile, g.rank), flag_value);\n    gemm_tile<T, Cfg>(x, w, m, n, k, tm, tn, staging, smem);\n    __syncthreads();'
+mutant no-sync-before-flag emu_gemm_all_reduce "the fused kernel publishes a tile's flag before the whole block stored it" \
+  gemm_all_reduce.cu $'    __syncthreads(); // the tile\'s stores (and the epilogue\'s reads of smem), before the flags\n' ''
+mutant epoch-not-advanced emu_gemm_all_reduce "the fused kernel's launches all use epoch 1" \
+  gemm_all_reduce.cu '*own.fused_epoch() = epoch;' ''
+mutant norm-before-row-complete emu_gemm_all_reduce "the first block to reduce a tile of a strip normalises it" \
+  gemm_all_reduce.cu '+ 1u == static_cast<uint32_t>(L.tiles_n);' '+ 1u == 1u;'
+mutant fused-failure-unmarked emu_gemm_all_reduce "the fused kernel's last block leaves a failed launch's outputs" \
+  gemm_all_reduce.cu 'if (st.last && st.failed) {' 'if (false) {'
+mutant fused-no-descriptor-check emu_gemm_all_reduce "the fused kernel accepts a tile flag of another launch's shape" \
+  gemm_all_reduce.cu 'static_cast<uint32_t>(v) != L.descriptor' 'false'
 # Right results, wasted work: only the counters see these.
 mutant double-peer-read emu_counters "the reduction loads every peer's vector twice" \
-  all_reduce.cu 'x[p] = load16_peer(static_cast<const T *>(peers.data[p]) + peer_offset + i);' \
-  $'{ x[p] = load16_peer(static_cast<const T *>(peers.data[p]) + peer_offset + i);\n      x[p] = load16_peer(static_cast<const T *>(peers.data[p]) + peer_offset + i); }'
+  reduce.cuh 'x[p] = load16_peer(static_cast<const T *>(peers.data[p]) + offset + i);' \
+  $'{ x[p] = load16_peer(static_cast<const T *>(peers.data[p]) + offset + i);\n      x[p] = load16_peer(static_cast<const T *>(peers.data[p]) + offset + i); }'
 mutant residual-over-the-link emu_counters "two-shot reads the peers' results again for the residual" \
   all_reduce.cu 'copy_range(static_cast<const T *>(out), residual, r);' 'copy_range_from_peer(result, residual, r);'
 mutant no-swizzle emu_counters "the GEMM's shared memory unswizzled (bank conflicts, same results)" \

@@ -14,108 +14,19 @@
 
 mod common;
 use common::assert_same_bits;
-use common::emu::{launched, session};
+use common::emu::{launched, session, Ranks};
 use common::gpu::{assert_close, base_seed, mix_seed, random_ranks, random_vec, TestElement};
 use half::{bf16, f16};
 use std::ffi::c_void;
-use tpfuse::emulator::{self, abi, DeviceBuffer, Fault, Stream};
+use tpfuse::emulator::{self, abi, DeviceBuffer, Fault};
 use tpfuse::reference::{all_reduce_epilogue_exact, all_reduce_fused_f64, reduce_ranks_exact};
 use tpfuse::Element;
 
 const WORLDS: [usize; 5] = [2, 3, 4, 6, 8];
-const CAPACITY: usize = 64 * 1024;
 const EPS: f32 = 1e-5;
 const LONG_TIMEOUT_NS: u64 = 60_000_000_000;
 
-/// W virtual ranks: each a stream, a data buffer (staging + result) and a signal pad that
-/// every rank addresses.
-struct Ranks {
-    world: usize,
-    blocks: i32,
-    timeout_ns: u64,
-    data: Vec<DeviceBuffer<u8>>,
-    signals: Vec<DeviceBuffer<u32>>,
-    /// Each rank's "host-mapped" error word (emulated device memory is host memory).
-    host_errors: Vec<DeviceBuffer<u32>>,
-    streams: Vec<Stream>,
-}
-
 impl Ranks {
-    fn new(world: usize, blocks: i32, timeout_ns: u64) -> Ranks {
-        let pad_words = abi::TPFUSE_SIGNAL_PAD_BYTES as usize / 4;
-        Ranks {
-            world,
-            blocks,
-            timeout_ns,
-            data: (0..world)
-                .map(|_| DeviceBuffer::new(2 * CAPACITY))
-                .collect(),
-            signals: (0..world)
-                .map(|_| DeviceBuffer::from_slice(&vec![0u32; pad_words]))
-                .collect(),
-            host_errors: (0..world)
-                .map(|_| DeviceBuffer::from_slice(&[0u32]))
-                .collect(),
-            streams: (0..world).map(|_| Stream::new()).collect(),
-        }
-    }
-
-    /// W ranks where rank `stopped` never runs and the %globaltimer of rank `frozen`'s
-    /// kernels stands still.
-    fn stopped_and_frozen(
-        world: usize,
-        blocks: i32,
-        timeout_ns: u64,
-        stopped: usize,
-        frozen: usize,
-    ) -> Ranks {
-        let ranks = Ranks::new(world, blocks, timeout_ns);
-        ranks.streams[stopped].set_fault(Fault {
-            stop: true,
-            ..Fault::default()
-        });
-        ranks.streams[frozen].set_fault(Fault {
-            freeze_timer: true,
-            ..Fault::default()
-        });
-        ranks
-    }
-
-    fn peers(&self) -> abi::tpfuse_peers {
-        let mut p = abi::tpfuse_peers {
-            data: [std::ptr::null_mut(); 8],
-            signals: [std::ptr::null_mut(); 8],
-        };
-        for r in 0..self.world {
-            p.data[r] = self.data[r].ptr().cast();
-            p.signals[r] = self.signals[r].ptr();
-        }
-        p
-    }
-
-    fn args(&self, rank: usize) -> abi::tpfuse_group_args {
-        abi::tpfuse_group_args {
-            rank: rank as i32,
-            world: self.world as i32,
-            blocks: self.blocks,
-            capacity: CAPACITY as u64,
-            timeout_ns: self.timeout_ns,
-            // 4 x the timeout at the emulated 1.98 GHz clock, rounded up.
-            backstop_cycles: self.timeout_ns.saturating_mul(8),
-            host_error: self.host_errors[rank].ptr(),
-        }
-    }
-
-    fn stream(&self, rank: usize) -> *mut c_void {
-        self.streams[rank].raw()
-    }
-
-    fn synchronize(&self) {
-        for (r, s) in self.streams.iter().enumerate() {
-            s.synchronize().unwrap_or_else(|e| panic!("rank {r}: {e}"));
-        }
-    }
-
     /// A flat f32 all-reduce of `n` elements, no epilogue, on `rank`'s stream.
     fn plain_all_reduce(
         &self,
@@ -165,15 +76,6 @@ impl Ranks {
             )
         };
         launched(&format!("all_reduce rank {rank}"), code);
-    }
-
-    fn error_word(&self, rank: usize) -> u32 {
-        self.signals[rank].to_vec()[abi::TPFUSE_SIGNAL_ERROR_OFFSET as usize / 4]
-    }
-
-    /// What the rank's kernels published to the host.
-    fn host_error_word(&self, rank: usize) -> u32 {
-        self.host_errors[rank].to_vec()[0]
     }
 }
 

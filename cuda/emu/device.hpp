@@ -54,7 +54,9 @@ template <typename T> inline T load_global(const T *p) {
 
 // ---- Flags and atomics: host atomics, each a scheduling point.
 uint32_t poll_load(const uint32_t *p, int memory_order);
+uint64_t poll_load(const uint64_t *p, int memory_order);
 void signal_store(uint32_t *p, uint32_t v);
+void signal_store(uint64_t *p, uint64_t v);
 int atomic_add(int *p, int v);
 unsigned atomic_add(unsigned *p, unsigned v);
 unsigned atomic_add_acq_rel(unsigned *p, unsigned v);

@@ -23,7 +23,7 @@ unsigned char *shared_at(uint32_t addr, size_t bytes) {
 // A poll that returns what this thread saw last time at the same address is no progress. A
 // thread remembers its two most recent addresses (a barrier's wait polls two: its flag and
 // the error word).
-void note_poll(Fiber &f, const uint32_t *p, uint32_t v) {
+void note_poll(Fiber &f, const void *p, uint64_t v) {
   for (int i = 0; i < 2; ++i) {
     if (f.polled[i] == p) {
       if (f.polled_value[i] != v) device().progress = true;
@@ -96,16 +96,24 @@ uint32_t cvta_shared(const void *p) {
 
 void shared_zero16(uint32_t dst) { std::memset(shared_at(dst, 16), 0, 16); }
 
-uint32_t poll_load(const uint32_t *p, int memory_order) {
+// A flag's load (32 or 64 bits), polled: others run first, so the value read is the freshest.
+template <typename U> U poll_flag(const U *p, int memory_order) {
   Fiber &f = current_fiber();
   if (f.polled[0] != p && f.polled[1] != p) device().progress = true;  // a new wait begins
-  yield_to_scheduler();  // let the others run first: the value read is the freshest
-  const uint32_t v = __atomic_load_n(p, memory_order);
+  yield_to_scheduler();
+  const U v = __atomic_load_n(p, memory_order);
   note_poll(f, p, v);
   return v;
 }
 
+uint32_t poll_load(const uint32_t *p, int memory_order) { return poll_flag(p, memory_order); }
+uint64_t poll_load(const uint64_t *p, int memory_order) { return poll_flag(p, memory_order); }
+
 void signal_store(uint32_t *p, uint32_t v) {
+  __atomic_store_n(p, v, __ATOMIC_RELEASE);
+  observable_step();
+}
+void signal_store(uint64_t *p, uint64_t v) {
   __atomic_store_n(p, v, __ATOMIC_RELEASE);
   observable_step();
 }

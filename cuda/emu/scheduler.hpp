@@ -44,8 +44,8 @@ struct Fiber {
   Block *block = nullptr;
   uint3 tid{0, 0, 0};
   FiberState state = FiberState::Ready;
-  const uint32_t *polled[2] = {nullptr, nullptr};  // the two most recent addresses polled
-  uint32_t polled_value[2] = {0, 0};
+  const void *polled[2] = {nullptr, nullptr};  // the two most recent addresses polled
+  uint64_t polled_value[2] = {0, 0};
   std::vector<Copy> open_group;
   std::deque<std::vector<Copy>> committed;
   void *asan_fake_stack = nullptr;

@@ -189,7 +189,7 @@ impl GemmConfig {
         }
     }
 
-    fn abi(self) -> i32 {
+    pub(crate) fn abi(self) -> i32 {
         let id = match self {
             GemmConfig::SmallM16x16 => kernels::TPFUSE_GEMM_CONFIG_SMALL_16X16,
             GemmConfig::SmallM16x32 => kernels::TPFUSE_GEMM_CONFIG_SMALL_16X32,
@@ -467,6 +467,15 @@ pub fn check_gemm<T: GemmElement>(
         return Ok(());
     }
     check_layout::<T>(buffers)
+}
+
+/// The dimensions, then every buffer's device and length (no addresses needed).
+pub(crate) fn check_gemm_shapes(
+    buffers: &GemmBuffers,
+    shape: GemmShape,
+    device: usize,
+) -> Result<()> {
+    check_shapes(buffers, shape, device)
 }
 
 /// The dimensions, then every buffer's device and length.

@@ -4,6 +4,7 @@ pub mod all_reduce;
 pub mod collectives;
 pub mod epilogue;
 pub mod gemm;
+pub mod gemm_all_reduce;
 pub mod linear;
 pub mod reduce_ranks;
 
@@ -14,5 +15,6 @@ pub use all_reduce::{
 pub use collectives::{all_gather, reduce_scatter};
 pub use epilogue::{add_bias_residual, rms_norm, rms_norm_in_place};
 pub use gemm::{gemm, gemm_accumulate, GemmShape};
+pub use gemm_all_reduce::gemm_all_reduce;
 pub use linear::{ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear};
 pub use reduce_ranks::reduce_ranks;

@@ -1,8 +1,10 @@
 //! Helpers of the emulator tests (tests/emu_*.rs): one emulated device per test binary,
-//! used by one test at a time, and the command that reproduces a failure.
+//! used by one test at a time, and the command that reproduces a failure; virtual ranks
+//! for the custom kernels' C ABI ([`Ranks`]).
 
+use std::ffi::c_void;
 use std::sync::{Mutex, MutexGuard};
-use tpfuse::emulator::{self, Config, Schedule};
+use tpfuse::emulator::{self, abi, Config, DeviceBuffer, Fault, Schedule, Stream};
 
 static DEVICE: Mutex<()> = Mutex::new(());
 
@@ -81,5 +83,114 @@ pub fn launched(what: &str, code: i32) {
         // SAFETY: returns a static string for any code.
         let msg = unsafe { std::ffi::CStr::from_ptr(emulator::abi::tpfuse_error_string(code)) };
         panic!("{what}: launch returned {code} ({})", msg.to_string_lossy());
+    }
+}
+
+/// W virtual ranks: each a stream, a data buffer (staging + result) and a signal pad that
+/// every rank addresses.
+pub struct Ranks {
+    pub world: usize,
+    pub blocks: i32,
+    pub timeout_ns: u64,
+    pub data: Vec<DeviceBuffer<u8>>,
+    pub signals: Vec<DeviceBuffer<u32>>,
+    /// Each rank's "host-mapped" error word (emulated device memory is host memory).
+    pub host_errors: Vec<DeviceBuffer<u32>>,
+    pub streams: Vec<Stream>,
+    /// Bytes of staging (and of result) per rank.
+    pub capacity: usize,
+}
+
+impl Ranks {
+    /// W ranks with 64 KiB of staging each.
+    pub fn new(world: usize, blocks: i32, timeout_ns: u64) -> Ranks {
+        Ranks::with_capacity(world, blocks, timeout_ns, 64 * 1024)
+    }
+
+    /// W ranks with `capacity` bytes of staging (and of result) each.
+    pub fn with_capacity(world: usize, blocks: i32, timeout_ns: u64, capacity: usize) -> Ranks {
+        let pad_words = abi::TPFUSE_SIGNAL_PAD_BYTES as usize / 4;
+        Ranks {
+            world,
+            blocks,
+            timeout_ns,
+            data: (0..world)
+                .map(|_| DeviceBuffer::new(2 * capacity))
+                .collect(),
+            signals: (0..world)
+                .map(|_| DeviceBuffer::from_slice(&vec![0u32; pad_words]))
+                .collect(),
+            host_errors: (0..world)
+                .map(|_| DeviceBuffer::from_slice(&[0u32]))
+                .collect(),
+            streams: (0..world).map(|_| Stream::new()).collect(),
+            capacity,
+        }
+    }
+
+    /// W ranks where rank `stopped` never runs and the %globaltimer of rank `frozen`'s
+    /// kernels stands still.
+    pub fn stopped_and_frozen(
+        world: usize,
+        blocks: i32,
+        timeout_ns: u64,
+        stopped: usize,
+        frozen: usize,
+    ) -> Ranks {
+        let ranks = Ranks::new(world, blocks, timeout_ns);
+        ranks.streams[stopped].set_fault(Fault {
+            stop: true,
+            ..Fault::default()
+        });
+        ranks.streams[frozen].set_fault(Fault {
+            freeze_timer: true,
+            ..Fault::default()
+        });
+        ranks
+    }
+
+    pub fn peers(&self) -> abi::tpfuse_peers {
+        let mut p = abi::tpfuse_peers {
+            data: [std::ptr::null_mut(); 8],
+            signals: [std::ptr::null_mut(); 8],
+        };
+        for r in 0..self.world {
+            p.data[r] = self.data[r].ptr().cast();
+            p.signals[r] = self.signals[r].ptr();
+        }
+        p
+    }
+
+    pub fn args(&self, rank: usize) -> abi::tpfuse_group_args {
+        abi::tpfuse_group_args {
+            rank: rank as i32,
+            world: self.world as i32,
+            blocks: self.blocks,
+            capacity: self.capacity as u64,
+            timeout_ns: self.timeout_ns,
+            // 4 x the timeout at the emulated 1.98 GHz clock, rounded up.
+            backstop_cycles: self.timeout_ns.saturating_mul(8),
+            host_error: self.host_errors[rank].ptr(),
+        }
+    }
+
+    pub fn stream(&self, rank: usize) -> *mut c_void {
+        self.streams[rank].raw()
+    }
+
+    pub fn synchronize(&self) {
+        for (r, s) in self.streams.iter().enumerate() {
+            s.synchronize().unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        }
+    }
+
+    /// The rank's error word in its signal pad.
+    pub fn error_word(&self, rank: usize) -> u32 {
+        self.signals[rank].to_vec()[abi::TPFUSE_SIGNAL_ERROR_OFFSET as usize / 4]
+    }
+
+    /// What the rank's kernels published to the host.
+    pub fn host_error_word(&self, rank: usize) -> u32 {
+        self.host_errors[rank].to_vec()[0]
     }
 }

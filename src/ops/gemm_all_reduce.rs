@@ -1,0 +1,311 @@
+//! The row-parallel layer's GEMM, all-reduce and epilogue as one kernel launch per rank
+//! (`cuda/gemm_all_reduce.cu`; design and numbers in `docs/fused-gemm.md`).
+//!
+//! `out = epilogue(Σ_r x_r · W_rᵀ)` on every rank of a [`TpGroup`], where rank `r` passes its
+//! `x_r` `[m, k]` and `W_r` `[n, k]`: each rank's partial product is rounded to `T` (as
+//! [`gemm`](crate::ops::gemm()) rounds it), the partials are added in rank order `0..W` in f32
+//! and rounded once, then the [`Epilogue`] runs (bias added once, residual added and written
+//! back, RMSNorm over rows of `n`). The bits are those of [`gemm`](crate::ops::gemm()) into a
+//! workspace followed by [`all_reduce_fused`](crate::ops::all_reduce_fused) with the same
+//! epilogue (either custom algorithm), on every rank; the tests check exactly that.
+//!
+//! The ranks' tiles meet through the group's symmetric memory: a tile's reduction starts as
+//! soon as every rank has computed it, while the GEMM goes on with the next tiles. The
+//! same deadlines and failure semantics as the custom all-reduce: a missing rank is
+//! [`Error::PeerTimeout`](crate::Error::PeerTimeout) on every survivor, a failed launch marks
+//! `out` and the residual failed ([`Element::failed_output`](crate::dtype::Element::failed_output)),
+//! and the call is CUDA-graph capturable.
+
+use crate::device::{bind, cuda};
+use crate::dtype::NcclType;
+use crate::error::{Error, Result};
+use crate::ffi::kernels;
+use crate::group::TpGroup;
+use crate::ops::all_reduce::Epilogue;
+use crate::ops::gemm::{
+    check_gemm, check_gemm_shapes, select_config, GemmBuffers, GemmConfig, GemmElement, GemmShape,
+};
+use crate::validate::{check_disjoint, launched, owner, BufferInfo};
+use cudarc::driver::{sys, DevicePtr, DevicePtrMut};
+use std::ffi::c_void;
+
+/// The most output tiles one fused launch takes (`TPFUSE_MAX_FUSED_TILES`).
+pub const MAX_TILES: usize = kernels::TPFUSE_MAX_FUSED_TILES as usize;
+
+/// The buffers of one fused call, as the checks see them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FusedBuffers {
+    /// `x` `[m, k]`, the weight `[n, k]`, the bias `[n]`, the residual `[m, n]` and `out`
+    /// `[m, n]` (as `a`, `b`, `bias`, `residual`, `c`).
+    pub gemm: GemmBuffers,
+    /// RMSNorm weights `[n]`.
+    pub gamma: Option<BufferInfo>,
+    /// RMSNorm epsilon.
+    pub eps: f32,
+}
+
+/// What the group offers a fused launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FusedFacts {
+    /// The group's device.
+    pub device: usize,
+    /// Ranks.
+    pub world: usize,
+    /// The group's symmetric capacity per rank, in bytes (a fused launch exchanges its
+    /// partials in half of the result area: `m · n · size_of::<T>()` at most `capacity / 2`).
+    pub capacity: usize,
+    /// The device's compute capability and SM count (the tile configuration's choice).
+    pub compute_capability: (u32, u32),
+    /// SMs of the device.
+    pub sms: usize,
+    /// The group's CTA budget: the persistent grid's bound.
+    pub blocks: usize,
+}
+
+/// What a fused launch will run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FusedPlan {
+    /// The GEMM tile configuration (the same choice as [`gemm`](crate::ops::gemm())).
+    pub config: GemmConfig,
+    /// Output tiles.
+    pub tiles: usize,
+    /// Blocks of the persistent grid: `min(tiles, blocks)`.
+    pub grid: usize,
+}
+
+/// Why a shape cannot take the fused path on a group, or `None` when it can: a message
+/// larger than half the symmetric capacity, more than [`MAX_TILES`] tiles, a world of one,
+/// or a device without a GEMM path. The layers fall back to the unfused path on these.
+pub fn unfusable<T>(shape: GemmShape, facts: &FusedFacts) -> Option<String> {
+    if facts.world < 2 {
+        return Some("the fused path needs a group of 2 or more ranks".into());
+    }
+    let bytes = shape
+        .m
+        .saturating_mul(shape.n)
+        .saturating_mul(std::mem::size_of::<T>());
+    if bytes > facts.capacity / 2 {
+        return Some(format!(
+            "m x n = {} x {} elements ({bytes} bytes) exceed half the group's symmetric \
+             capacity ({} of {} bytes), where the fused kernel exchanges its partials",
+            shape.m,
+            shape.n,
+            facts.capacity / 2,
+            facts.capacity
+        ));
+    }
+    let Some(config) = select_config(shape, facts.compute_capability, facts.sms) else {
+        let (major, minor) = facts.compute_capability;
+        return Some(format!(
+            "compute capability {major}.{minor} has no GEMM path (8.0 or later needed)"
+        ));
+    };
+    let tiles = tiles_of(config, shape);
+    if tiles > MAX_TILES {
+        return Some(format!(
+            "{tiles} tiles of {} exceed the {MAX_TILES} one fused launch takes",
+            config.name()
+        ));
+    }
+    None
+}
+
+fn tiles_of(config: GemmConfig, shape: GemmShape) -> usize {
+    let info = config.info();
+    shape.m.div_ceil(info.block_m) * shape.n.div_ceil(info.block_n)
+}
+
+/// The GEMM's names for its buffers, and this op's.
+const NAMES: [(&str, &str); 3] = [("a", "x"), ("b", "weight"), ("c", "out")];
+
+/// An [`Error::InvalidArgument`] of the GEMM's checks, renamed after this op's arguments.
+fn renamed(e: Error) -> Error {
+    match e {
+        Error::InvalidArgument { arg, reason } => {
+            let arg = NAMES
+                .iter()
+                .find(|(inner, _)| *inner == arg)
+                .map_or(arg, |(_, outer)| (*outer).to_string());
+            Error::InvalidArgument { arg, reason }
+        }
+        other => other,
+    }
+}
+
+/// Every check of [`gemm_all_reduce`], on buffer descriptions (so it runs without a GPU):
+/// the GEMM's (shapes, lengths, devices, alignment, `out` disjoint from the inputs), the
+/// epilogue's (gamma `[n]` on the device and aligned, `eps` finite and non-negative, the
+/// residual disjoint from everything else), then [`unfusable`].
+pub fn plan<T: GemmElement>(
+    buffers: &FusedBuffers,
+    shape: GemmShape,
+    facts: &FusedFacts,
+) -> Result<FusedPlan> {
+    let g = &buffers.gemm;
+    check_gemm::<T>(g, shape, facts.device).map_err(renamed)?;
+    if let Some(gamma) = &buffers.gamma {
+        gamma.check_device("gamma", facts.device)?;
+        if gamma.len != shape.n {
+            return Err(Error::invalid(
+                "gamma",
+                format!(
+                    "holds {} elements but a row of n = {} needs {}",
+                    gamma.len, shape.n, shape.n
+                ),
+            ));
+        }
+        gamma.check_aligned16("gamma")?;
+        check_disjoint::<T>("out", &g.c, "gamma", gamma)?;
+        if !(buffers.eps.is_finite() && buffers.eps >= 0.0) {
+            return Err(Error::invalid(
+                "eps",
+                format!("{} is not a finite non-negative number", buffers.eps),
+            ));
+        }
+    }
+    if let Some(residual) = &g.residual {
+        // The GEMM allows residual == c (in-place accumulation); here out holds the
+        // normalised rows and the residual the sum, so they are two buffers.
+        check_disjoint::<T>("out", &g.c, "residual", residual)?;
+        check_disjoint::<T>("x", &g.a, "residual", residual)?;
+        check_disjoint::<T>("weight", &g.b, "residual", residual)?;
+        if let Some(bias) = &g.bias {
+            check_disjoint::<T>("bias", bias, "residual", residual)?;
+        }
+        if let Some(gamma) = &buffers.gamma {
+            check_disjoint::<T>("gamma", gamma, "residual", residual)?;
+        }
+    }
+    if let Some(reason) = unfusable::<T>(shape, facts) {
+        return Err(Error::invalid("out", reason));
+    }
+    let config = select_config(shape, facts.compute_capability, facts.sms)
+        .ok_or_else(|| Error::invalid("out", "no GEMM path on this device"))?;
+    let tiles = tiles_of(config, shape);
+    Ok(FusedPlan {
+        config,
+        tiles,
+        grid: tiles.min(facts.blocks.max(1)),
+    })
+}
+
+/// The facts of `group`: its device's compute capability and SM count come from the driver.
+pub fn facts_of(group: &TpGroup) -> Result<FusedFacts> {
+    let ctx = group.stream().context();
+    let attr = |a| {
+        ctx.attribute(a)
+            .map(|v| v.max(0) as u32)
+            .map_err(cuda("reading a device attribute for the fused GEMM"))
+    };
+    use sys::CUdevice_attribute::*;
+    Ok(FusedFacts {
+        device: group.device(),
+        world: group.world(),
+        capacity: group.capacity(),
+        compute_capability: (
+            attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        ),
+        sms: attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize,
+        blocks: group.blocks(),
+    })
+}
+
+/// `out` `[m, n]` = `epilogue(Σ_r x_r · W_rᵀ)` on every rank, one kernel launch on the
+/// group's stream (see the [module docs](self)). Shapes: `x` `[m, k]` (this rank's input
+/// columns), `weight` `[n, k]` (this rank's weight shard, `[out_features, in/W]`), the
+/// epilogue's bias and gamma `[n]`, its residual `[m, n]`. `n` and `k` positive multiples
+/// of 8; every buffer on the group's device and 16-byte aligned; `out` and the residual
+/// overlap nothing. `m = 0` enqueues nothing. A collective: every rank calls it with the same
+/// shapes and epilogue in the same order. Returns the plan that ran.
+///
+/// Errors, before anything is launched: [`Error::InvalidArgument`] naming the buffer or
+/// dimension that is wrong (as [`gemm`](crate::ops::gemm()) and
+/// [`all_reduce_fused`](crate::ops::all_reduce_fused) name them), or `out` with the reason
+/// the shape cannot be fused ([`unfusable`]); a poisoned group's error; a group without
+/// symmetric memory.
+pub fn gemm_all_reduce<T: GemmElement + NcclType>(
+    group: &TpGroup,
+    x: &impl DevicePtr<T>,
+    weight: &impl DevicePtr<T>,
+    epilogue: Epilogue<'_, T>,
+    out: &mut impl DevicePtrMut<T>,
+    shape: GemmShape,
+) -> Result<FusedPlan> {
+    let facts = facts_of(group)?;
+    let stream = group.stream();
+    let info = |b: &dyn DevicePtr<T>| BufferInfo::new(0, b.len(), owner(b));
+    // Lengths and devices first, before any pointer is taken (a buffer of another device
+    // must not order its events on this stream).
+    let mut buffers = FusedBuffers {
+        gemm: GemmBuffers {
+            a: info(x),
+            b: info(weight),
+            bias: epilogue.bias.map(info),
+            residual: epilogue
+                .residual
+                .as_deref()
+                .map(|r| BufferInfo::new(0, r.len(), owner(r))),
+            c: BufferInfo::new(0, out.len(), owner(&*out)),
+        },
+        gamma: epilogue.norm.as_ref().map(|n| info(n.gamma)),
+        eps: epilogue.norm.as_ref().map_or(0.0, |n| n.eps),
+    };
+    check_gemm_shapes(&buffers.gemm, shape, facts.device).map_err(renamed)?;
+    if let Some(gamma) = &buffers.gamma {
+        gamma.check_device("gamma", facts.device)?;
+    }
+    if shape.m == 0 {
+        return plan::<T>(&buffers, shape, &facts);
+    }
+    let (x_ptr, _x) = x.device_ptr(stream);
+    let (w_ptr, _w) = weight.device_ptr(stream);
+    let bias = epilogue.bias.map(|b| b.device_ptr(stream));
+    let gamma = epilogue.norm.as_ref().map(|n| n.gamma.device_ptr(stream));
+    let residual = epilogue.residual.map(|r| r.device_ptr_mut(stream));
+    let (out_ptr, _out) = out.device_ptr_mut(stream);
+    let g = &mut buffers.gemm;
+    g.a.addr = x_ptr;
+    g.b.addr = w_ptr;
+    g.c.addr = out_ptr;
+    if let (Some(info), Some((ptr, _))) = (g.bias.as_mut(), bias.as_ref()) {
+        info.addr = *ptr;
+    }
+    if let (Some(info), Some((ptr, _))) = (g.residual.as_mut(), residual.as_ref()) {
+        info.addr = *ptr;
+    }
+    if let (Some(info), Some((ptr, _))) = (buffers.gamma.as_mut(), gamma.as_ref()) {
+        info.addr = *ptr;
+    }
+    let plan = plan::<T>(&buffers, shape, &facts)?;
+    let (peers, args) = group.kernel_args()?;
+    bind(stream)?;
+    let addr = |b: Option<BufferInfo>| b.map_or(std::ptr::null(), |b| b.addr as *const c_void);
+    let g = &buffers.gemm;
+    // SAFETY: `plan` checked every length against m, n, k, every device, the alignment, the
+    // capacity and tile count, and that out and the residual overlap nothing; the symmetric
+    // workspace behind `peers` lives as long as `group`; the guards keep cudarc's stream
+    // ordering until the kernel is enqueued.
+    let code = unsafe {
+        kernels::tpfuse_gemm_all_reduce(
+            T::DTYPE,
+            plan.config.abi(),
+            &peers,
+            &args,
+            i32::try_from(plan.grid).unwrap_or(i32::MAX),
+            g.a.addr as *const c_void,
+            g.b.addr as *const c_void,
+            addr(g.bias),
+            addr(g.residual) as *mut c_void,
+            addr(buffers.gamma),
+            buffers.eps,
+            g.c.addr as *mut c_void,
+            shape.m,
+            shape.n,
+            shape.k,
+            stream.cu_stream() as *mut c_void,
+        )
+    };
+    launched("tpfuse_gemm_all_reduce", code)?;
+    Ok(plan)
+}

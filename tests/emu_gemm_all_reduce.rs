@@ -1,0 +1,510 @@
+//! The fused row-parallel GEMM + all-reduce (`tpfuse_gemm_all_reduce`) on the CPU emulator
+//! (feature `emulator`), through the C ABI, on virtual ranks W = 2, 3, 4, 8 (one emulated
+//! stream each, the ranks' kernels running at once and waiting on each other's tile flags).
+//!
+//! The contract: bitwise equal, on every rank, to the unfused sequence — `tpfuse_gemm` of each
+//! rank's partial into a workspace, then the one-shot `tpfuse_all_reduce` with the same
+//! epilogue — for every epilogue (none, bias, residual, RMSNorm and their combinations), m in
+//! {1, 3, 16, 17, 64, 130}, n and k with tails past the tiles and the k-slices, every tile
+//! configuration the shapes select, grids of one block per rank (every tile of a rank on one
+//! block, waiting in turn) up to several. Also checked: the DESIGN.md tolerance against the
+//! f64 reference, many launches in a row with fresh inputs each (epochs, the two exchange
+//! areas), a missing rank (a timeout on every survivor, every output marked failed) and ranks
+//! that launch different shapes (a mismatch, not wrong data).
+//!
+//! Fresh random inputs per case (seeded; `TPFUSE_TEST_SEED` changes them); outputs poisoned
+//! (NaN) first, so an element never written fails the bitwise checks.
+#![cfg(feature = "emulator")]
+
+mod common;
+use common::assert_same_bits;
+use common::emu::{launched, session, Ranks};
+use common::gpu::{assert_close, base_seed, mix_seed, random_vec, TestElement};
+use half::{bf16, f16};
+use std::ffi::c_void;
+use tpfuse::emulator::{self, abi, DeviceBuffer, Fault};
+use tpfuse::reference::all_reduce_fused_f64;
+use tpfuse::Element;
+
+const EPS: f32 = 1e-5;
+const LONG_TIMEOUT_NS: u64 = 60_000_000_000;
+/// Staging per rank: the fused kernel exchanges m·n elements in half of the result area.
+const CAPACITY: usize = 256 * 1024;
+
+/// Which parts of the epilogue a case uses.
+#[derive(Clone, Copy, Debug)]
+struct Epi {
+    bias: bool,
+    residual: bool,
+    norm: bool,
+}
+
+const NONE: Epi = Epi {
+    bias: false,
+    residual: false,
+    norm: false,
+};
+const BIAS: Epi = Epi { bias: true, ..NONE };
+const BIAS_RESIDUAL: Epi = Epi {
+    residual: true,
+    ..BIAS
+};
+const RESIDUAL_NORM: Epi = Epi {
+    residual: true,
+    norm: true,
+    ..NONE
+};
+const ALL: Epi = Epi {
+    norm: true,
+    ..BIAS_RESIDUAL
+};
+
+/// One case's host data: per rank x_r [m, k] and w_r [n, k]; shared bias, residual, gamma.
+struct Problem<T> {
+    m: usize,
+    n: usize,
+    k: usize,
+    x: Vec<Vec<T>>,
+    w: Vec<Vec<T>>,
+    bias: Option<Vec<T>>,
+    residual: Option<Vec<T>>,
+    gamma: Option<Vec<T>>,
+}
+
+fn problem<T: TestElement>(
+    world: usize,
+    (m, n, k): (usize, usize, usize),
+    epi: Epi,
+    seed: u64,
+) -> Problem<T> {
+    let scale = 2.0 / (k as f32).sqrt();
+    Problem {
+        m,
+        n,
+        k,
+        x: (0..world)
+            .map(|r| random_vec(mix_seed(seed, &[1, r as u64]), m * k, -1.0, 1.0))
+            .collect(),
+        w: (0..world)
+            .map(|r| random_vec(mix_seed(seed, &[2, r as u64]), n * k, -scale, scale))
+            .collect(),
+        bias: epi
+            .bias
+            .then(|| random_vec(mix_seed(seed, &[3]), n, -1.0, 1.0)),
+        residual: epi
+            .residual
+            .then(|| random_vec(mix_seed(seed, &[4]), m * n, -2.0, 2.0)),
+        gamma: epi
+            .norm
+            .then(|| random_vec(mix_seed(seed, &[5]), n, 0.5, 1.5)),
+    }
+}
+
+/// One rank's device buffers of one launch, kept until it is checked.
+struct Buffers<T: Copy> {
+    out: DeviceBuffer<T>,
+    partial: DeviceBuffer<T>,
+    _inputs: Vec<DeviceBuffer<T>>,
+}
+
+/// Every rank's residual, holding p.residual, when the case has one.
+fn residuals<T: TestElement>(world: usize, p: &Problem<T>) -> Vec<Option<DeviceBuffer<T>>> {
+    (0..world)
+        .map(|_| p.residual.as_deref().map(DeviceBuffer::from_slice))
+        .collect()
+}
+
+fn poisoned<T: TestElement>(len: usize) -> DeviceBuffer<T> {
+    DeviceBuffer::from_slice(&vec![T::from_f32(f32::NAN); len])
+}
+
+fn opt_ptr<T: Copy>(b: &Option<DeviceBuffer<T>>) -> *mut c_void {
+    b.as_ref().map_or(std::ptr::null_mut(), |b| b.ptr().cast())
+}
+
+/// How one rank computes the case.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Path {
+    /// tpfuse_gemm_all_reduce.
+    Fused,
+    /// tpfuse_gemm into the workspace, then the one-shot tpfuse_all_reduce.
+    Unfused,
+}
+
+/// The configuration tpfuse_gemm(AUTO) runs for the shape on the emulated device (9.0, its
+/// SM count): what the Rust layer passes.
+fn auto_config(m: usize, n: usize, k: usize) -> i32 {
+    let sms = emulator::config().sms as i32;
+    // SAFETY: a pure function of its arguments.
+    unsafe { abi::tpfuse_gemm_select(m, n, k, 9, 0, sms) }
+}
+
+/// Enqueues rank `rank`'s launch of `p` on its stream, with `residual` (read, then written).
+fn enqueue<T: TestElement>(
+    ranks: &Ranks,
+    rank: usize,
+    p: &Problem<T>,
+    path: Path,
+    residual: &Option<DeviceBuffer<T>>,
+) -> Buffers<T> {
+    let (m, n, k) = (p.m, p.n, p.k);
+    let x = DeviceBuffer::from_slice(&p.x[rank]);
+    let w = DeviceBuffer::from_slice(&p.w[rank]);
+    let bias = p.bias.as_deref().map(DeviceBuffer::from_slice);
+    let gamma = p.gamma.as_deref().map(DeviceBuffer::from_slice);
+    let out = poisoned::<T>(m * n);
+    let partial = poisoned::<T>(m * n);
+    let stream = ranks.stream(rank);
+    let args = ranks.args(rank);
+    let peers = ranks.peers();
+    // SAFETY: every buffer holds the elements the shapes need and lives until the caller
+    // synchronizes (Buffers keeps them).
+    match path {
+        Path::Fused => {
+            let code = unsafe {
+                abi::tpfuse_gemm_all_reduce(
+                    T::DTYPE,
+                    auto_config(m, n, k),
+                    &peers,
+                    &args,
+                    ranks.blocks,
+                    x.ptr().cast(),
+                    w.ptr().cast(),
+                    opt_ptr(&bias),
+                    opt_ptr(&residual),
+                    opt_ptr(&gamma),
+                    EPS,
+                    out.ptr().cast(),
+                    m,
+                    n,
+                    k,
+                    stream,
+                )
+            };
+            launched(&format!("gemm_all_reduce rank {rank}"), code);
+        }
+        Path::Unfused => {
+            let code = unsafe {
+                abi::tpfuse_gemm(
+                    T::DTYPE,
+                    abi::TPFUSE_GEMM_CONFIG_AUTO,
+                    x.ptr().cast(),
+                    w.ptr().cast(),
+                    std::ptr::null(),
+                    std::ptr::null(),
+                    partial.ptr().cast(),
+                    m,
+                    n,
+                    k,
+                    stream,
+                )
+            };
+            launched(&format!("gemm rank {rank}"), code);
+            let code = unsafe {
+                abi::tpfuse_all_reduce(
+                    T::DTYPE,
+                    abi::TPFUSE_ALGO_ONE_SHOT as i32,
+                    &peers,
+                    &args,
+                    partial.ptr().cast(),
+                    opt_ptr(&bias),
+                    opt_ptr(&residual),
+                    opt_ptr(&gamma),
+                    EPS,
+                    out.ptr().cast(),
+                    m,
+                    n,
+                    stream,
+                )
+            };
+            launched(&format!("all_reduce rank {rank}"), code);
+        }
+    }
+    let mut inputs = vec![x, w];
+    inputs.extend(bias);
+    inputs.extend(gamma);
+    Buffers {
+        out,
+        partial,
+        _inputs: inputs,
+    }
+}
+
+/// Every rank's launch of `p` along `path`, then a synchronize; the buffers and every rank's
+/// residual afterwards.
+fn run<T: TestElement>(
+    ranks: &Ranks,
+    p: &Problem<T>,
+    path: Path,
+) -> (Vec<Buffers<T>>, Vec<Option<Vec<T>>>) {
+    let residuals = residuals(ranks.world, p);
+    let launches: Vec<Buffers<T>> = (0..ranks.world)
+        .map(|r| enqueue(ranks, r, p, path, &residuals[r]))
+        .collect();
+    ranks.synchronize();
+    for r in 0..ranks.world {
+        assert_eq!(ranks.error_word(r), 0, "rank {r}: the launch failed");
+    }
+    (
+        launches,
+        residuals
+            .iter()
+            .map(|b| b.as_ref().map(DeviceBuffer::to_vec))
+            .collect(),
+    )
+}
+
+/// Fused against unfused, bitwise on every rank (out and residual), and against f64.
+fn case<T: TestElement>(
+    world: usize,
+    blocks: i32,
+    shape: (usize, usize, usize),
+    epi: Epi,
+    seed: u64,
+) {
+    let label = format!(
+        "{} W={world} blocks={blocks} (m, n, k)={shape:?} {epi:?} seed={seed:#x}",
+        T::NAME
+    );
+    let p = problem::<T>(world, shape, epi, seed);
+    let ranks = Ranks::with_capacity(world, blocks, LONG_TIMEOUT_NS, CAPACITY);
+    let (fused, fused_residuals) = run(&ranks, &p, Path::Fused);
+    let (unfused, unfused_residuals) = run(&ranks, &p, Path::Unfused);
+    for r in 0..world {
+        let at = format!("{label} rank {r}");
+        assert_same_bits(
+            &format!("{at}: out, fused vs unfused"),
+            &fused[r].out.to_vec(),
+            &unfused[r].out.to_vec(),
+        );
+        if let (Some(f), Some(u)) = (&fused_residuals[r], &unfused_residuals[r]) {
+            assert_same_bits(&format!("{at}: residual, fused vs unfused"), f, u);
+        }
+    }
+    // The unfused sequence against f64, from its own partials (the GEMM is checked elsewhere).
+    let partials: Vec<Vec<T>> = unfused.iter().map(|b| b.partial.to_vec()).collect();
+    let refs: Vec<&[T]> = partials.iter().map(Vec::as_slice).collect();
+    let (h, out) = all_reduce_fused_f64(
+        &refs,
+        p.bias.as_deref(),
+        p.residual.as_deref(),
+        p.gamma.as_deref(),
+        f64::from(EPS),
+        p.n,
+    );
+    let tolerance = if epi.norm {
+        T::NORM_TOLERANCE
+    } else {
+        T::TOLERANCE
+    };
+    assert_close(
+        &format!("{label}: out vs f64"),
+        &fused[0].out.to_vec(),
+        &out,
+        tolerance,
+    );
+    if let Some(res) = &fused_residuals[0] {
+        assert_close(&format!("{label}: residual vs f64"), res, &h, T::TOLERANCE);
+    }
+}
+
+/// (world, blocks, (m, n, k), epilogue): every m of the issue, tails of n past 16, 32, 64 and
+/// 128 columns and of k past 16, 32 and 64, grids of 1 block per rank (a block with many
+/// tiles) and more, every epilogue.
+const CASES: [(usize, i32, (usize, usize, usize), Epi); 8] = [
+    (2, 2, (1, 264, 136), ALL),
+    (3, 2, (3, 136, 40), NONE),
+    (4, 1, (16, 72, 72), BIAS),
+    (8, 2, (17, 72, 40), RESIDUAL_NORM),
+    (2, 3, (64, 136, 40), ALL),
+    (4, 2, (130, 72, 24), BIAS_RESIDUAL),
+    (2, 1, (130, 136, 40), RESIDUAL_NORM),
+    (8, 1, (3, 264, 56), ALL),
+];
+
+fn every_case<T: TestElement>(seed: u64) {
+    for (i, &(world, blocks, shape, epi)) in CASES.iter().enumerate() {
+        case::<T>(world, blocks, shape, epi, mix_seed(seed, &[i as u64]));
+    }
+}
+
+#[test]
+fn fused_equals_gemm_then_all_reduce_bf16() {
+    let _s = session(
+        "emu_gemm_all_reduce",
+        "fused_equals_gemm_then_all_reduce_bf16",
+    );
+    every_case::<bf16>(base_seed(0xf05e_0001));
+}
+
+#[test]
+fn fused_equals_gemm_then_all_reduce_f16() {
+    let _s = session(
+        "emu_gemm_all_reduce",
+        "fused_equals_gemm_then_all_reduce_f16",
+    );
+    every_case::<f16>(base_seed(0xf05e_0002));
+}
+
+/// Launches in a row on every stream, all in flight before one synchronize, each with fresh
+/// inputs and the residual carried from one to the next (a decode loop): every launch's
+/// epoch and exchange area must be its own.
+#[test]
+fn launches_in_a_row_each_get_their_own_inputs() {
+    let _s = session(
+        "emu_gemm_all_reduce",
+        "launches_in_a_row_each_get_their_own_inputs",
+    );
+    let (world, steps) = (3, 12);
+    let shape = (2, 72, 40);
+    let seed = base_seed(0xf05e_0003);
+    let ranks = Ranks::with_capacity(world, 2, LONG_TIMEOUT_NS, CAPACITY);
+    let problems: Vec<Problem<bf16>> = (0..steps)
+        .map(|step| problem::<bf16>(world, shape, ALL, mix_seed(seed, &[step])))
+        .collect();
+    let mut finals = Vec::new();
+    for path in [Path::Fused, Path::Unfused] {
+        let residuals = residuals(world, &problems[0]);
+        let kept: Vec<Vec<Buffers<bf16>>> = problems
+            .iter()
+            .map(|p| {
+                (0..world)
+                    .map(|r| enqueue(&ranks, r, p, path, &residuals[r]))
+                    .collect()
+            })
+            .collect();
+        ranks.synchronize();
+        let outs: Vec<Vec<Vec<bf16>>> = kept
+            .iter()
+            .map(|step| step.iter().map(|b| b.out.to_vec()).collect())
+            .collect();
+        let res: Vec<Vec<bf16>> = residuals
+            .iter()
+            .map(|b| b.as_ref().expect("residual").to_vec())
+            .collect();
+        finals.push((outs, res));
+    }
+    for step in 0..steps as usize {
+        for r in 0..world {
+            let at = format!("step {step} rank {r}");
+            assert_same_bits(
+                &format!("{at}: out, fused vs unfused"),
+                &finals[0].0[step][r],
+                &finals[1].0[step][r],
+            );
+        }
+    }
+    for r in 0..world {
+        assert_same_bits(
+            &format!("rank {r}: final residual"),
+            &finals[0].1[r],
+            &finals[1].1[r],
+        );
+    }
+}
+
+/// A rank that never launches: every survivor times out within its deadline, names the
+/// missing rank, publishes the error word and marks out and residual failed.
+#[test]
+fn a_missing_rank_times_out_and_every_output_is_marked() {
+    let _s = session(
+        "emu_gemm_all_reduce",
+        "a_missing_rank_times_out_and_every_output_is_marked",
+    );
+    let timeout = 2_000_000;
+    let world = 3;
+    let ranks = Ranks::with_capacity(world, 2, timeout, CAPACITY);
+    ranks.streams[2].set_fault(Fault {
+        stop: true,
+        ..Fault::default()
+    });
+    let p = problem::<bf16>(world, (5, 136, 40), ALL, base_seed(0xf05e_0004));
+    let start = emulator::now_ns();
+    let res = residuals(world, &p);
+    let launches: Vec<Buffers<bf16>> = (0..2)
+        .map(|r| enqueue(&ranks, r, &p, Path::Fused, &res[r]))
+        .collect();
+    for r in 0..2 {
+        ranks.streams[r]
+            .synchronize()
+            .unwrap_or_else(|e| panic!("rank {r}: {e}"));
+    }
+    let elapsed = emulator::now_ns() - start;
+    let word = abi::TPFUSE_ERROR_PEER_TIMEOUT | 2;
+    for (r, b) in launches.iter().enumerate() {
+        assert_eq!(
+            ranks.error_word(r),
+            word,
+            "rank {r}: the error word names rank 2"
+        );
+        assert_eq!(
+            ranks.host_error_word(r),
+            word,
+            "rank {r}: published to the host"
+        );
+        assert!(
+            b.out.to_vec().iter().all(|x| x.is_failed_output()),
+            "rank {r}: out marked failed"
+        );
+        let residual = res[r].as_ref().expect("residual").to_vec();
+        assert!(
+            residual.iter().all(|x| x.is_failed_output()),
+            "rank {r}: residual marked failed"
+        );
+    }
+    assert!(
+        elapsed >= timeout,
+        "gave up after {elapsed} ns, before the {timeout} ns deadline"
+    );
+    assert!(
+        elapsed <= timeout * 3 / 2,
+        "gave up after {elapsed} ns, deadline {timeout} ns"
+    );
+
+    // The group is poisoned now: a launch gives up at once and marks its outputs.
+    let start = emulator::now_ns();
+    let again = enqueue(&ranks, 0, &p, Path::Fused, &res[0]);
+    ranks.streams[0].synchronize().expect("rank 0");
+    assert!(
+        emulator::now_ns() - start < timeout / 10,
+        "a poisoned group waited"
+    );
+    assert!(
+        again.out.to_vec().iter().all(|x| x.is_failed_output()),
+        "out marked on a poisoned group"
+    );
+}
+
+/// Ranks that launch different shapes (here m = 16 and m = 17: other tiles, another
+/// configuration) get TPFUSE_ERROR_PEER_MISMATCH, and their outputs are marked failed.
+#[test]
+fn ranks_that_launch_different_shapes_get_a_mismatch() {
+    let _s = session(
+        "emu_gemm_all_reduce",
+        "ranks_that_launch_different_shapes_get_a_mismatch",
+    );
+    let ranks = Ranks::with_capacity(2, 2, 1_000_000_000, CAPACITY);
+    let p0 = problem::<bf16>(2, (16, 72, 40), BIAS_RESIDUAL, base_seed(0xf05e_0005));
+    let p1 = problem::<bf16>(2, (17, 72, 40), BIAS_RESIDUAL, base_seed(0xf05e_0005));
+    let (r0, r1) = (residuals(2, &p0), residuals(2, &p1));
+    let b0 = enqueue(&ranks, 0, &p0, Path::Fused, &r0[0]);
+    let b1 = enqueue(&ranks, 1, &p1, Path::Fused, &r1[1]);
+    let start = emulator::now_ns();
+    ranks.synchronize();
+    assert!(
+        emulator::now_ns() - start < ranks.timeout_ns / 100,
+        "the mismatch was noticed at once"
+    );
+    for (r, b) in [b0, b1].iter().enumerate() {
+        let word = ranks.error_word(r);
+        assert_eq!(
+            word & 0xff00,
+            abi::TPFUSE_ERROR_PEER_MISMATCH,
+            "rank {r}: error word {word:#x}"
+        );
+        assert!(
+            b.out.to_vec().iter().all(|x| x.is_failed_output()),
+            "rank {r}: out marked failed"
+        );
+    }
+}

@@ -1,0 +1,346 @@
+//! GPU tests of the fused row-parallel GEMM + all-reduce through the Rust API
+//! ([`tpfuse::ops::gemm_all_reduce`]; feature `gpu-tests`, or `emulator` on the CPU; with
+//! neither every test here is listed as ignored), on virtual ranks W = 2, 4, 8 of GPU 0.
+//!
+//! - The fused op is bit for bit [`gemm`] into a workspace followed by
+//!   [`all_reduce_fused`] with the same epilogue, on every rank, at the DESIGN.md reference
+//!   shapes of the row-parallel layers (o_proj and down at TP 8, scaled down on the emulator),
+//!   and within the DESIGN.md tolerance of the f64 reference.
+//! - A CUDA graph of the fused op replayed 100 times (the residual carried from replay to
+//!   replay) ends with the bits of 100 eager unfused calls.
+//! - Bad calls are typed errors naming the argument, before anything runs.
+//!
+//! Fresh random inputs per case (seeded from `TPFUSE_TEST_SEED`), outputs poisoned first.
+
+mod common;
+use common::gpu::{
+    self, assert_close, base_seed, expect_invalid_saying, mix_seed, random_vec, splitmix64,
+};
+use common::graphs::{capture_on, launch_all};
+use common::ranks::{
+    check_all, download, download_ranks, gpu, poisoned, poisoned_ranks, round, upload_copies,
+    upload_ranks, virtual_group,
+};
+use common::shape;
+use common::{assert_same_bits, Bits};
+
+use cudarc::driver::{CudaSlice, DevicePtrMut};
+use half::{bf16, f16};
+use tpfuse::ops::gemm::GemmElement;
+use tpfuse::ops::{self, gemm, gemm_all_reduce, Algorithm, Epilogue, GemmShape, RmsNorm};
+use tpfuse::reference::{gemm_f64, rms_norm_f64};
+use tpfuse::{GroupOptions, NcclType, TpGroup};
+
+const EPS: f32 = 1e-5;
+
+trait TestElement: gpu::TestElement + GemmElement + NcclType {}
+impl TestElement for bf16 {}
+impl TestElement for f16 {}
+
+fn case_seed<T: TestElement>(parts: &[u64]) -> u64 {
+    mix_seed(splitmix64(base_seed(0x7470_6675_7365_f05e) ^ T::ID), parts)
+}
+
+/// Every rank's inputs of one case: x_r `[m, k]`, w_r `[n, k]`; the shared bias, residual and
+/// gamma.
+struct Case<T> {
+    m: usize,
+    n: usize,
+    k: usize,
+    x: Vec<Vec<T>>,
+    w: Vec<Vec<T>>,
+    bias: Vec<T>,
+    residual: Vec<T>,
+    gamma: Vec<T>,
+}
+
+fn case<T: TestElement>(world: usize, (m, n, k): (usize, usize, usize), seed: u64) -> Case<T> {
+    let scale = 2.0 / (k as f32).sqrt();
+    let rand =
+        |part: u64, len: usize, lo: f32, hi: f32| random_vec(mix_seed(seed, &[part]), len, lo, hi);
+    Case {
+        m,
+        n,
+        k,
+        x: (0..world)
+            .map(|r| rand(10 + r as u64, m * k, -1.0, 1.0))
+            .collect(),
+        w: (0..world)
+            .map(|r| rand(20 + r as u64, n * k, -scale, scale))
+            .collect(),
+        bias: rand(1, n, -1.0, 1.0),
+        residual: rand(2, m * n, -2.0, 2.0),
+        gamma: rand(3, n, 0.5, 1.5),
+    }
+}
+
+/// The layer's output on every rank, fused or unfused: `(out, residual)` per rank.
+fn forward<T: TestElement>(
+    groups: &[TpGroup],
+    c: &Case<T>,
+    fused: bool,
+    label: &str,
+) -> (Vec<Vec<T>>, Vec<Vec<T>>) {
+    let (m, n, k) = (c.m, c.n, c.k);
+    let xs = upload_ranks(groups, &c.x);
+    let ws = upload_ranks(groups, &c.w);
+    let biases = upload_copies(groups, &c.bias);
+    let gammas = upload_copies(groups, &c.gamma);
+    let mut residuals = upload_copies(groups, &c.residual);
+    let mut partials: Vec<CudaSlice<T>> = poisoned_ranks(groups, m * n);
+    let mut outs: Vec<CudaSlice<T>> = poisoned_ranks(groups, m * n);
+    round(groups, label, |r| {
+        let epilogue = Epilogue {
+            bias: Some(&biases[r]),
+            residual: Some(&mut residuals[r]),
+            norm: Some(RmsNorm {
+                gamma: &gammas[r],
+                eps: EPS,
+            }),
+        };
+        let shape = GemmShape { m, n, k };
+        if fused {
+            gemm_all_reduce(&groups[r], &xs[r], &ws[r], epilogue, &mut outs[r], shape).map(|_| ())
+        } else {
+            gemm(
+                groups[r].stream(),
+                &xs[r],
+                &ws[r],
+                None,
+                None,
+                &mut partials[r],
+                m,
+                n,
+                k,
+            )?;
+            ops::all_reduce_fused(
+                &groups[r],
+                &partials[r],
+                epilogue,
+                &mut outs[r],
+                Algorithm::Auto,
+            )
+            .map(|_| ())
+        }
+    });
+    (
+        download_ranks(groups, &outs),
+        download_ranks(groups, &residuals),
+    )
+}
+
+fn reference_shapes<T: TestElement>() {
+    let gpu = gpu();
+    // (world, m, n, k): o_proj (N 8192, K 1024) and down (N 8192, K 3584) at TP 8, divided by 8
+    // on the emulator, at decode and small-prefill m.
+    let o_proj = (shape(8192, 1024), shape(1024, 128));
+    let down = (shape(8192, 1024), shape(3584, 448));
+    let cases = [(2, 1, o_proj), (4, 16, down), (8, 64, o_proj), (8, 3, down)];
+    for (world, m, (n, k)) in cases {
+        let seed = case_seed::<T>(&[world as u64, m as u64, n as u64, k as u64]);
+        let label = format!("{} W={world} m={m} n={n} k={k} seed={seed:#x}", T::NAME);
+        let groups = virtual_group(&gpu.ctx, world, GroupOptions::default());
+        let c = case::<T>(world, (m, n, k), seed);
+        let (out, res) = forward(&groups, &c, true, &format!("{label} fused"));
+        let (out_u, res_u) = forward(&groups, &c, false, &format!("{label} unfused"));
+        for r in 0..world {
+            assert_same_bits(
+                &format!("{label} rank {r}: out, fused vs unfused"),
+                &out[r],
+                &out_u[r],
+            );
+            assert_same_bits(
+                &format!("{label} rank {r}: residual, fused vs unfused"),
+                &res[r],
+                &res_u[r],
+            );
+        }
+        let mut h: Vec<f64> = c.residual.iter().map(|v| v.to_f64()).collect();
+        for r in 0..world {
+            let y = gemm_f64(&c.x[r], &c.w[r], None, None, m, n, k);
+            h.iter_mut().zip(y).for_each(|(h, y)| *h += y);
+        }
+        h.iter_mut()
+            .enumerate()
+            .for_each(|(i, h)| *h += c.bias[i % n].to_f64());
+        assert_close(
+            &format!("{label}: residual vs f64"),
+            &res[0],
+            &h,
+            T::TOLERANCE,
+        );
+        let want = rms_norm_f64(&h, &c.gamma, f64::from(EPS));
+        assert_close(
+            &format!("{label}: out vs f64"),
+            &out[0],
+            &want,
+            T::NORM_TOLERANCE,
+        );
+    }
+}
+
+gpu_tests! {
+    /// bf16 at the reference shapes: fused == unfused bitwise, and close to f64.
+    fused_equals_unfused_at_the_reference_shapes_bf16 => reference_shapes::<bf16>();
+    /// f16, the same.
+    fused_equals_unfused_at_the_reference_shapes_f16 => reference_shapes::<f16>();
+    /// A graph of the fused op, replayed 100 times, against 100 eager unfused calls.
+    a_graph_of_the_fused_op_replays_100_times => graph_replays();
+    /// Bad calls: typed errors naming the argument, nothing launched.
+    bad_calls_are_refused_before_anything_runs => bad_calls();
+}
+
+fn graph_replays() {
+    type T = bf16;
+    let gpu = gpu();
+    // SAFETY: every buffer is used on its rank's stream only.
+    unsafe { gpu.ctx.disable_event_tracking() };
+    let (world, replays) = (2, 100);
+    let c = case::<T>(world, (2, 64, 32), case_seed::<T>(&[100]));
+    let (m, n, k) = (c.m, c.n, c.k);
+    let label = "100 replays";
+    let mut finals = Vec::new();
+    for fused in [true, false] {
+        let groups = virtual_group(&gpu.ctx, world, GroupOptions::default());
+        let xs = upload_ranks(&groups, &c.x);
+        let ws = upload_ranks(&groups, &c.w);
+        let gammas = upload_copies(&groups, &c.gamma);
+        let mut residuals = upload_copies(&groups, &c.residual);
+        let mut partials: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * n);
+        let mut outs: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * n);
+        let shape = GemmShape { m, n, k };
+        if fused {
+            // Modules load outside the capture: one eager call on every rank first (its
+            // residual update is undone below by a fresh upload).
+            round(&groups, &format!("{label} warm-up"), |r| {
+                let mut out = poisoned(&groups[r], m * n);
+                gemm_all_reduce(
+                    &groups[r],
+                    &xs[r],
+                    &ws[r],
+                    Epilogue::default(),
+                    &mut out,
+                    shape,
+                )
+                .map(|_| ())
+            });
+            let mut graphs = Vec::new();
+            for r in 0..world {
+                let (res, out) = (&mut residuals[r], &mut outs[r]);
+                let (graph, enqueued) = capture_on(groups[r].stream(), label, || {
+                    let epilogue = Epilogue {
+                        bias: None,
+                        residual: Some(&mut *res as &mut dyn DevicePtrMut<T>),
+                        norm: Some(RmsNorm {
+                            gamma: &gammas[r],
+                            eps: EPS,
+                        }),
+                    };
+                    gemm_all_reduce(&groups[r], &xs[r], &ws[r], epilogue, &mut *out, shape)
+                });
+                enqueued.unwrap_or_else(|e| panic!("{label}: rank {r} during the capture: {e}"));
+                graphs.push(graph);
+            }
+            for _ in 0..replays {
+                launch_all(&graphs, label);
+            }
+            check_all(&groups, label);
+        } else {
+            for i in 0..replays {
+                round(&groups, &format!("{label}: eager call {i}"), |r| {
+                    gemm(
+                        groups[r].stream(),
+                        &xs[r],
+                        &ws[r],
+                        None,
+                        None,
+                        &mut partials[r],
+                        m,
+                        n,
+                        k,
+                    )?;
+                    let epilogue = Epilogue {
+                        bias: None,
+                        residual: Some(&mut residuals[r]),
+                        norm: Some(RmsNorm {
+                            gamma: &gammas[r],
+                            eps: EPS,
+                        }),
+                    };
+                    ops::all_reduce_fused(
+                        &groups[r],
+                        &partials[r],
+                        epilogue,
+                        &mut outs[r],
+                        Algorithm::OneShot,
+                    )
+                    .map(|_| ())
+                });
+            }
+        }
+        let out: Vec<Vec<T>> = (0..world).map(|r| download(&groups[r], &outs[r])).collect();
+        let res: Vec<Vec<T>> = (0..world)
+            .map(|r| download(&groups[r], &residuals[r]))
+            .collect();
+        finals.push((out, res));
+    }
+    for r in 0..world {
+        assert_same_bits(
+            &format!("{label} rank {r}: out"),
+            &finals[0].0[r],
+            &finals[1].0[r],
+        );
+        assert_same_bits(
+            &format!("{label} rank {r}: residual"),
+            &finals[0].1[r],
+            &finals[1].1[r],
+        );
+    }
+    // The residual grew by 100 sums: it moved from where it started.
+    assert!(finals[0].1[0]
+        .iter()
+        .zip(&c.residual)
+        .any(|(a, b)| a.to_bits() != b.to_bits()));
+}
+
+fn bad_calls() {
+    type T = bf16;
+    let gpu = gpu();
+    // A capacity of 4 KiB: messages past 2 KiB cannot be fused.
+    let options = GroupOptions {
+        capacity_bytes: 4096,
+        ..GroupOptions::default()
+    };
+    let groups = virtual_group(&gpu.ctx, 2, options);
+    let g = &groups[0];
+    let (m, n, k) = (4, 512, 64);
+    let shape = GemmShape { m, n, k };
+    let x = poisoned::<T>(g, m * k);
+    let w = poisoned::<T>(g, n * k);
+    let mut out = poisoned::<T>(g, m * n);
+    let too_big = gemm_all_reduce(g, &x, &w, Epilogue::default(), &mut out, shape);
+    expect_invalid_saying("capacity", too_big, "out", &["capacity"]);
+
+    let small = GemmShape { m: 1, n, k };
+    let x1 = poisoned::<T>(g, k);
+    let mut out1 = poisoned::<T>(g, n);
+    let gamma = poisoned::<T>(g, n - 8);
+    let epilogue = Epilogue {
+        bias: None,
+        residual: None,
+        norm: Some(RmsNorm {
+            gamma: &gamma,
+            eps: EPS,
+        }),
+    };
+    let bad_gamma = gemm_all_reduce(g, &x1, &w, epilogue, &mut out1, small);
+    expect_invalid_saying("gamma", bad_gamma, "gamma", &["504", "512"]);
+
+    let wrong_x = gemm_all_reduce(g, &x, &w, Epilogue::default(), &mut out1, small);
+    expect_invalid_saying("x", wrong_x, "x", &["m * k"]);
+    // Nothing was written.
+    check_all(&groups[..1], "bad calls");
+    assert!(download(g, &out1)
+        .iter()
+        .all(|v| v.bits() == T::poison().bits()));
+}
