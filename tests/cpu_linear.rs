@@ -17,7 +17,7 @@ use tpfuse::reference::{
     gated_mlp_f64, gemm_f64, gemm_f64_wide, relative_error, rms_norm_f64, silu_mul_f64,
 };
 use tpfuse::shard::{
-    describe, ColumnParallelSpec, LayerKind, MergedColumnSpec, RowParallelSpec, Section,
+    describe, ColumnParallelSpec, HostWeight, LayerKind, MergedColumnSpec, RowParallelSpec, Section,
 };
 use tpfuse::{Element, Error};
 
@@ -95,7 +95,7 @@ fn column_parallel_ranks_concatenate_to_the_full_layer() {
             let rows = spec.rows(r).unwrap();
             assert_eq!(rows, r * n / world..(r + 1) * n / world, "world {world}");
             rows_seen.extend(rows.clone());
-            let ws = spec.shard_weight(r, &w).unwrap();
+            let ws = spec.shard_weight(r, HostWeight::new(&w, n, k)).unwrap();
             let bs = spec.shard_bias(r, &b).unwrap();
             assert_eq!(ws.len(), spec.out_per_rank() * k);
             assert_eq!(ws[..], w[rows.start * k..rows.end * k]);
@@ -116,7 +116,7 @@ fn column_parallel_in_bf16_takes_the_same_bits() {
     let w = random::<bf16>(4, n * k);
     let spec = ColumnParallelSpec::new("c", k, n, world).unwrap();
     let all: Vec<bf16> = (0..world)
-        .flat_map(|r| spec.shard_weight(r, &w).unwrap())
+        .flat_map(|r| spec.shard_weight(r, HostWeight::new(&w, n, k)).unwrap())
         .collect();
     assert_eq!(
         all.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
@@ -139,7 +139,7 @@ fn row_parallel_sum<T: Element>(spec: &RowParallelSpec, x: &[T], w: &[T], b: &[T
             .chunks_exact(k)
             .flat_map(|row| row[cols.clone()].to_vec())
             .collect();
-        let wr = spec.shard_weight(r, w).unwrap();
+        let wr = spec.shard_weight(r, HostWeight::new(w, n, k)).unwrap();
         assert_eq!(wr.len(), n * spec.in_per_rank());
         let partial = gemm_f64(&xr, &wr, None, None, m, n, spec.in_per_rank());
         for (s, p) in sum.iter_mut().zip(partial) {
@@ -194,9 +194,10 @@ fn row_parallel_shard_holds_the_columns() {
     // [out 2, in 6] on 3 ranks: rank 1 takes columns 2..4 of both rows.
     let spec = RowParallelSpec::new("o_proj", 6, 2, 3).unwrap();
     let w: Vec<u32> = (0..12).collect();
-    assert_eq!(spec.shard_weight(0, &w).unwrap(), vec![0, 1, 6, 7]);
-    assert_eq!(spec.shard_weight(1, &w).unwrap(), vec![2, 3, 8, 9]);
-    assert_eq!(spec.shard_weight(2, &w).unwrap(), vec![4, 5, 10, 11]);
+    let w = HostWeight::new(&w, 2, 6);
+    assert_eq!(spec.shard_weight(0, w).unwrap(), vec![0, 1, 6, 7]);
+    assert_eq!(spec.shard_weight(1, w).unwrap(), vec![2, 3, 8, 9]);
+    assert_eq!(spec.shard_weight(2, w).unwrap(), vec![4, 5, 10, 11]);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -244,9 +245,13 @@ fn qkv_case(q_heads: usize, kv_heads: usize, world: usize) {
     assert_eq!(spec.replicas(1), (world / kv_heads).max(1));
 
     let parts = [
-        &w[..q_rows * hidden],
-        &w[q_rows * hidden..(q_rows + kv_rows) * hidden],
-        &w[(q_rows + kv_rows) * hidden..],
+        HostWeight::new(&w[..q_rows * hidden], q_rows, hidden),
+        HostWeight::new(
+            &w[q_rows * hidden..(q_rows + kv_rows) * hidden],
+            kv_rows,
+            hidden,
+        ),
+        HostWeight::new(&w[(q_rows + kv_rows) * hidden..], kv_rows, hidden),
     ];
     let bias_parts = [
         &b[..q_rows],
@@ -256,7 +261,9 @@ fn qkv_case(q_heads: usize, kv_heads: usize, world: usize) {
     let mut q_seen = Vec::new();
     let mut kv_count = vec![0usize; kv_heads];
     for r in 0..world {
-        let ws = spec.shard_weight(r, &w).unwrap();
+        let ws = spec
+            .shard_weight(r, HostWeight::new(&w, out, hidden))
+            .unwrap();
         let bs = spec.shard_bias(r, &b).unwrap();
         assert_eq!(ws, spec.shard_weight_parts(r, &parts).unwrap(), "{label}");
         assert_eq!(
@@ -392,7 +399,9 @@ fn gate_up_shards_match_the_full_projection() {
         let mut gates = Vec::new();
         let mut ups = Vec::new();
         for r in 0..world {
-            let ws = spec.shard_weight(r, &w).unwrap();
+            let ws = spec
+                .shard_weight(r, HostWeight::new(&w, 2 * inter, hidden))
+                .unwrap();
             let y = gemm_f64(&x, &ws, None, None, M, 2 * per, hidden);
             assert_eq!(
                 spec.rows(r).unwrap(),
@@ -433,7 +442,8 @@ fn a_tensor_parallel_mlp_equals_the_unsharded_mlp() {
             // activation, which is exactly the input columns its down shard takes.
             let h = gemm_f64(
                 &x,
-                &gu.shard_weight(r, &gate_up).unwrap(),
+                &gu.shard_weight(r, HostWeight::new(&gate_up, 2 * inter, hidden))
+                    .unwrap(),
                 None,
                 None,
                 M,
@@ -443,7 +453,7 @@ fn a_tensor_parallel_mlp_equals_the_unsharded_mlp() {
             let act = silu_mul_f64(&h, per);
             assert_eq!(dn.columns(r).unwrap(), r * per..(r + 1) * per);
             let wr: Vec<f64> = dn
-                .shard_weight(r, &down)
+                .shard_weight(r, HostWeight::new(&down, hidden, inter))
                 .unwrap()
                 .iter()
                 .map(|v| f64::from(*v))
@@ -631,16 +641,15 @@ fn zero_sizes_are_errors() {
 fn host_slices_of_the_wrong_length_are_errors() {
     let col = ColumnParallelSpec::new("c", 8, 16, 2).unwrap();
     expect_error(
-        col.shard_weight(0, &[0.0f32; 127]),
+        col.shard_weight(0, HostWeight::new(&[0.0f32; 127], 16, 8)),
         "column-parallel 'c'",
         &["the host weight holds 127 elements", "[16, 8]", "128"],
     );
-    // The transposed weight [in, out] has the right length: only the caller can tell. A
-    // one-row-short weight does not.
+    // A weight one row short, declared as such: the wrong shape.
     expect_error(
-        col.shard_weight(1, &[0.0f32; 120]),
+        col.shard_weight(1, HostWeight::new(&[0.0f32; 120], 15, 8)),
         "column-parallel 'c'",
-        &["120"],
+        &["expected [out_features, in_features] = [16, 8], got [15, 8]"],
     );
     expect_error(
         col.shard_bias(0, &[0.0f32; 8]),
@@ -650,7 +659,7 @@ fn host_slices_of_the_wrong_length_are_errors() {
 
     let row = RowParallelSpec::new("r", 16, 8, 2).unwrap();
     expect_error(
-        row.shard_weight(0, &[0u8; 129]),
+        row.shard_weight(0, HostWeight::new(&[0u8; 129], 8, 16)),
         "row-parallel 'r'",
         &["the host weight holds 129"],
     );
@@ -666,7 +675,7 @@ fn host_slices_of_the_wrong_length_are_errors() {
     let label = "merged-column-parallel 'qkv'";
     assert_eq!(qkv.out_features(), 16);
     expect_error(
-        qkv.shard_weight(0, &[0u8; 16 * 8 - 1]),
+        qkv.shard_weight(0, HostWeight::new(&[0u8; 16 * 8 - 1], 16, 8)),
         label,
         &["the host weight holds 127", "[16, 8]"],
     );
@@ -676,14 +685,15 @@ fn host_slices_of_the_wrong_length_are_errors() {
         &["the host bias holds 15"],
     );
     let (q, kv) = (vec![0u8; 8 * 8], vec![0u8; 4 * 8]);
-    qkv.shard_weight_parts(1, &[&q, &kv, &kv]).unwrap();
+    let (wq, wkv) = (HostWeight::new(&q, 8, 8), HostWeight::new(&kv, 4, 8));
+    qkv.shard_weight_parts(1, &[wq, wkv, wkv]).unwrap();
     expect_error(
-        qkv.shard_weight_parts(0, &[&q, &kv]),
+        qkv.shard_weight_parts(0, &[wq, wkv]),
         label,
         &["2 host weight parts given for 3 sections"],
     );
     expect_error(
-        qkv.shard_weight_parts(0, &[&q, &kv, &kv[1..]]),
+        qkv.shard_weight_parts(0, &[wq, wkv, HostWeight::new(&kv[1..], 4, 8)]),
         label,
         &["section 'v'", "holds 31"],
     );
@@ -691,6 +701,79 @@ fn host_slices_of_the_wrong_length_are_errors() {
         qkv.shard_bias_parts(0, &[&q[..8], &kv[..4], &kv[..3]]),
         label,
         &["section 'v'", "holds 3"],
+    );
+}
+
+/// The issue's case: an o_proj `[4096, 3584]` (out, in) given as `[3584, 4096]` has the
+/// right element count and was accepted before shapes were checked; now every loader
+/// refuses it, naming the layer, the expected and the given shape.
+#[test]
+fn transposed_weights_are_refused_naming_the_layer() {
+    let (out, inp) = (4096, 3584);
+    let data = vec![0u8; out * inp];
+    let transposed = HostWeight::new(&data, inp, out);
+    let row = RowParallelSpec::new("layers.0.self_attn.o_proj", inp, out, 4).unwrap();
+    let err = row.shard_weight(0, transposed).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "invalid argument `row-parallel 'layers.0.self_attn.o_proj'`: the host weight: \
+         expected [out_features, in_features] = [4096, 3584], got [3584, 4096] (transposed?)"
+    );
+    row.shard_weight(0, HostWeight::new(&data, out, inp))
+        .unwrap();
+    // The same data in the layer's shape is taken.
+    let col = ColumnParallelSpec::new("lm_head", inp, out, 4).unwrap();
+    expect_error(
+        col.shard_weight(3, transposed),
+        "column-parallel 'lm_head'",
+        &[
+            "expected [out_features, in_features] = [4096, 3584]",
+            "got [3584, 4096]",
+            "transposed?",
+        ],
+    );
+    // Another wrong shape with the same count is not called transposed.
+    let (a, b) = (out * 2, inp / 2);
+    let err = col
+        .shard_weight(0, HostWeight::new(&data, a, b))
+        .unwrap_err();
+    let (_, reason) = invalid(err);
+    assert!(
+        reason.contains("got [8192, 1792]") && !reason.contains("transposed"),
+        "{reason}"
+    );
+
+    // Merged: the whole weight, and one section (k_proj of Llama-3-8B, [1024, 4096]).
+    let qkv = MergedColumnSpec::qkv("layers.0.self_attn.qkv_proj", 4096, 128, 32, 8, 4).unwrap();
+    let label = "merged-column-parallel 'layers.0.self_attn.qkv_proj'";
+    let full = vec![0u8; qkv.out_features() * 4096];
+    expect_error(
+        qkv.shard_weight(0, HostWeight::new(&full, 4096, qkv.out_features())),
+        label,
+        &[
+            "expected [out_features, in_features] = [6144, 4096]",
+            "got [4096, 6144]",
+            "transposed?",
+        ],
+    );
+    let (q, kv) = (vec![0u8; 4096 * 4096], vec![0u8; 1024 * 4096]);
+    let wq = HostWeight::new(&q, 4096, 4096);
+    let wkv = HostWeight::new(&kv, 1024, 4096);
+    let k_t = HostWeight::new(&kv, 4096, 1024);
+    qkv.shard_weight_parts(1, &[wq, wkv, wkv]).unwrap();
+    expect_error(
+        qkv.shard_weight_parts(1, &[wq, k_t, wkv]),
+        label,
+        &[
+            "the host weight of section 'k'",
+            "expected [heads · head_dim, in_features] = [1024, 4096], got [4096, 1024] \
+             (transposed?)",
+        ],
+    );
+    expect_error(
+        qkv.section_shard_weight(1, 2, k_t),
+        label,
+        &["section 'v'", "transposed?"],
     );
 }
 
@@ -703,7 +786,7 @@ fn ranks_out_of_range_are_errors() {
         &["rank 2 is out of range for world 2"],
     );
     expect_error(
-        col.shard_weight(5, &[0u8; 128]),
+        col.shard_weight(5, HostWeight::new(&[0u8; 128], 16, 8)),
         "column-parallel 'c'",
         &["rank 5"],
     );

@@ -1,5 +1,6 @@
 //! Column-parallel: a full weight's rows split evenly across the ranks.
 
+use super::HostWeight;
 use super::{
     check_dense, check_gemm, check_host_bias, check_host_weight, describe, even_part, take_rows,
     LayerKind,
@@ -13,13 +14,14 @@ use std::ops::Range;
 /// whole input `[m, in_features]`.
 ///
 /// ```
-/// use tpfuse::shard::ColumnParallelSpec;
+/// use tpfuse::shard::{ColumnParallelSpec, HostWeight};
 /// # fn main() -> tpfuse::Result<()> {
 /// let spec = ColumnParallelSpec::new("lm_head", 4, 6, 3)?; // [out 6, in 4] on 3 ranks
 /// assert_eq!(spec.out_per_rank(), 2);
 /// assert_eq!(spec.rows(1)?, 2..4);
 /// let full: Vec<u32> = (0..24).collect();
-/// assert_eq!(spec.shard_weight(1, &full)?, (8..16).collect::<Vec<_>>());
+/// let full = HostWeight::new(&full, 6, 4); // [out_features, in_features], as stored
+/// assert_eq!(spec.shard_weight(1, full)?, (8..16).collect::<Vec<_>>());
 /// # Ok(()) }
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -92,17 +94,14 @@ impl ColumnParallelSpec {
         even_part(&self.label(), rank, self.world, self.out_per_rank())
     }
 
-    /// Rank `rank`'s weight `[out / W, in]`, cut from the full host weight `full`
-    /// `[out_features, in_features]`.
-    pub fn shard_weight<T: Copy>(&self, rank: usize, full: &[T]) -> Result<Vec<T>> {
+    /// Rank `rank`'s weight `[out / W, in]`, cut from the full host weight `full`, which
+    /// must be `[out_features, in_features]` (the checkpoint's layout, see [`HostWeight`]).
+    /// Errors (naming the layer): a rank out of range, a weight of another shape (a
+    /// transposed one says so), a weight whose data does not fill its shape.
+    pub fn shard_weight<T: Copy>(&self, rank: usize, full: HostWeight<'_, T>) -> Result<Vec<T>> {
         let rows = self.rows(rank)?;
-        check_host_weight(
-            &self.label(),
-            full.len(),
-            self.out_features,
-            self.in_features,
-        )?;
-        Ok(take_rows(full, self.in_features, &[rows]))
+        check_host_weight(&self.label(), &full, self.out_features, self.in_features)?;
+        Ok(take_rows(full.data(), self.in_features, &[rows]))
     }
 
     /// Rank `rank`'s bias `[out / W]`, cut from the full host bias `full` `[out_features]`.

@@ -5,6 +5,7 @@ use super::{
     check_divisible, check_gemm, check_host_bias, check_host_weight, check_len, check_positive,
     check_rank, check_world, describe, elements, take_rows, LayerKind,
 };
+use super::{check_weight_shape, HostWeight};
 use crate::error::{Error, Result};
 use std::ops::Range;
 
@@ -326,21 +327,47 @@ impl MergedColumnSpec {
         start..start + width(&self.sections[section])
     }
 
-    /// The heads of section `section` that rank `rank` holds (for a replicated section
-    /// with fewer heads than ranks, the one head `rank / (world / heads)`).
-    pub fn heads_of(&self, section: usize, rank: usize) -> Result<Range<usize>> {
-        let label = self.label();
-        check_rank(&label, rank, self.world)?;
-        let s = self.sections.get(section).ok_or_else(|| {
+    /// The index of the section named `name` (e.g. `"k"`, `"up"`) in
+    /// [`sections`](Self::sections). Errors (naming the layer and its sections): no section
+    /// has that name.
+    pub fn section_index(&self, name: &str) -> Result<usize> {
+        self.sections
+            .iter()
+            .position(|s| s.name == name)
+            .ok_or_else(|| {
+                let names: Vec<String> = self
+                    .sections
+                    .iter()
+                    .map(|s| format!("'{}'", s.name))
+                    .collect();
+                Error::invalid(
+                    self.label(),
+                    format!(
+                        "no section is named '{name}' (the sections are {})",
+                        names.join(", ")
+                    ),
+                )
+            })
+    }
+
+    /// Section `section`, or an error naming the layer.
+    fn section(&self, section: usize) -> Result<&Section> {
+        self.sections.get(section).ok_or_else(|| {
             Error::invalid(
-                &label,
+                self.label(),
                 format!(
                     "section {section} does not exist ({} sections)",
                     self.sections.len()
                 ),
             )
-        })?;
-        Ok(s.heads_of(rank, self.world))
+        })
+    }
+
+    /// The heads of section `section` that rank `rank` holds (for a replicated section
+    /// with fewer heads than ranks, the one head `rank / (world / heads)`).
+    pub fn heads_of(&self, section: usize, rank: usize) -> Result<Range<usize>> {
+        check_rank(&self.label(), rank, self.world)?;
+        Ok(self.section(section)?.heads_of(rank, self.world))
     }
 
     /// The rows of the full weight that rank `rank` takes, one range per section, in order.
@@ -356,24 +383,34 @@ impl MergedColumnSpec {
         Ok(out)
     }
 
-    /// Rank `rank`'s weight `[out_per_rank, in]`, cut from the full host weight `full`
-    /// `[out_features, in_features]` (the sections stacked along the rows).
-    pub fn shard_weight<T: Copy>(&self, rank: usize, full: &[T]) -> Result<Vec<T>> {
+    /// Rank `rank`'s weight `[out_per_rank, in]`, cut from the full host weight `full`, which
+    /// must be `[out_features, in_features]`, the sections stacked along the rows (see
+    /// [`HostWeight`]; a Megatron checkpoint's interleaved QKV is converted first by
+    /// `qkv_from_megatron`). Errors (naming the layer): a rank
+    /// out of range, a weight of another shape (a transposed one says so), a weight whose
+    /// data does not fill its shape.
+    pub fn shard_weight<T: Copy>(&self, rank: usize, full: HostWeight<'_, T>) -> Result<Vec<T>> {
         let rows = self.rows(rank)?;
-        check_host_weight(
-            &self.label(),
-            full.len(),
-            self.out_features(),
-            self.in_features,
-        )?;
-        Ok(take_rows(full, self.in_features, &rows))
+        check_host_weight(&self.label(), &full, self.out_features(), self.in_features)?;
+        Ok(take_rows(full.data(), self.in_features, &rows))
     }
 
-    /// Rank `rank`'s weight from one host weight per section (`parts[s]` is
-    /// `[heads·head_dim, in_features]`, e.g. Hugging Face's `q_proj`, `k_proj`, `v_proj`):
-    /// the same as [`shard_weight`](Self::shard_weight) of the parts stacked.
-    pub fn shard_weight_parts<T: Copy>(&self, rank: usize, parts: &[&[T]]) -> Result<Vec<T>> {
-        self.take_parts(rank, parts, self.in_features, "weight")
+    /// Rank `rank`'s weight from one host weight per section, in section order (`parts[s]`
+    /// is `[heads·head_dim, in_features]`, e.g. Hugging Face's `q_proj`, `k_proj`, `v_proj`,
+    /// as stored): the same as [`shard_weight`](Self::shard_weight) of the parts stacked.
+    /// Errors: as [`section_shard_weight`](Self::section_shard_weight) for each part, and a
+    /// number of parts other than the number of sections.
+    pub fn shard_weight_parts<T: Copy>(
+        &self,
+        rank: usize,
+        parts: &[HostWeight<'_, T>],
+    ) -> Result<Vec<T>> {
+        self.check_parts(rank, parts.len(), "weight")?;
+        let mut out = Vec::with_capacity(self.out_per_rank() * self.in_features);
+        for (s, part) in parts.iter().enumerate() {
+            out.extend_from_slice(self.section_shard_weight(rank, s, *part)?);
+        }
+        Ok(out)
     }
 
     /// Rank `rank`'s bias `[out_per_rank]`, cut from the full host bias `full`
@@ -391,49 +428,78 @@ impl MergedColumnSpec {
 
     /// Rank `rank`'s bias from one host bias per section (`parts[s]` is `[heads·head_dim]`).
     pub fn shard_bias_parts<T: Copy>(&self, rank: usize, parts: &[&[T]]) -> Result<Vec<T>> {
-        self.take_parts(rank, parts, 1, "bias")
+        self.check_parts(rank, parts.len(), "bias")?;
+        let mut out = Vec::with_capacity(self.out_per_rank());
+        for (s, part) in parts.iter().enumerate() {
+            out.extend_from_slice(self.section_shard_bias(rank, s, part)?);
+        }
+        Ok(out)
     }
 
-    fn take_parts<T: Copy>(
-        &self,
-        rank: usize,
-        parts: &[&[T]],
-        cols: usize,
-        what: &str,
-    ) -> Result<Vec<T>> {
+    /// Errors unless `rank` is in range and `given` parts are one per section.
+    fn check_parts(&self, rank: usize, given: usize, what: &str) -> Result<()> {
         let label = self.label();
         check_rank(&label, rank, self.world)?;
-        if parts.len() != self.sections.len() {
+        if given != self.sections.len() {
             return Err(Error::invalid(
                 &label,
                 format!(
-                    "{} host {what} parts given for {} sections",
-                    parts.len(),
+                    "{given} host {what} parts given for {} sections",
                     self.sections.len()
                 ),
             ));
         }
-        let mut out = Vec::with_capacity(self.out_per_rank() * cols);
-        for (s, part) in self.sections.iter().zip(parts) {
-            let shape = if cols == 1 {
-                format!("heads · head_dim = {} · {}", s.heads, s.head_dim)
-            } else {
-                format!(
-                    "[heads · head_dim, in_features] = [{} · {}, {cols}]",
-                    s.heads, s.head_dim
-                )
-            };
-            check_len(
-                &label,
-                &format!("the host {what} of section '{}'", s.name),
-                part.len(),
-                s.rows() * cols,
-                &shape,
-            )?;
-            let rows = s.rows_of(rank, self.world);
-            out.extend_from_slice(&part[rows.start * cols..rows.end * cols]);
-        }
-        Ok(out)
+        Ok(())
+    }
+
+    /// Rank `rank`'s rows of section `section`, `[its heads · head_dim, in_features]`, as a
+    /// slice of that section's full host weight `weight`, which must be
+    /// `[heads · head_dim, in_features]` (e.g. Hugging Face's `k_proj`, as stored). Nothing
+    /// is copied. They are the rows [`section_columns(section)`](Self::section_columns) of
+    /// the rank's weight shard. Errors (naming the layer and the section): a rank or section
+    /// out of range, a weight of another shape (a transposed one says so), a weight whose
+    /// data does not fill its shape.
+    pub fn section_shard_weight<'a, T>(
+        &self,
+        rank: usize,
+        section: usize,
+        weight: HostWeight<'a, T>,
+    ) -> Result<&'a [T]> {
+        let label = self.label();
+        check_rank(&label, rank, self.world)?;
+        let s = self.section(section)?;
+        let cols = self.in_features;
+        check_weight_shape(
+            &label,
+            &format!("the host weight of section '{}'", s.name),
+            &weight,
+            (s.rows(), cols),
+            "[heads · head_dim, in_features]",
+        )?;
+        let rows = s.rows_of(rank, self.world);
+        Ok(&weight.data()[rows.start * cols..rows.end * cols])
+    }
+
+    /// Rank `rank`'s part of section `section`'s bias, `[its heads · head_dim]`, as a slice of
+    /// that section's full host bias `bias` `[heads · head_dim]`. Errors (naming the layer
+    /// and the section): a rank or section out of range, a bias of another length.
+    pub fn section_shard_bias<'a, T>(
+        &self,
+        rank: usize,
+        section: usize,
+        bias: &'a [T],
+    ) -> Result<&'a [T]> {
+        let label = self.label();
+        check_rank(&label, rank, self.world)?;
+        let s = self.section(section)?;
+        check_len(
+            &label,
+            &format!("the host bias of section '{}'", s.name),
+            bias.len(),
+            s.rows(),
+            &format!("heads · head_dim = {} · {}", s.heads, s.head_dim),
+        )?;
+        Ok(&bias[s.rows_of(rank, self.world)])
     }
 
     /// For a layer built by [`qkv`](Self::qkv): where q, k and v lie in a rank's output row.

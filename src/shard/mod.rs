@@ -39,13 +39,16 @@
 //! does not fit, e.g. `in_features 14336 is not divisible by world 6`.
 
 use crate::error::{Error, Result};
+use host::check_weight_shape;
 use std::ops::Range;
 
 mod column;
+mod host;
 mod merged;
 mod row;
 
 pub use column::ColumnParallelSpec;
+pub use host::HostWeight;
 pub use merged::{GateUpSplit, MergedColumnSpec, QkvSplit, Section};
 pub use row::RowParallelSpec;
 
@@ -200,19 +203,20 @@ fn even_part(label: &str, rank: usize, world: usize, per: usize) -> Result<Range
     Ok(rank * per..(rank + 1) * per)
 }
 
-/// Errors unless a full host weight holds `[out_features, in_features]` elements.
-fn check_host_weight(
+/// Errors unless a full host weight is `[out_features, in_features]` and holds that many
+/// elements.
+fn check_host_weight<T>(
     label: &str,
-    got: usize,
+    weight: &HostWeight<'_, T>,
     out_features: usize,
     in_features: usize,
 ) -> Result<()> {
-    check_len(
+    check_weight_shape(
         label,
         "the host weight",
-        got,
-        out_features * in_features,
-        &format!("[out_features, in_features] = [{out_features}, {in_features}]"),
+        weight,
+        (out_features, in_features),
+        "[out_features, in_features]",
     )
 }
 

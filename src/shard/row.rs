@@ -1,5 +1,6 @@
 //! Row-parallel: a full weight's columns split evenly across the ranks.
 
+use super::HostWeight;
 use super::{
     check_dense, check_gemm, check_host_bias, check_host_weight, describe, even_part, LayerKind,
 };
@@ -13,12 +14,12 @@ use std::ops::Range;
 /// once after the reduction) is the layer's output.
 ///
 /// ```
-/// use tpfuse::shard::RowParallelSpec;
+/// use tpfuse::shard::{HostWeight, RowParallelSpec};
 /// # fn main() -> tpfuse::Result<()> {
 /// let spec = RowParallelSpec::new("down_proj", 4, 2, 2)?; // [out 2, in 4] on 2 ranks
 /// assert_eq!(spec.columns(1)?, 2..4);
 /// let full = [0, 1, 2, 3, 10, 11, 12, 13];
-/// assert_eq!(spec.shard_weight(1, &full)?, vec![2, 3, 12, 13]);
+/// assert_eq!(spec.shard_weight(1, HostWeight::new(&full, 2, 4))?, vec![2, 3, 12, 13]);
 /// let err = RowParallelSpec::new("layers.0.mlp.down_proj", 14336, 4096, 6).unwrap_err();
 /// assert_eq!(
 ///     err.to_string(),
@@ -97,18 +98,15 @@ impl RowParallelSpec {
         even_part(&self.label(), rank, self.world, self.in_per_rank())
     }
 
-    /// Rank `rank`'s weight `[out, in / W]`, cut from the full host weight `full`
-    /// `[out_features, in_features]`.
-    pub fn shard_weight<T: Copy>(&self, rank: usize, full: &[T]) -> Result<Vec<T>> {
+    /// Rank `rank`'s weight `[out, in / W]`, cut from the full host weight `full`, which
+    /// must be `[out_features, in_features]` (the checkpoint's layout, see [`HostWeight`]).
+    /// Errors (naming the layer): a rank out of range, a weight of another shape (a
+    /// transposed one says so), a weight whose data does not fill its shape.
+    pub fn shard_weight<T: Copy>(&self, rank: usize, full: HostWeight<'_, T>) -> Result<Vec<T>> {
         let cols = self.columns(rank)?;
-        check_host_weight(
-            &self.label(),
-            full.len(),
-            self.out_features,
-            self.in_features,
-        )?;
+        check_host_weight(&self.label(), &full, self.out_features, self.in_features)?;
         let mut out = Vec::with_capacity(self.out_features * cols.len());
-        for row in full.chunks_exact(self.in_features) {
+        for row in full.data().chunks_exact(self.in_features) {
             out.extend_from_slice(&row[cols.clone()]);
         }
         Ok(out)

@@ -8,7 +8,7 @@ use crate::error::Result;
 use crate::group::TpGroup;
 use crate::ops::collectives::all_gather;
 use crate::ops::gemm::GemmElement;
-use crate::shard::ColumnParallelSpec;
+use crate::shard::{ColumnParallelSpec, HostWeight};
 use crate::validate::owner;
 use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
@@ -43,14 +43,16 @@ impl<T: GemmElement + NcclType> ColumnParallelLinear<T> {
         Ok(ColumnParallelLinear { spec, shard })
     }
 
-    /// The layer from the full host weight `[out_features, in_features]` (and bias
-    /// `[out_features]`): this rank's rows are cut ([`ColumnParallelSpec::shard_weight`]) and
-    /// uploaded on the group's stream. Errors: as [`from_shard`](Self::from_shard), and host
-    /// slices of the wrong length.
+    /// The layer from the full host weight, `[out_features, in_features]` as the checkpoint
+    /// stores it (see [`HostWeight`]), and bias `[out_features]`: this rank's rows are cut
+    /// ([`ColumnParallelSpec::shard_weight`]) and uploaded on the group's stream. Errors
+    /// (naming the layer, before anything is uploaded): as [`from_shard`](Self::from_shard),
+    /// a weight of another shape (a transposed one says so), host slices of the wrong
+    /// length.
     pub fn from_host(
         group: &TpGroup,
         spec: ColumnParallelSpec,
-        weight: &[T],
+        weight: HostWeight<'_, T>,
         bias: Option<&[T]>,
     ) -> Result<Self> {
         let (w, b) = host_shard(group, &spec, weight, bias)?;

@@ -5,7 +5,7 @@ use crate::dtype::NcclType;
 use crate::error::Result;
 use crate::group::TpGroup;
 use crate::ops::gemm::GemmElement;
-use crate::shard::{GateUpSplit, MergedColumnSpec, QkvSplit};
+use crate::shard::{GateUpSplit, HostWeight, MergedColumnSpec, QkvSplit};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
 /// A merged column-parallel layer, one rank of it: QKV with grouped-query heads or gate_up
@@ -40,26 +40,31 @@ impl<T: GemmElement + NcclType> MergedColumnParallelLinear<T> {
         Ok(MergedColumnParallelLinear { spec, shard })
     }
 
-    /// The layer from the full host weight `[out_features, in_features]` (the sections
-    /// stacked along the rows) and bias `[out_features]`, cut by
-    /// [`MergedColumnSpec::shard_weight`] and uploaded on the group's stream.
+    /// The layer from the full host weight, `[out_features, in_features]` with the sections
+    /// stacked along the rows (see [`HostWeight`]), and bias `[out_features]`, cut by
+    /// [`MergedColumnSpec::shard_weight`] and uploaded on the group's stream. Errors (naming
+    /// the layer, before anything is uploaded): as [`from_shard`](Self::from_shard), a weight
+    /// of another shape (a transposed one says so), host slices of the wrong length.
     pub fn from_host(
         group: &TpGroup,
         spec: MergedColumnSpec,
-        weight: &[T],
+        weight: HostWeight<'_, T>,
         bias: Option<&[T]>,
     ) -> Result<Self> {
         let (w, b) = host_shard(group, &spec, weight, bias)?;
         Self::from_shard(group, spec, w, b)
     }
 
-    /// The layer from one host weight per section (e.g. `q_proj`, `k_proj`, `v_proj`,
-    /// each `[heads·head_dim, in_features]`) and optionally one bias per section, cut by
-    /// [`MergedColumnSpec::shard_weight_parts`] and uploaded on the group's stream.
+    /// The layer from one host weight per section, in section order (e.g. Hugging Face's
+    /// `q_proj`, `k_proj`, `v_proj`, each `[heads·head_dim, in_features]` as stored), and
+    /// optionally one bias per section, cut by [`MergedColumnSpec::shard_weight_parts`] and
+    /// uploaded on the group's stream. All parts are held at once; to load them one at a
+    /// time, as a checkpoint is read, use `loader`. Errors: as
+    /// [`from_host`](Self::from_host), for each part.
     pub fn from_host_parts(
         group: &TpGroup,
         spec: MergedColumnSpec,
-        weights: &[&[T]],
+        weights: &[HostWeight<'_, T>],
         biases: Option<&[&[T]]>,
     ) -> Result<Self> {
         check_spec(group, &spec)?;

@@ -10,7 +10,11 @@
 //! The shard math (which rows, columns and heads a rank takes, and the checks that name the
 //! layer) is host-only, in [`crate::shard`]; a layer is built from a spec of that module and
 //! either the rank's shard already on the device (`from_shard`) or the full host weight
-//! `[out_features, in_features]` it cuts and uploads (`from_host`).
+//! `[out_features, in_features]` it cuts and uploads (`from_host`), given as a
+//! [`HostWeight`] with the shape the checkpoint stores (safetensors / Hugging Face
+//! `[out_features, in_features]`), checked against the layer's. A merged layer also loads
+//! section by section, one checkpoint tensor at a time
+//! (`MergedColumnParallelLinear::loader`).
 //!
 //! # Calls
 //!
@@ -34,7 +38,7 @@
 //! ```no_run
 //! use half::bf16;
 //! use tpfuse::ops::linear::{MergedColumnParallelLinear, RowParallelLinear};
-//! use tpfuse::shard::{MergedColumnSpec, RowParallelSpec};
+//! use tpfuse::shard::{HostWeight, MergedColumnSpec, RowParallelSpec};
 //! use tpfuse::{GroupOptions, TpGroup};
 //!
 //! # fn main() -> tpfuse::Result<()> {
@@ -46,9 +50,17 @@
 //! let group = &groups[0];
 //! let w = group.world();
 //! let gate_up = MergedColumnParallelLinear::from_host(
-//!     group, MergedColumnSpec::gate_up("mlp.gate_up_proj", hidden, inter, w)?, &gate_up_w, None)?;
+//!     group,
+//!     MergedColumnSpec::gate_up("mlp.gate_up_proj", hidden, inter, w)?,
+//!     HostWeight::new(&gate_up_w, 2 * inter, hidden),
+//!     None,
+//! )?;
 //! let down = RowParallelLinear::from_host(
-//!     group, RowParallelSpec::new("mlp.down_proj", inter, hidden, w)?, &down_w, None)?;
+//!     group,
+//!     RowParallelSpec::new("mlp.down_proj", inter, hidden, w)?,
+//!     HostWeight::new(&down_w, hidden, inter),
+//!     None,
+//! )?;
 //! let alloc = |n| group.stream().alloc_zeros::<bf16>(n)
 //!     .map_err(|e| tpfuse::Error::Cuda { context: "alloc", source: e });
 //! let x = alloc(m * hidden)?;
@@ -65,7 +77,7 @@ use crate::dtype::NcclType;
 use crate::error::{Error, Result};
 use crate::group::TpGroup;
 use crate::ops::gemm::{gemm, GemmElement};
-use crate::shard::{ColumnParallelSpec, MergedColumnSpec, RowParallelSpec};
+use crate::shard::{ColumnParallelSpec, HostWeight, MergedColumnSpec, RowParallelSpec};
 use crate::validate::owner;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use std::borrow::Cow;
@@ -221,7 +233,7 @@ trait LayerSpec {
     /// A rank's weight shard is `[n, k]`.
     fn shard_dims(&self) -> (usize, usize);
     /// Rank `rank`'s weight, cut from the full host weight.
-    fn shard_weight<T: Copy>(&self, rank: usize, full: &[T]) -> Result<Vec<T>>;
+    fn shard_weight<T: Copy>(&self, rank: usize, full: HostWeight<'_, T>) -> Result<Vec<T>>;
     /// Rank `rank`'s bias from the full host bias: cut, or (row-parallel) checked and whole.
     fn shard_bias<'a, T: Copy>(&self, rank: usize, full: &'a [T]) -> Result<Cow<'a, [T]>>;
 }
@@ -249,7 +261,7 @@ macro_rules! column_layer_spec {
             fn shard_dims(&self) -> (usize, usize) {
                 (self.out_per_rank(), self.in_features())
             }
-            fn shard_weight<T: Copy>(&self, rank: usize, full: &[T]) -> Result<Vec<T>> {
+            fn shard_weight<T: Copy>(&self, rank: usize, full: HostWeight<'_, T>) -> Result<Vec<T>> {
                 <$spec>::shard_weight(self, rank, full)
             }
             fn shard_bias<'a, T: Copy>(&self, rank: usize, full: &'a [T]) -> Result<Cow<'a, [T]>> {
@@ -280,7 +292,7 @@ impl LayerSpec for RowParallelSpec {
     fn shard_dims(&self) -> (usize, usize) {
         (self.out_features(), self.in_per_rank())
     }
-    fn shard_weight<T: Copy>(&self, rank: usize, full: &[T]) -> Result<Vec<T>> {
+    fn shard_weight<T: Copy>(&self, rank: usize, full: HostWeight<'_, T>) -> Result<Vec<T>> {
         RowParallelSpec::shard_weight(self, rank, full)
     }
     fn shard_bias<'a, T: Copy>(&self, _rank: usize, full: &'a [T]) -> Result<Cow<'a, [T]>> {
@@ -312,7 +324,7 @@ fn upload_shard<T: GemmElement>(
 fn host_shard<T: GemmElement>(
     group: &TpGroup,
     spec: &impl LayerSpec,
-    weight: &[T],
+    weight: HostWeight<'_, T>,
     bias: Option<&[T]>,
 ) -> Result<(CudaSlice<T>, Option<CudaSlice<T>>)> {
     check_spec(group, spec)?;

@@ -7,7 +7,7 @@ use crate::error::{Error, Result};
 use crate::group::TpGroup;
 use crate::ops::all_reduce::{all_reduce_fused, Algorithm, Epilogue, RmsNorm};
 use crate::ops::gemm::GemmElement;
-use crate::shard::RowParallelSpec;
+use crate::shard::{HostWeight, RowParallelSpec};
 use crate::topology::AllReduceAlgo;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
@@ -60,13 +60,16 @@ impl<T: GemmElement + NcclType> RowParallelLinear<T> {
         })
     }
 
-    /// The layer from the full host weight `[out_features, in_features]` (this rank's
-    /// columns are cut by [`RowParallelSpec::shard_weight`]) and the full bias
-    /// `[out_features]` (uploaded whole), on the group's stream.
+    /// The layer from the full host weight, `[out_features, in_features]` as the checkpoint
+    /// stores it (see [`HostWeight`]; this rank's columns are cut by
+    /// [`RowParallelSpec::shard_weight`]), and the full bias `[out_features]` (uploaded
+    /// whole), on the group's stream. Errors (naming the layer, before anything is
+    /// uploaded): as [`from_shard`](Self::from_shard), a weight of another shape (a
+    /// transposed one says so), host slices of the wrong length.
     pub fn from_host(
         group: &TpGroup,
         spec: RowParallelSpec,
-        weight: &[T],
+        weight: HostWeight<'_, T>,
         bias: Option<&[T]>,
     ) -> Result<Self> {
         let (w, b) = host_shard(group, &spec, weight, bias)?;
