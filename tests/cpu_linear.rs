@@ -359,6 +359,137 @@ fn qkv_shards_match_the_full_projection_for_every_world() {
     assert!(checked > 20, "{checked}");
 }
 
+/// Value heads of another size than query and key heads (`v_head_dim` 6, `head_dim` 4):
+/// the split says where each section is and both head sizes, and each rank's sections are
+/// exactly the full output's columns of its heads, for every world the heads allow (split
+/// and replicated KV heads). The same layer built from named sections has the same spec.
+#[test]
+fn qkv_with_another_v_head_dim_has_the_real_split() {
+    let (hidden, head_dim, v_head_dim) = (16, 4, 6);
+    for (q_heads, kv_heads) in [(8, 2), (16, 4), (8, 8)] {
+        let (q_rows, k_rows, v_rows) = (
+            q_heads * head_dim,
+            kv_heads * head_dim,
+            kv_heads * v_head_dim,
+        );
+        let out = q_rows + k_rows + v_rows;
+        let seed = (q_heads * 10 + kv_heads) as u64;
+        let x = random::<f32>(seed, M * hidden);
+        let w = random::<f32>(seed + 1, out * hidden);
+        let b = random::<f32>(seed + 2, out);
+        let full = gemm_f64(&x, &w, Some(&b), None, M, out, hidden);
+        for world in WORLDS.filter(|&w| qkv_valid(q_heads, kv_heads, w)) {
+            let label = format!("q {q_heads} / kv {kv_heads} at W={world}");
+            let spec = MergedColumnSpec::qkv_with_v_head_dim(
+                "attn.qkv_proj",
+                hidden,
+                head_dim,
+                v_head_dim,
+                q_heads,
+                kv_heads,
+                world,
+            )
+            .unwrap();
+            assert_eq!(spec.out_features(), out, "{label}");
+            let split = spec.qkv_split().expect("a QKV layer has a split");
+            let (q_per, kv_per) = (q_heads / world, (kv_heads / world).max(1));
+            assert_eq!((split.head_dim, split.v_head_dim), (head_dim, v_head_dim));
+            assert_eq!((split.q_heads, split.kv_heads), (q_per, kv_per), "{label}");
+            assert_eq!(split.q, 0..q_per * head_dim, "{label}");
+            assert_eq!(
+                split.k,
+                split.q.end..split.q.end + kv_per * head_dim,
+                "{label}"
+            );
+            assert_eq!(
+                split.v,
+                split.k.end..split.k.end + kv_per * v_head_dim,
+                "{label}"
+            );
+            assert_eq!(split.width(), spec.out_per_rank(), "{label}");
+
+            // The same layer from named sections: the same spec, the same split.
+            let section = |name: &str, heads, head_dim, replicate| Section {
+                name: name.to_string(),
+                heads,
+                head_dim,
+                replicate,
+            };
+            let from_sections = MergedColumnSpec::new(
+                "attn.qkv_proj",
+                hidden,
+                vec![
+                    section("q", q_heads, head_dim, false),
+                    section("k", kv_heads, head_dim, true),
+                    section("v", kv_heads, v_head_dim, true),
+                ],
+                world,
+            )
+            .unwrap();
+            assert_eq!(from_sections, spec, "{label}");
+            assert_eq!(from_sections.qkv_split(), Some(split.clone()), "{label}");
+
+            let n = spec.out_per_rank();
+            for r in 0..world {
+                let ws = spec
+                    .shard_weight(r, HostWeight::new(&w, out, hidden))
+                    .unwrap();
+                let bs = spec.shard_bias(r, &b).unwrap();
+                let y = gemm_f64(&x, &ws, Some(&bs), None, M, n, hidden);
+                let (q, k) = (spec.heads_of(0, r).unwrap(), spec.heads_of(1, r).unwrap());
+                assert_eq!(spec.heads_of(2, r).unwrap(), k, "{label}");
+                let want = |offset: usize, dim: usize, heads: Range<usize>| {
+                    columns(
+                        &full,
+                        out,
+                        offset + heads.start * dim..offset + heads.end * dim,
+                    )
+                };
+                assert_eq!(
+                    columns(&y, n, split.q.clone()),
+                    want(0, head_dim, q),
+                    "{label} q"
+                );
+                assert_eq!(
+                    columns(&y, n, split.k.clone()),
+                    want(q_rows, head_dim, k.clone()),
+                    "{label} k"
+                );
+                assert_eq!(
+                    columns(&y, n, split.v.clone()),
+                    want(q_rows + k_rows, v_head_dim, k),
+                    "{label} v"
+                );
+            }
+        }
+    }
+    expect_error(
+        MergedColumnSpec::qkv_with_v_head_dim("attn.qkv_proj", 16, 4, 0, 8, 2, 2),
+        "merged-column-parallel 'attn.qkv_proj'",
+        &["v_head_dim is 0"],
+    );
+    // Sections not named q, k, v (or of another structure) are not a QKV layer.
+    let section = |name: &str, head_dim| Section {
+        name: name.to_string(),
+        heads: 4,
+        head_dim,
+        replicate: false,
+    };
+    let qkv_named = |names: [&str; 3], dims: [usize; 3]| {
+        MergedColumnSpec::new(
+            "m",
+            8,
+            names.iter().zip(dims).map(|(n, d)| section(n, d)).collect(),
+            2,
+        )
+        .unwrap()
+        .qkv_split()
+    };
+    assert!(qkv_named(["q", "k", "v"], [4, 4, 6]).is_some());
+    assert!(qkv_named(["q", "v", "k"], [4, 4, 6]).is_none());
+    assert!(qkv_named(["q", "k", "v"], [4, 2, 2]).is_none()); // q and k heads differ
+}
+
 #[test]
 fn kv_heads_are_replicated_on_consecutive_ranks() {
     // 8 q / 2 kv at W = 8: ranks 0-3 hold KV head 0, ranks 4-7 KV head 1.

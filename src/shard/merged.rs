@@ -76,8 +76,11 @@ pub struct QkvSplit {
     pub k: Range<usize>,
     /// Columns of the value heads.
     pub v: Range<usize>,
-    /// Elements per head.
+    /// Elements per query head and per key head.
     pub head_dim: usize,
+    /// Elements per value head (`head_dim` unless the layer was built with another, see
+    /// [`MergedColumnSpec::qkv_with_v_head_dim`]).
+    pub v_head_dim: usize,
     /// Query heads of this rank, `q_heads / world`.
     pub q_heads: usize,
     /// KV heads of this rank: `kv_heads / world`, or 1 where KV heads are replicated.
@@ -143,11 +146,44 @@ impl MergedColumnSpec {
         kv_heads: usize,
         world: usize,
     ) -> Result<Self> {
+        Self::qkv_with_v_head_dim(name, hidden, head_dim, head_dim, q_heads, kv_heads, world)
+    }
+
+    /// The QKV projection of an attention whose value heads are `v_head_dim` wide while the
+    /// query and key heads are `head_dim` wide (e.g. DeepSeek-V2/V3's `v_head_dim` 128 with
+    /// `qk_head_dim` 192): a full weight
+    /// `[q_heads·head_dim + kv_heads·head_dim + kv_heads·v_head_dim, hidden]`, q, k and v
+    /// stacked in that order. Sharded as [`qkv`](Self::qkv) (which is this with
+    /// `v_head_dim = head_dim`); [`qkv_split`](Self::qkv_split) gives both head sizes.
+    ///
+    /// ```
+    /// use tpfuse::shard::MergedColumnSpec;
+    /// # fn main() -> tpfuse::Result<()> {
+    /// // 8 query heads and 2 KV heads, q/k heads of 192, v heads of 128, on 2 ranks.
+    /// let spec = MergedColumnSpec::qkv_with_v_head_dim("qkv_proj", 1024, 192, 128, 8, 2, 2)?;
+    /// assert_eq!(spec.out_features(), 8 * 192 + 2 * 192 + 2 * 128);
+    /// let split = spec.qkv_split().unwrap();
+    /// assert_eq!((split.q, split.k, split.v), (0..768, 768..960, 960..1088));
+    /// assert_eq!((split.head_dim, split.v_head_dim), (192, 128));
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// Errors: as [`qkv`](Self::qkv), and a zero `v_head_dim`.
+    pub fn qkv_with_v_head_dim(
+        name: impl Into<String>,
+        hidden: usize,
+        head_dim: usize,
+        v_head_dim: usize,
+        q_heads: usize,
+        kv_heads: usize,
+        world: usize,
+    ) -> Result<Self> {
         let name = name.into();
         let label = describe(LayerKind::MergedColumnParallel, &name);
         check_world(&label, world)?;
         check_positive(&label, "hidden", hidden)?;
         check_positive(&label, "head_dim", head_dim)?;
+        check_positive(&label, "v_head_dim", v_head_dim)?;
         check_positive(&label, "q_heads", q_heads)?;
         check_positive(&label, "kv_heads", kv_heads)?;
         check_divisible(&label, "q_heads", q_heads, world)?;
@@ -181,7 +217,10 @@ impl MergedColumnSpec {
                 ..section("q", q_heads)
             },
             section("k", kv_heads),
-            section("v", kv_heads),
+            Section {
+                head_dim: v_head_dim,
+                ..section("v", kv_heads)
+            },
         ];
         Self::build(name, hidden, sections, world, Merged::Qkv)
     }
@@ -220,13 +259,29 @@ impl MergedColumnSpec {
     }
 
     /// Any sections (at least one), each checked as [`Section`] says.
+    ///
+    /// Three sections named `"q"`, `"k"` and `"v"`, in that order, with as many `k` as `v`
+    /// heads and `q` heads as wide as `k` heads, make a QKV layer:
+    /// [`qkv_split`](Self::qkv_split) gives their split (the value heads may be of another
+    /// size). Built with `q` not replicated and `k`, `v` replicated, such a spec equals the one
+    /// [`qkv_with_v_head_dim`](Self::qkv_with_v_head_dim) builds.
     pub fn new(
         name: impl Into<String>,
         in_features: usize,
         sections: Vec<Section>,
         world: usize,
     ) -> Result<Self> {
-        Self::build(name.into(), in_features, sections, world, Merged::Sections)
+        let merged = match &sections[..] {
+            [q, k, v]
+                if (q.name.as_str(), k.name.as_str(), v.name.as_str()) == ("q", "k", "v")
+                    && k.heads == v.heads
+                    && q.head_dim == k.head_dim =>
+            {
+                Merged::Qkv
+            }
+            _ => Merged::Sections,
+        };
+        Self::build(name.into(), in_features, sections, world, merged)
     }
 
     fn build(
@@ -502,17 +557,21 @@ impl MergedColumnSpec {
         Ok(&bias[s.rows_of(rank, self.world)])
     }
 
-    /// For a layer built by [`qkv`](Self::qkv): where q, k and v lie in a rank's output row.
+    /// For a QKV layer (built by [`qkv`](Self::qkv) or
+    /// [`qkv_with_v_head_dim`](Self::qkv_with_v_head_dim), or by [`new`](Self::new) with
+    /// sections as [`new`](Self::new) says): where q, k and v lie in a rank's output row, how
+    /// many heads of each it holds, and their head sizes. `None` for other layers.
     pub fn qkv_split(&self) -> Option<QkvSplit> {
         if self.merged != Merged::Qkv {
             return None;
         }
-        let (q, k) = (&self.sections[0], &self.sections[1]);
+        let (q, k, v) = (&self.sections[0], &self.sections[1], &self.sections[2]);
         Some(QkvSplit {
             q: self.section_columns(0),
             k: self.section_columns(1),
             v: self.section_columns(2),
             head_dim: q.head_dim,
+            v_head_dim: v.head_dim,
             q_heads: q.heads_per_rank(self.world),
             kv_heads: k.heads_per_rank(self.world),
         })
