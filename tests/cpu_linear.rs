@@ -17,7 +17,8 @@ use tpfuse::reference::{
     gated_mlp_f64, gemm_f64, gemm_f64_wide, relative_error, rms_norm_f64, silu_mul_f64,
 };
 use tpfuse::shard::{
-    describe, ColumnParallelSpec, HostWeight, LayerKind, MergedColumnSpec, RowParallelSpec, Section,
+    describe, qkv_bias_from_megatron, qkv_from_megatron, ColumnParallelSpec, HostWeight, LayerKind,
+    MergedColumnSpec, RowParallelSpec, Section,
 };
 use tpfuse::{Element, Error};
 
@@ -506,6 +507,128 @@ fn kv_heads_are_replicated_on_consecutive_ranks() {
     assert_eq!(spec.out_per_rank(), 1280); // the DESIGN reference shape
     spec.check_gemm_dims().unwrap();
     assert_eq!(spec.replicas(1), 1);
+}
+
+// ---------------------------------------------------------------------------------------
+// Megatron's interleaved QKV.
+// ---------------------------------------------------------------------------------------
+
+/// A hand-built Megatron QKV: 4 query heads and 2 KV heads, q/k heads of 2 rows, v heads of
+/// 1 row, hidden 2. Row `i` of head `h` of section q/k/v holds `[c, -c]` with
+/// `c = 100·section + 10·h + i` (section 1, 2, 3), so every row says where it belongs.
+#[test]
+fn megatron_qkv_converts_to_the_stacked_layout() {
+    let spec = MergedColumnSpec::qkv_with_v_head_dim("attn.qkv_proj", 2, 2, 1, 4, 2, 2).unwrap();
+    let rows = |codes: &[i32]| -> Vec<i32> { codes.iter().flat_map(|&c| [c, -c]).collect() };
+    #[rustfmt::skip]
+    let megatron = rows(&[
+        // KV group 0: q heads 0 and 1, k_0, v_0.
+        110, 111, 120, 121, 200, 201, 300,
+        // KV group 1: q heads 2 and 3, k_1, v_1.
+        130, 131, 140, 141, 210, 211, 310,
+    ]);
+    #[rustfmt::skip]
+    let stacked = rows(&[
+        110, 111, 120, 121, 130, 131, 140, 141, // q
+        200, 201, 210, 211, // k
+        300, 310, // v
+    ]);
+    assert_eq!(spec.out_features(), 14);
+    let got = qkv_from_megatron(&spec, HostWeight::new(&megatron, 14, 2)).unwrap();
+    assert_eq!(got, stacked);
+    // The bias: one element a row.
+    let bias: Vec<i32> = megatron.iter().step_by(2).copied().collect();
+    let want: Vec<i32> = stacked.iter().step_by(2).copied().collect();
+    assert_eq!(qkv_bias_from_megatron(&spec, &bias).unwrap(), want);
+    // Rank 1 of 2 then holds q heads 2, 3, k_1 and v_1.
+    let shard = spec.shard_weight(1, HostWeight::new(&got, 14, 2)).unwrap();
+    assert_eq!(shard, rows(&[130, 131, 140, 141, 210, 211, 310]));
+
+    // Errors name the layer.
+    let label = "merged-column-parallel 'attn.qkv_proj'";
+    expect_error(
+        qkv_from_megatron(&spec, HostWeight::new(&megatron, 2, 14)),
+        label,
+        &[
+            "the Megatron QKV weight",
+            "expected [out_features, in_features] = [14, 2]",
+            "transposed?",
+        ],
+    );
+    expect_error(
+        qkv_from_megatron(&spec, HostWeight::new(&megatron[2..], 14, 2)),
+        label,
+        &["holds 26 elements"],
+    );
+    expect_error(
+        qkv_bias_from_megatron(&spec, &bias[1..]),
+        label,
+        &["the host bias holds 13"],
+    );
+    let gate_up = MergedColumnSpec::gate_up("mlp.gate_up_proj", 2, 8, 2).unwrap();
+    expect_error(
+        qkv_from_megatron(&gate_up, HostWeight::new(&[0i32; 32], 16, 2)),
+        "merged-column-parallel 'mlp.gate_up_proj'",
+        &["not a QKV layer"],
+    );
+    let section = |name: &str, heads| Section {
+        name: name.to_string(),
+        heads,
+        head_dim: 1,
+        replicate: false,
+    };
+    let odd = MergedColumnSpec::new(
+        "qkv",
+        2,
+        vec![section("q", 6), section("k", 4), section("v", 4)],
+        2,
+    )
+    .unwrap();
+    expect_error(
+        qkv_from_megatron(&odd, HostWeight::new(&[0i32; 28], 14, 2)),
+        "merged-column-parallel 'qkv'",
+        &["q heads 6 are not whole groups of kv heads 4"],
+    );
+}
+
+/// Megatron's layout built independently (head by head, from the stacked weight) for real
+/// GQA shapes (value heads of the same and of another size): the conversion gives the
+/// stacked weight back.
+#[test]
+fn megatron_qkv_round_trips_for_gqa_shapes() {
+    let hidden = 8;
+    for (q_heads, kv_heads, head_dim, v_head_dim) in
+        [(8, 2, 4, 4), (8, 8, 2, 2), (16, 4, 4, 2), (4, 1, 2, 3)]
+    {
+        let spec = MergedColumnSpec::qkv_with_v_head_dim(
+            "qkv", hidden, head_dim, v_head_dim, q_heads, kv_heads, 1,
+        )
+        .unwrap();
+        let out = spec.out_features();
+        let stacked = random::<f32>((q_heads * kv_heads) as u64, out * hidden);
+        let (q_rows, k_rows) = (q_heads * head_dim, kv_heads * head_dim);
+        let head = |first_row: usize, dim: usize, h: usize| {
+            let start = (first_row + h * dim) * hidden;
+            &stacked[start..start + dim * hidden]
+        };
+        let group = q_heads / kv_heads;
+        let mut megatron = Vec::new();
+        for g in 0..kv_heads {
+            for h in g * group..(g + 1) * group {
+                megatron.extend_from_slice(head(0, head_dim, h));
+            }
+            megatron.extend_from_slice(head(q_rows, head_dim, g));
+            megatron.extend_from_slice(head(q_rows + k_rows, v_head_dim, g));
+        }
+        // With one KV group the two layouts coincide; with more they differ.
+        assert_eq!(
+            megatron == stacked,
+            kv_heads == 1,
+            "q {q_heads} / kv {kv_heads}"
+        );
+        let got = qkv_from_megatron(&spec, HostWeight::new(&megatron, out, hidden)).unwrap();
+        assert_eq!(got, stacked, "q {q_heads} / kv {kv_heads}");
+    }
 }
 
 // ---------------------------------------------------------------------------------------

@@ -441,7 +441,7 @@ impl MergedColumnSpec {
     /// Rank `rank`'s weight `[out_per_rank, in]`, cut from the full host weight `full`, which
     /// must be `[out_features, in_features]`, the sections stacked along the rows (see
     /// [`HostWeight`]; a Megatron checkpoint's interleaved QKV is converted first by
-    /// `qkv_from_megatron`). Errors (naming the layer): a rank
+    /// [`qkv_from_megatron`](super::qkv_from_megatron)). Errors (naming the layer): a rank
     /// out of range, a weight of another shape (a transposed one says so), a weight whose
     /// data does not fill its shape.
     pub fn shard_weight<T: Copy>(&self, rank: usize, full: HostWeight<'_, T>) -> Result<Vec<T>> {

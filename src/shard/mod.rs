@@ -24,6 +24,20 @@
 //!   (`gate`, `up`). Rank `r`'s weight is its part of each section, in section order, so its
 //!   output row is `[q_r | k_r | v_r]` (or `[gate_r | up_r]`).
 //!
+//! # Host weights: the checkpoint's shape, checked
+//!
+//! Every function here that takes a full host weight takes a [`HostWeight`]: the data with
+//! the `(rows, cols)` the checkpoint gives it. safetensors and Hugging Face store a linear
+//! weight as `[out_features, in_features]`: pass that shape as stored. It is checked against
+//! the layer's before anything is cut, so a transposed weight (same element count) is an
+//! error that names the layer, the expected and the given shape, and says `transposed?`.
+//! Merged layers take their full weight stacked (`[Q; K; V]`, `[gate; up]`), one host weight
+//! per section ([`MergedColumnSpec::shard_weight_parts`]), or one section at a time
+//! ([`MergedColumnSpec::section_shard_weight`], and on the device
+//! `MergedColumnParallelLinear::loader`).
+//! A Megatron-LM checkpoint's interleaved QKV (`[q_g | k_g | v_g]` per KV group) has the same
+//! shape as the stacked one: convert it with [`qkv_from_megatron`] first.
+//!
 //! # Grouped-query attention
 //!
 //! `q_heads` must be divisible by W. KV heads are split like query heads when `kv_heads` is
@@ -44,11 +58,13 @@ use std::ops::Range;
 
 mod column;
 mod host;
+mod megatron;
 mod merged;
 mod row;
 
 pub use column::ColumnParallelSpec;
 pub use host::HostWeight;
+pub use megatron::{qkv_bias_from_megatron, qkv_from_megatron};
 pub use merged::{GateUpSplit, MergedColumnSpec, QkvSplit, Section};
 pub use row::RowParallelSpec;
 
