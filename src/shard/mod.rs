@@ -34,7 +34,7 @@
 //! Merged layers take their full weight stacked (`[Q; K; V]`, `[gate; up]`), one host weight
 //! per section ([`MergedColumnSpec::shard_weight_parts`]), or one section at a time
 //! ([`MergedColumnSpec::section_shard_weight`], and on the device
-//! `MergedColumnParallelLinear::loader`).
+//! [`MergedColumnParallelLinear::loader`](crate::ops::linear::MergedColumnParallelLinear::loader)).
 //! A Megatron-LM checkpoint's interleaved QKV (`[q_g | k_g | v_g]` per KV group) has the same
 //! shape as the stacked one: convert it with [`qkv_from_megatron`] first.
 //!

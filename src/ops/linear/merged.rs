@@ -59,7 +59,7 @@ impl<T: GemmElement + NcclType> MergedColumnParallelLinear<T> {
     /// `q_proj`, `k_proj`, `v_proj`, each `[heads·head_dim, in_features]` as stored), and
     /// optionally one bias per section, cut by [`MergedColumnSpec::shard_weight_parts`] and
     /// uploaded on the group's stream. All parts are held at once; to load them one at a
-    /// time, as a checkpoint is read, use `loader`. Errors: as
+    /// time, as a checkpoint is read, use [`loader`](Self::loader). Errors: as
     /// [`from_host`](Self::from_host), for each part.
     pub fn from_host_parts(
         group: &TpGroup,

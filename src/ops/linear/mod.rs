@@ -14,7 +14,7 @@
 //! [`HostWeight`] with the shape the checkpoint stores (safetensors / Hugging Face
 //! `[out_features, in_features]`), checked against the layer's. A merged layer also loads
 //! section by section, one checkpoint tensor at a time
-//! (`MergedColumnParallelLinear::loader`).
+//! ([`MergedColumnParallelLinear::loader`]).
 //!
 //! # Calls
 //!
@@ -83,10 +83,12 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use std::borrow::Cow;
 
 mod column;
+mod loader;
 mod merged;
 mod row;
 
 pub use column::ColumnParallelLinear;
+pub use loader::SectionLoader;
 pub use merged::MergedColumnParallelLinear;
 pub use row::RowParallelLinear;
 
