@@ -31,11 +31,22 @@ use crate::error::{Error, Result};
 /// );
 /// # Ok(()) }
 /// ```
-#[derive(Debug, PartialEq, Eq, Hash)]
+#[derive(PartialEq, Eq, Hash)]
 pub struct HostWeight<'a, T> {
     data: &'a [T],
     rows: usize,
     cols: usize,
+}
+
+/// The shape and length, not the elements (a weight holds millions).
+impl<T> std::fmt::Debug for HostWeight<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostWeight")
+            .field("rows", &self.rows)
+            .field("cols", &self.cols)
+            .field("len", &self.data.len())
+            .finish()
+    }
 }
 
 // Derived Clone and Copy would require `T: Clone`; a view is copyable for any `T`.
