@@ -68,6 +68,11 @@ pub mod symmetric;
 pub mod topology;
 pub mod validate;
 
+/// The README's code blocks, compiled (and run, unless marked `no_run`) by `cargo test --doc`.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
+
 pub use dtype::{Element, NcclType};
 pub use error::{Error, Result};
 pub use group::{GroupOptions, TpGroup};

@@ -17,7 +17,8 @@ use tpfuse::reference::{
     gated_mlp_f64, gemm_f64, gemm_f64_wide, relative_error, rms_norm_f64, silu_mul_f64,
 };
 use tpfuse::shard::{
-    describe, ColumnParallelSpec, LayerKind, MergedColumnSpec, RowParallelSpec, Section,
+    describe, qkv_bias_from_megatron, qkv_from_megatron, ColumnParallelSpec, HostWeight, LayerKind,
+    MergedColumnSpec, RowParallelSpec, Section,
 };
 use tpfuse::{Element, Error};
 
@@ -95,7 +96,7 @@ fn column_parallel_ranks_concatenate_to_the_full_layer() {
             let rows = spec.rows(r).unwrap();
             assert_eq!(rows, r * n / world..(r + 1) * n / world, "world {world}");
             rows_seen.extend(rows.clone());
-            let ws = spec.shard_weight(r, &w).unwrap();
+            let ws = spec.shard_weight(r, HostWeight::new(&w, n, k)).unwrap();
             let bs = spec.shard_bias(r, &b).unwrap();
             assert_eq!(ws.len(), spec.out_per_rank() * k);
             assert_eq!(ws[..], w[rows.start * k..rows.end * k]);
@@ -116,7 +117,7 @@ fn column_parallel_in_bf16_takes_the_same_bits() {
     let w = random::<bf16>(4, n * k);
     let spec = ColumnParallelSpec::new("c", k, n, world).unwrap();
     let all: Vec<bf16> = (0..world)
-        .flat_map(|r| spec.shard_weight(r, &w).unwrap())
+        .flat_map(|r| spec.shard_weight(r, HostWeight::new(&w, n, k)).unwrap())
         .collect();
     assert_eq!(
         all.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
@@ -139,7 +140,7 @@ fn row_parallel_sum<T: Element>(spec: &RowParallelSpec, x: &[T], w: &[T], b: &[T
             .chunks_exact(k)
             .flat_map(|row| row[cols.clone()].to_vec())
             .collect();
-        let wr = spec.shard_weight(r, w).unwrap();
+        let wr = spec.shard_weight(r, HostWeight::new(w, n, k)).unwrap();
         assert_eq!(wr.len(), n * spec.in_per_rank());
         let partial = gemm_f64(&xr, &wr, None, None, m, n, spec.in_per_rank());
         for (s, p) in sum.iter_mut().zip(partial) {
@@ -194,9 +195,10 @@ fn row_parallel_shard_holds_the_columns() {
     // [out 2, in 6] on 3 ranks: rank 1 takes columns 2..4 of both rows.
     let spec = RowParallelSpec::new("o_proj", 6, 2, 3).unwrap();
     let w: Vec<u32> = (0..12).collect();
-    assert_eq!(spec.shard_weight(0, &w).unwrap(), vec![0, 1, 6, 7]);
-    assert_eq!(spec.shard_weight(1, &w).unwrap(), vec![2, 3, 8, 9]);
-    assert_eq!(spec.shard_weight(2, &w).unwrap(), vec![4, 5, 10, 11]);
+    let w = HostWeight::new(&w, 2, 6);
+    assert_eq!(spec.shard_weight(0, w).unwrap(), vec![0, 1, 6, 7]);
+    assert_eq!(spec.shard_weight(1, w).unwrap(), vec![2, 3, 8, 9]);
+    assert_eq!(spec.shard_weight(2, w).unwrap(), vec![4, 5, 10, 11]);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -244,9 +246,13 @@ fn qkv_case(q_heads: usize, kv_heads: usize, world: usize) {
     assert_eq!(spec.replicas(1), (world / kv_heads).max(1));
 
     let parts = [
-        &w[..q_rows * hidden],
-        &w[q_rows * hidden..(q_rows + kv_rows) * hidden],
-        &w[(q_rows + kv_rows) * hidden..],
+        HostWeight::new(&w[..q_rows * hidden], q_rows, hidden),
+        HostWeight::new(
+            &w[q_rows * hidden..(q_rows + kv_rows) * hidden],
+            kv_rows,
+            hidden,
+        ),
+        HostWeight::new(&w[(q_rows + kv_rows) * hidden..], kv_rows, hidden),
     ];
     let bias_parts = [
         &b[..q_rows],
@@ -256,7 +262,9 @@ fn qkv_case(q_heads: usize, kv_heads: usize, world: usize) {
     let mut q_seen = Vec::new();
     let mut kv_count = vec![0usize; kv_heads];
     for r in 0..world {
-        let ws = spec.shard_weight(r, &w).unwrap();
+        let ws = spec
+            .shard_weight(r, HostWeight::new(&w, out, hidden))
+            .unwrap();
         let bs = spec.shard_bias(r, &b).unwrap();
         assert_eq!(ws, spec.shard_weight_parts(r, &parts).unwrap(), "{label}");
         assert_eq!(
@@ -352,6 +360,137 @@ fn qkv_shards_match_the_full_projection_for_every_world() {
     assert!(checked > 20, "{checked}");
 }
 
+/// Value heads of another size than query and key heads (`v_head_dim` 6, `head_dim` 4):
+/// the split says where each section is and both head sizes, and each rank's sections are
+/// exactly the full output's columns of its heads, for every world the heads allow (split
+/// and replicated KV heads). The same layer built from named sections has the same spec.
+#[test]
+fn qkv_with_another_v_head_dim_has_the_real_split() {
+    let (hidden, head_dim, v_head_dim) = (16, 4, 6);
+    for (q_heads, kv_heads) in [(8, 2), (16, 4), (8, 8)] {
+        let (q_rows, k_rows, v_rows) = (
+            q_heads * head_dim,
+            kv_heads * head_dim,
+            kv_heads * v_head_dim,
+        );
+        let out = q_rows + k_rows + v_rows;
+        let seed = (q_heads * 10 + kv_heads) as u64;
+        let x = random::<f32>(seed, M * hidden);
+        let w = random::<f32>(seed + 1, out * hidden);
+        let b = random::<f32>(seed + 2, out);
+        let full = gemm_f64(&x, &w, Some(&b), None, M, out, hidden);
+        for world in WORLDS.filter(|&w| qkv_valid(q_heads, kv_heads, w)) {
+            let label = format!("q {q_heads} / kv {kv_heads} at W={world}");
+            let spec = MergedColumnSpec::qkv_with_v_head_dim(
+                "attn.qkv_proj",
+                hidden,
+                head_dim,
+                v_head_dim,
+                q_heads,
+                kv_heads,
+                world,
+            )
+            .unwrap();
+            assert_eq!(spec.out_features(), out, "{label}");
+            let split = spec.qkv_split().expect("a QKV layer has a split");
+            let (q_per, kv_per) = (q_heads / world, (kv_heads / world).max(1));
+            assert_eq!((split.head_dim, split.v_head_dim), (head_dim, v_head_dim));
+            assert_eq!((split.q_heads, split.kv_heads), (q_per, kv_per), "{label}");
+            assert_eq!(split.q, 0..q_per * head_dim, "{label}");
+            assert_eq!(
+                split.k,
+                split.q.end..split.q.end + kv_per * head_dim,
+                "{label}"
+            );
+            assert_eq!(
+                split.v,
+                split.k.end..split.k.end + kv_per * v_head_dim,
+                "{label}"
+            );
+            assert_eq!(split.width(), spec.out_per_rank(), "{label}");
+
+            // The same layer from named sections: the same spec, the same split.
+            let section = |name: &str, heads, head_dim, replicate| Section {
+                name: name.to_string(),
+                heads,
+                head_dim,
+                replicate,
+            };
+            let from_sections = MergedColumnSpec::new(
+                "attn.qkv_proj",
+                hidden,
+                vec![
+                    section("q", q_heads, head_dim, false),
+                    section("k", kv_heads, head_dim, true),
+                    section("v", kv_heads, v_head_dim, true),
+                ],
+                world,
+            )
+            .unwrap();
+            assert_eq!(from_sections, spec, "{label}");
+            assert_eq!(from_sections.qkv_split(), Some(split.clone()), "{label}");
+
+            let n = spec.out_per_rank();
+            for r in 0..world {
+                let ws = spec
+                    .shard_weight(r, HostWeight::new(&w, out, hidden))
+                    .unwrap();
+                let bs = spec.shard_bias(r, &b).unwrap();
+                let y = gemm_f64(&x, &ws, Some(&bs), None, M, n, hidden);
+                let (q, k) = (spec.heads_of(0, r).unwrap(), spec.heads_of(1, r).unwrap());
+                assert_eq!(spec.heads_of(2, r).unwrap(), k, "{label}");
+                let want = |offset: usize, dim: usize, heads: Range<usize>| {
+                    columns(
+                        &full,
+                        out,
+                        offset + heads.start * dim..offset + heads.end * dim,
+                    )
+                };
+                assert_eq!(
+                    columns(&y, n, split.q.clone()),
+                    want(0, head_dim, q),
+                    "{label} q"
+                );
+                assert_eq!(
+                    columns(&y, n, split.k.clone()),
+                    want(q_rows, head_dim, k.clone()),
+                    "{label} k"
+                );
+                assert_eq!(
+                    columns(&y, n, split.v.clone()),
+                    want(q_rows + k_rows, v_head_dim, k),
+                    "{label} v"
+                );
+            }
+        }
+    }
+    expect_error(
+        MergedColumnSpec::qkv_with_v_head_dim("attn.qkv_proj", 16, 4, 0, 8, 2, 2),
+        "merged-column-parallel 'attn.qkv_proj'",
+        &["v_head_dim is 0"],
+    );
+    // Sections not named q, k, v (or of another structure) are not a QKV layer.
+    let section = |name: &str, head_dim| Section {
+        name: name.to_string(),
+        heads: 4,
+        head_dim,
+        replicate: false,
+    };
+    let qkv_named = |names: [&str; 3], dims: [usize; 3]| {
+        MergedColumnSpec::new(
+            "m",
+            8,
+            names.iter().zip(dims).map(|(n, d)| section(n, d)).collect(),
+            2,
+        )
+        .unwrap()
+        .qkv_split()
+    };
+    assert!(qkv_named(["q", "k", "v"], [4, 4, 6]).is_some());
+    assert!(qkv_named(["q", "v", "k"], [4, 4, 6]).is_none());
+    assert!(qkv_named(["q", "k", "v"], [4, 2, 2]).is_none()); // q and k heads differ
+}
+
 #[test]
 fn kv_heads_are_replicated_on_consecutive_ranks() {
     // 8 q / 2 kv at W = 8: ranks 0-3 hold KV head 0, ranks 4-7 KV head 1.
@@ -368,6 +507,128 @@ fn kv_heads_are_replicated_on_consecutive_ranks() {
     assert_eq!(spec.out_per_rank(), 1280); // the DESIGN reference shape
     spec.check_gemm_dims().unwrap();
     assert_eq!(spec.replicas(1), 1);
+}
+
+// ---------------------------------------------------------------------------------------
+// Megatron's interleaved QKV.
+// ---------------------------------------------------------------------------------------
+
+/// A hand-built Megatron QKV: 4 query heads and 2 KV heads, q/k heads of 2 rows, v heads of
+/// 1 row, hidden 2. Row `i` of head `h` of section q/k/v holds `[c, -c]` with
+/// `c = 100·section + 10·h + i` (section 1, 2, 3), so every row says where it belongs.
+#[test]
+fn megatron_qkv_converts_to_the_stacked_layout() {
+    let spec = MergedColumnSpec::qkv_with_v_head_dim("attn.qkv_proj", 2, 2, 1, 4, 2, 2).unwrap();
+    let rows = |codes: &[i32]| -> Vec<i32> { codes.iter().flat_map(|&c| [c, -c]).collect() };
+    #[rustfmt::skip]
+    let megatron = rows(&[
+        // KV group 0: q heads 0 and 1, k_0, v_0.
+        110, 111, 120, 121, 200, 201, 300,
+        // KV group 1: q heads 2 and 3, k_1, v_1.
+        130, 131, 140, 141, 210, 211, 310,
+    ]);
+    #[rustfmt::skip]
+    let stacked = rows(&[
+        110, 111, 120, 121, 130, 131, 140, 141, // q
+        200, 201, 210, 211, // k
+        300, 310, // v
+    ]);
+    assert_eq!(spec.out_features(), 14);
+    let got = qkv_from_megatron(&spec, HostWeight::new(&megatron, 14, 2)).unwrap();
+    assert_eq!(got, stacked);
+    // The bias: one element a row.
+    let bias: Vec<i32> = megatron.iter().step_by(2).copied().collect();
+    let want: Vec<i32> = stacked.iter().step_by(2).copied().collect();
+    assert_eq!(qkv_bias_from_megatron(&spec, &bias).unwrap(), want);
+    // Rank 1 of 2 then holds q heads 2, 3, k_1 and v_1.
+    let shard = spec.shard_weight(1, HostWeight::new(&got, 14, 2)).unwrap();
+    assert_eq!(shard, rows(&[130, 131, 140, 141, 210, 211, 310]));
+
+    // Errors name the layer.
+    let label = "merged-column-parallel 'attn.qkv_proj'";
+    expect_error(
+        qkv_from_megatron(&spec, HostWeight::new(&megatron, 2, 14)),
+        label,
+        &[
+            "the Megatron QKV weight",
+            "expected [out_features, in_features] = [14, 2]",
+            "transposed?",
+        ],
+    );
+    expect_error(
+        qkv_from_megatron(&spec, HostWeight::new(&megatron[2..], 14, 2)),
+        label,
+        &["holds 26 elements"],
+    );
+    expect_error(
+        qkv_bias_from_megatron(&spec, &bias[1..]),
+        label,
+        &["the host bias holds 13"],
+    );
+    let gate_up = MergedColumnSpec::gate_up("mlp.gate_up_proj", 2, 8, 2).unwrap();
+    expect_error(
+        qkv_from_megatron(&gate_up, HostWeight::new(&[0i32; 32], 16, 2)),
+        "merged-column-parallel 'mlp.gate_up_proj'",
+        &["not a QKV layer"],
+    );
+    let section = |name: &str, heads| Section {
+        name: name.to_string(),
+        heads,
+        head_dim: 1,
+        replicate: false,
+    };
+    let odd = MergedColumnSpec::new(
+        "qkv",
+        2,
+        vec![section("q", 6), section("k", 4), section("v", 4)],
+        2,
+    )
+    .unwrap();
+    expect_error(
+        qkv_from_megatron(&odd, HostWeight::new(&[0i32; 28], 14, 2)),
+        "merged-column-parallel 'qkv'",
+        &["q heads 6 are not whole groups of kv heads 4"],
+    );
+}
+
+/// Megatron's layout built independently (head by head, from the stacked weight) for real
+/// GQA shapes (value heads of the same and of another size): the conversion gives the
+/// stacked weight back.
+#[test]
+fn megatron_qkv_round_trips_for_gqa_shapes() {
+    let hidden = 8;
+    for (q_heads, kv_heads, head_dim, v_head_dim) in
+        [(8, 2, 4, 4), (8, 8, 2, 2), (16, 4, 4, 2), (4, 1, 2, 3)]
+    {
+        let spec = MergedColumnSpec::qkv_with_v_head_dim(
+            "qkv", hidden, head_dim, v_head_dim, q_heads, kv_heads, 1,
+        )
+        .unwrap();
+        let out = spec.out_features();
+        let stacked = random::<f32>((q_heads * kv_heads) as u64, out * hidden);
+        let (q_rows, k_rows) = (q_heads * head_dim, kv_heads * head_dim);
+        let head = |first_row: usize, dim: usize, h: usize| {
+            let start = (first_row + h * dim) * hidden;
+            &stacked[start..start + dim * hidden]
+        };
+        let group = q_heads / kv_heads;
+        let mut megatron = Vec::new();
+        for g in 0..kv_heads {
+            for h in g * group..(g + 1) * group {
+                megatron.extend_from_slice(head(0, head_dim, h));
+            }
+            megatron.extend_from_slice(head(q_rows, head_dim, g));
+            megatron.extend_from_slice(head(q_rows + k_rows, v_head_dim, g));
+        }
+        // With one KV group the two layouts coincide; with more they differ.
+        assert_eq!(
+            megatron == stacked,
+            kv_heads == 1,
+            "q {q_heads} / kv {kv_heads}"
+        );
+        let got = qkv_from_megatron(&spec, HostWeight::new(&megatron, out, hidden)).unwrap();
+        assert_eq!(got, stacked, "q {q_heads} / kv {kv_heads}");
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -392,7 +653,9 @@ fn gate_up_shards_match_the_full_projection() {
         let mut gates = Vec::new();
         let mut ups = Vec::new();
         for r in 0..world {
-            let ws = spec.shard_weight(r, &w).unwrap();
+            let ws = spec
+                .shard_weight(r, HostWeight::new(&w, 2 * inter, hidden))
+                .unwrap();
             let y = gemm_f64(&x, &ws, None, None, M, 2 * per, hidden);
             assert_eq!(
                 spec.rows(r).unwrap(),
@@ -433,7 +696,8 @@ fn a_tensor_parallel_mlp_equals_the_unsharded_mlp() {
             // activation, which is exactly the input columns its down shard takes.
             let h = gemm_f64(
                 &x,
-                &gu.shard_weight(r, &gate_up).unwrap(),
+                &gu.shard_weight(r, HostWeight::new(&gate_up, 2 * inter, hidden))
+                    .unwrap(),
                 None,
                 None,
                 M,
@@ -443,7 +707,7 @@ fn a_tensor_parallel_mlp_equals_the_unsharded_mlp() {
             let act = silu_mul_f64(&h, per);
             assert_eq!(dn.columns(r).unwrap(), r * per..(r + 1) * per);
             let wr: Vec<f64> = dn
-                .shard_weight(r, &down)
+                .shard_weight(r, HostWeight::new(&down, hidden, inter))
                 .unwrap()
                 .iter()
                 .map(|v| f64::from(*v))
@@ -631,16 +895,15 @@ fn zero_sizes_are_errors() {
 fn host_slices_of_the_wrong_length_are_errors() {
     let col = ColumnParallelSpec::new("c", 8, 16, 2).unwrap();
     expect_error(
-        col.shard_weight(0, &[0.0f32; 127]),
+        col.shard_weight(0, HostWeight::new(&[0.0f32; 127], 16, 8)),
         "column-parallel 'c'",
         &["the host weight holds 127 elements", "[16, 8]", "128"],
     );
-    // The transposed weight [in, out] has the right length: only the caller can tell. A
-    // one-row-short weight does not.
+    // A weight one row short, declared as such: the wrong shape.
     expect_error(
-        col.shard_weight(1, &[0.0f32; 120]),
+        col.shard_weight(1, HostWeight::new(&[0.0f32; 120], 15, 8)),
         "column-parallel 'c'",
-        &["120"],
+        &["expected [out_features, in_features] = [16, 8], got [15, 8]"],
     );
     expect_error(
         col.shard_bias(0, &[0.0f32; 8]),
@@ -650,7 +913,7 @@ fn host_slices_of_the_wrong_length_are_errors() {
 
     let row = RowParallelSpec::new("r", 16, 8, 2).unwrap();
     expect_error(
-        row.shard_weight(0, &[0u8; 129]),
+        row.shard_weight(0, HostWeight::new(&[0u8; 129], 8, 16)),
         "row-parallel 'r'",
         &["the host weight holds 129"],
     );
@@ -666,7 +929,7 @@ fn host_slices_of_the_wrong_length_are_errors() {
     let label = "merged-column-parallel 'qkv'";
     assert_eq!(qkv.out_features(), 16);
     expect_error(
-        qkv.shard_weight(0, &[0u8; 16 * 8 - 1]),
+        qkv.shard_weight(0, HostWeight::new(&[0u8; 16 * 8 - 1], 16, 8)),
         label,
         &["the host weight holds 127", "[16, 8]"],
     );
@@ -676,14 +939,15 @@ fn host_slices_of_the_wrong_length_are_errors() {
         &["the host bias holds 15"],
     );
     let (q, kv) = (vec![0u8; 8 * 8], vec![0u8; 4 * 8]);
-    qkv.shard_weight_parts(1, &[&q, &kv, &kv]).unwrap();
+    let (wq, wkv) = (HostWeight::new(&q, 8, 8), HostWeight::new(&kv, 4, 8));
+    qkv.shard_weight_parts(1, &[wq, wkv, wkv]).unwrap();
     expect_error(
-        qkv.shard_weight_parts(0, &[&q, &kv]),
+        qkv.shard_weight_parts(0, &[wq, wkv]),
         label,
         &["2 host weight parts given for 3 sections"],
     );
     expect_error(
-        qkv.shard_weight_parts(0, &[&q, &kv, &kv[1..]]),
+        qkv.shard_weight_parts(0, &[wq, wkv, HostWeight::new(&kv[1..], 4, 8)]),
         label,
         &["section 'v'", "holds 31"],
     );
@@ -691,6 +955,79 @@ fn host_slices_of_the_wrong_length_are_errors() {
         qkv.shard_bias_parts(0, &[&q[..8], &kv[..4], &kv[..3]]),
         label,
         &["section 'v'", "holds 3"],
+    );
+}
+
+/// The issue's case: an o_proj `[4096, 3584]` (out, in) given as `[3584, 4096]` has the
+/// right element count and was accepted before shapes were checked; now every loader
+/// refuses it, naming the layer, the expected and the given shape.
+#[test]
+fn transposed_weights_are_refused_naming_the_layer() {
+    let (out, inp) = (4096, 3584);
+    let data = vec![0u8; out * inp];
+    let transposed = HostWeight::new(&data, inp, out);
+    let row = RowParallelSpec::new("layers.0.self_attn.o_proj", inp, out, 4).unwrap();
+    let err = row.shard_weight(0, transposed).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "invalid argument `row-parallel 'layers.0.self_attn.o_proj'`: the host weight: \
+         expected [out_features, in_features] = [4096, 3584], got [3584, 4096] (transposed?)"
+    );
+    row.shard_weight(0, HostWeight::new(&data, out, inp))
+        .unwrap();
+    // The same data in the layer's shape is taken.
+    let col = ColumnParallelSpec::new("lm_head", inp, out, 4).unwrap();
+    expect_error(
+        col.shard_weight(3, transposed),
+        "column-parallel 'lm_head'",
+        &[
+            "expected [out_features, in_features] = [4096, 3584]",
+            "got [3584, 4096]",
+            "transposed?",
+        ],
+    );
+    // Another wrong shape with the same count is not called transposed.
+    let (a, b) = (out * 2, inp / 2);
+    let err = col
+        .shard_weight(0, HostWeight::new(&data, a, b))
+        .unwrap_err();
+    let (_, reason) = invalid(err);
+    assert!(
+        reason.contains("got [8192, 1792]") && !reason.contains("transposed"),
+        "{reason}"
+    );
+
+    // Merged: the whole weight, and one section (k_proj of Llama-3-8B, [1024, 4096]).
+    let qkv = MergedColumnSpec::qkv("layers.0.self_attn.qkv_proj", 4096, 128, 32, 8, 4).unwrap();
+    let label = "merged-column-parallel 'layers.0.self_attn.qkv_proj'";
+    let full = vec![0u8; qkv.out_features() * 4096];
+    expect_error(
+        qkv.shard_weight(0, HostWeight::new(&full, 4096, qkv.out_features())),
+        label,
+        &[
+            "expected [out_features, in_features] = [6144, 4096]",
+            "got [4096, 6144]",
+            "transposed?",
+        ],
+    );
+    let (q, kv) = (vec![0u8; 4096 * 4096], vec![0u8; 1024 * 4096]);
+    let wq = HostWeight::new(&q, 4096, 4096);
+    let wkv = HostWeight::new(&kv, 1024, 4096);
+    let k_t = HostWeight::new(&kv, 4096, 1024);
+    qkv.shard_weight_parts(1, &[wq, wkv, wkv]).unwrap();
+    expect_error(
+        qkv.shard_weight_parts(1, &[wq, k_t, wkv]),
+        label,
+        &[
+            "the host weight of section 'k'",
+            "expected [heads · head_dim, in_features] = [1024, 4096], got [4096, 1024] \
+             (transposed?)",
+        ],
+    );
+    expect_error(
+        qkv.section_shard_weight(1, 2, k_t),
+        label,
+        &["section 'v'", "transposed?"],
     );
 }
 
@@ -703,7 +1040,7 @@ fn ranks_out_of_range_are_errors() {
         &["rank 2 is out of range for world 2"],
     );
     expect_error(
-        col.shard_weight(5, &[0u8; 128]),
+        col.shard_weight(5, HostWeight::new(&[0u8; 128], 16, 8)),
         "column-parallel 'c'",
         &["rank 5"],
     );

@@ -28,7 +28,7 @@ use cudarc::driver::{CudaGraph, CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 use tpfuse::ops::gemm::{gemm_with_config, GemmConfig, GemmShape};
 use tpfuse::ops::{self, Algorithm, ColumnParallelLinear, Epilogue, RmsNorm, RowParallelLinear};
-use tpfuse::shard::{ColumnParallelSpec, RowParallelSpec};
+use tpfuse::shard::{ColumnParallelSpec, HostWeight, RowParallelSpec};
 use tpfuse::{Error, GroupOptions, TpGroup};
 
 type T = bf16;
@@ -149,7 +149,13 @@ fn row_parallel_layer_with_residual_rmsnorm_replays_in_a_cuda_graph() {
             .iter()
             .map(|g| {
                 let spec = RowParallelSpec::new("layers.0.o_proj", inp, out, world).expect("spec");
-                RowParallelLinear::from_host(g, spec, &weight, Some(&bias)).expect("layer")
+                RowParallelLinear::from_host(
+                    g,
+                    spec,
+                    HostWeight::new(&weight, out, inp),
+                    Some(&bias),
+                )
+                .expect("layer")
             })
             .collect();
         let per = inp / world;
@@ -250,7 +256,13 @@ fn column_parallel_gather_replays_in_a_cuda_graph() {
             .iter()
             .map(|g| {
                 let spec = ColumnParallelSpec::new("lm_head", k, n, world).expect("spec");
-                ColumnParallelLinear::from_host(g, spec, &weight, Some(&bias)).expect("layer")
+                ColumnParallelLinear::from_host(
+                    g,
+                    spec,
+                    HostWeight::new(&weight, n, k),
+                    Some(&bias),
+                )
+                .expect("layer")
             })
             .collect();
         let per = n / world;

@@ -63,7 +63,7 @@ use tpfuse::ops::gemm::GemmElement;
 use tpfuse::ops::linear::{ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear};
 use tpfuse::ops::{Algorithm, RmsNorm};
 use tpfuse::reference::{all_reduce_epilogue_exact, gated_mlp_f64, gemm_f64, rms_norm_f64};
-use tpfuse::shard::{ColumnParallelSpec, MergedColumnSpec, RowParallelSpec};
+use tpfuse::shard::{ColumnParallelSpec, HostWeight, MergedColumnSpec, RowParallelSpec};
 use tpfuse::topology::AllReduceAlgo;
 use tpfuse::{GroupOptions, NcclType, TpGroup};
 
@@ -172,13 +172,23 @@ impl<T: TestElement> Mlp<T> {
                 let dn = RowParallelSpec::new("mlp.down_proj", self.inter, self.hidden, w)
                     .expect("down spec");
                 (
-                    MergedColumnParallelLinear::from_host(g, gu, &self.gate_up, None)
+                    MergedColumnParallelLinear::from_host(g, gu, self.gate_up_weight(), None)
                         .expect("gate_up layer"),
-                    RowParallelLinear::from_host(g, dn, &self.down, Some(&self.bias))
+                    RowParallelLinear::from_host(g, dn, self.down_weight(), Some(&self.bias))
                         .expect("down layer"),
                 )
             })
             .collect()
+    }
+
+    /// gate_up as stored, `[2·inter, hidden]`.
+    fn gate_up_weight(&self) -> HostWeight<'_, T> {
+        HostWeight::new(&self.gate_up, 2 * self.inter, self.hidden)
+    }
+
+    /// down as stored, `[hidden, inter]`.
+    fn down_weight(&self) -> HostWeight<'_, T> {
+        HostWeight::new(&self.down, self.hidden, self.inter)
     }
 
     /// The unsharded f64 MLP of `x` (`[m, hidden]`).
@@ -401,7 +411,8 @@ fn column_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usize) {
         .iter()
         .map(|g| {
             let spec = ColumnParallelSpec::new("lm_head", k, n, world).expect("spec");
-            ColumnParallelLinear::from_host(g, spec, &w, Some(&b)).expect("layer")
+            ColumnParallelLinear::from_host(g, spec, HostWeight::new(&w, n, k), Some(&b))
+                .expect("layer")
         })
         .collect();
     let xs: Vec<CudaSlice<T>> = upload_copies(&groups, &x);
@@ -503,11 +514,24 @@ fn qkv_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, q_heads: usize
     };
     let (wq, rest) = w.split_at(q_rows * hidden);
     let (wk, wv) = rest.split_at(kv_rows * hidden);
+    let wq = HostWeight::new(wq, q_rows, hidden);
+    let (wk, wv) = (
+        HostWeight::new(wk, kv_rows, hidden),
+        HostWeight::new(wv, kv_rows, hidden),
+    );
     let (bq, rest) = b.split_at(q_rows);
     let (bk, bv) = rest.split_at(kv_rows);
     let merged: Vec<MergedColumnParallelLinear<T>> = groups
         .iter()
-        .map(|g| MergedColumnParallelLinear::from_host(g, spec(g), &w, Some(&b)).expect("layer"))
+        .map(|g| {
+            MergedColumnParallelLinear::from_host(
+                g,
+                spec(g),
+                HostWeight::new(&w, out, hidden),
+                Some(&b),
+            )
+            .expect("layer")
+        })
         .collect();
     let parts: Vec<MergedColumnParallelLinear<T>> = groups
         .iter()
@@ -609,7 +633,7 @@ fn bad_calls_are_refused_before_anything_runs() {
     let spec4 = RowParallelSpec::new("mlp.down_proj", inter, hidden, 4).unwrap();
     expect_invalid_saying(
         "spec of world 4",
-        RowParallelLinear::from_host(g0, spec4, &mlp.down, None),
+        RowParallelLinear::from_host(g0, spec4, mlp.down_weight(), None),
         down,
         &["world 4", "2 ranks"],
     );
@@ -622,20 +646,41 @@ fn bad_calls_are_refused_before_anything_runs() {
     );
     expect_invalid_saying(
         "short host weight",
-        RowParallelLinear::from_host(g0, spec.clone(), &mlp.down[1..], None),
+        RowParallelLinear::from_host(
+            g0,
+            spec.clone(),
+            HostWeight::new(&mlp.down[1..], hidden, inter),
+            None,
+        ),
         down,
         &["the host weight"],
     );
     expect_invalid_saying(
+        "transposed host weight",
+        RowParallelLinear::from_host(
+            g0,
+            spec.clone(),
+            HostWeight::new(&mlp.down, inter, hidden),
+            None,
+        ),
+        down,
+        &["expected [out_features, in_features] = [64, 128], got [128, 64] (transposed?)"],
+    );
+    expect_invalid_saying(
         "sharded bias",
-        RowParallelLinear::from_host(g0, spec, &mlp.down, Some(&mlp.bias[..hidden / 2])),
+        RowParallelLinear::from_host(g0, spec, mlp.down_weight(), Some(&mlp.bias[..hidden / 2])),
         down,
         &["the host bias", "whole on every rank"],
     );
     let odd = ColumnParallelSpec::new("lm_head", hidden, 12, 2).unwrap();
     expect_invalid_saying(
         "6 rows a rank",
-        ColumnParallelLinear::from_host(g0, odd, &vec![T::ZERO; 12 * hidden], None),
+        ColumnParallelLinear::from_host(
+            g0,
+            odd,
+            HostWeight::new(&vec![T::ZERO; 12 * hidden], 12, hidden),
+            None,
+        ),
         "column-parallel 'lm_head'",
         &["multiple of 8"],
     );

@@ -14,7 +14,7 @@ use tpfuse::reference::{
     all_reduce_epilogue_exact, all_reduce_fused_f64, gemm_f64, reduce_ranks_exact,
     reduce_ranks_f64, relative_error,
 };
-use tpfuse::shard::RowParallelSpec;
+use tpfuse::shard::{HostWeight, RowParallelSpec};
 use tpfuse::{Error, GroupOptions, Result, TpGroup};
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
@@ -416,7 +416,12 @@ fn row_parallel(ctx: &Arc<CudaContext>, seed: u64, counting: bool) -> Result<OpR
             .iter()
             .map(|g| {
                 let spec = RowParallelSpec::new("selftest.down_proj", inp, out, world)?;
-                RowParallelLinear::from_host(g, spec, &weight, Some(&bias))
+                RowParallelLinear::from_host(
+                    g,
+                    spec,
+                    HostWeight::new(&weight, out, inp),
+                    Some(&bias),
+                )
             })
             .collect::<Result<Vec<_>>>()?;
         for m in [1usize, 7] {

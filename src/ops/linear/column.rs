@@ -1,0 +1,176 @@
+//! Column-parallel: a rank holds rows of the weight and computes columns of the output,
+//! optionally gathered.
+
+use super::{check_device, check_len, host_shard, in_layer, Shard};
+use crate::device::{bind, cuda};
+use crate::dtype::NcclType;
+use crate::error::Result;
+use crate::group::TpGroup;
+use crate::ops::collectives::all_gather;
+use crate::ops::gemm::GemmElement;
+use crate::shard::{ColumnParallelSpec, HostWeight};
+use crate::validate::owner;
+use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+
+/// A column-parallel linear layer, one rank of it: `y[:, r·out/W .. (r+1)·out/W] = x · W_rᵀ
+/// (+ b_r)`, where `W_r` `[out/W, in]` are rows `r·out/W .. (r+1)·out/W` of the full weight
+/// and `b_r` the same slice of the bias. The output stays sharded ([`forward`](Self::forward))
+/// or is gathered to the full `[m, out]` on every rank
+/// ([`forward_gather`](Self::forward_gather)).
+pub struct ColumnParallelLinear<T> {
+    spec: ColumnParallelSpec,
+    shard: Shard<T>,
+}
+
+impl<T> std::fmt::Debug for ColumnParallelLinear<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.shard.debug(f, "ColumnParallelLinear", &self.spec)
+    }
+}
+
+impl<T: GemmElement + NcclType> ColumnParallelLinear<T> {
+    /// The layer from this rank's shard, already on the group's device: `weight`
+    /// `[out/W, in]`, `bias` `[out/W]`. Errors (naming the layer): a spec for another world
+    /// size than the group's, a shard the GEMM cannot take (`out/W` or `in` not a multiple of
+    /// 8), a shard of the wrong length or on another device.
+    pub fn from_shard(
+        group: &TpGroup,
+        spec: ColumnParallelSpec,
+        weight: CudaSlice<T>,
+        bias: Option<CudaSlice<T>>,
+    ) -> Result<Self> {
+        let shard = Shard::new(group, &spec, weight, bias)?;
+        Ok(ColumnParallelLinear { spec, shard })
+    }
+
+    /// The layer from the full host weight, `[out_features, in_features]` as the checkpoint
+    /// stores it (see [`HostWeight`]), and bias `[out_features]`: this rank's rows are cut
+    /// ([`ColumnParallelSpec::shard_weight`]) and uploaded on the group's stream. Errors
+    /// (naming the layer, before anything is uploaded): as [`from_shard`](Self::from_shard),
+    /// a weight of another shape (a transposed one says so), host slices of the wrong
+    /// length.
+    pub fn from_host(
+        group: &TpGroup,
+        spec: ColumnParallelSpec,
+        weight: HostWeight<'_, T>,
+        bias: Option<&[T]>,
+    ) -> Result<Self> {
+        let (w, b) = host_shard(group, &spec, weight, bias)?;
+        Self::from_shard(group, spec, w, b)
+    }
+
+    /// The layer's shape.
+    pub fn spec(&self) -> &ColumnParallelSpec {
+        &self.spec
+    }
+
+    /// The layer's name.
+    pub fn name(&self) -> &str {
+        self.spec.name()
+    }
+
+    /// The rank whose shard the layer holds.
+    pub fn rank(&self) -> usize {
+        self.shard.rank
+    }
+
+    /// The weight shard, `[out/W, in]`.
+    pub fn weight(&self) -> &CudaSlice<T> {
+        &self.shard.weight
+    }
+
+    /// The bias shard, `[out/W]`.
+    pub fn bias(&self) -> Option<&CudaSlice<T>> {
+        self.shard.bias.as_ref()
+    }
+
+    /// This rank's columns of the output: `out` `[m, out/W]` = `x` `[m, in]` · `W_rᵀ`
+    /// (+ `b_r`), enqueued on the group's stream. `m` is `x.len() / in`; 0 enqueues nothing.
+    pub fn forward(
+        &self,
+        group: &TpGroup,
+        x: &impl DevicePtr<T>,
+        out: &mut impl DevicePtrMut<T>,
+    ) -> Result<()> {
+        self.shard.forward(group, x, out).map(|_| ())
+    }
+
+    /// The whole output on every rank: [`forward`](Self::forward) into `local` `[m, out/W]`,
+    /// [`all_gather`] of every rank's `local` into `gathered` `[W, m, out/W]` (rank-major),
+    /// then `W` strided device-to-device copies (`cuMemcpy2DAsync`, no kernel) into `out`
+    /// `[m, out]`, where rank `r`'s columns are `r·out/W .. (r+1)·out/W`. For `m = 1` the two
+    /// layouts are the same: the gather writes `out` directly and `gathered` is not touched
+    /// (its length is still checked). A collective: every rank calls it with the same `m`.
+    pub fn forward_gather(
+        &self,
+        group: &TpGroup,
+        x: &impl DevicePtr<T>,
+        local: &mut (impl DevicePtr<T> + DevicePtrMut<T>),
+        gathered: &mut (impl DevicePtr<T> + DevicePtrMut<T>),
+        out: &mut impl DevicePtrMut<T>,
+    ) -> Result<()> {
+        let label = self.shard.label.as_str();
+        let m = self.shard.rows(group, x.len())?;
+        let (n, world) = (self.shard.n, self.shard.world);
+        check_len(label, "local", local.len(), m, n)?;
+        check_len(label, "gathered", gathered.len(), world * m, n)?;
+        check_len(label, "out", out.len(), m, self.spec.out_features())?;
+        check_device(label, "out", owner(&*out), group)?;
+        self.shard.forward(group, x, local)?;
+        if m == 0 {
+            return Ok(());
+        }
+        if m == 1 {
+            let names = [("input", "local"), ("out", "out")];
+            return all_gather(group, &*local, out).map_err(in_layer(label, &names));
+        }
+        let names = [("input", "local"), ("out", "gathered")];
+        all_gather(group, &*local, gathered).map_err(in_layer(label, &names))?;
+        rank_major_to_rows(group.stream(), &*gathered, out, world, m, n)
+    }
+}
+
+/// `out[i, r·n .. (r+1)·n] = gathered[r, i, ..]` for every rank `r` and row `i`: one
+/// `cuMemcpy2DAsync` per rank (`m` rows of `n` elements, source pitch `n`, destination pitch
+/// `world·n`), enqueued on `stream`.
+fn rank_major_to_rows<T>(
+    stream: &CudaStream,
+    gathered: &impl DevicePtr<T>,
+    out: &mut impl DevicePtrMut<T>,
+    world: usize,
+    m: usize,
+    n: usize,
+) -> Result<()> {
+    let size = std::mem::size_of::<T>();
+    let (src, _src_guard) = gathered.device_ptr(stream);
+    let (dst, _dst_guard) = out.device_ptr_mut(stream);
+    bind(stream)?;
+    for r in 0..world {
+        let copy = sys::CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            srcHost: std::ptr::null(),
+            srcDevice: src + (r * m * n * size) as u64,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: n * size,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: dst + (r * n * size) as u64,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: world * n * size,
+            WidthInBytes: n * size,
+            Height: m,
+        };
+        // SAFETY: the caller checked that `gathered` holds world·m·n and `out` m·world·n
+        // elements on the stream's device: every source row r·m·n + i·n .. + n and every
+        // destination row i·world·n + r·n .. + n lies inside them; the guards keep cudarc's
+        // stream ordering until the copies are enqueued.
+        unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream.cu_stream()) }
+            .result()
+            .map_err(cuda("rearranging the gathered output (cuMemcpy2DAsync)"))?;
+    }
+    Ok(())
+}
