@@ -138,7 +138,9 @@ __device__ __forceinline__ bool wait_for_tile(const Launch<T> &L, const Deadline
     }
   }
   __syncthreads();
-  return st.failed == 0;
+  const bool passed = st.failed == 0;
+  if (passed && threadIdx.x == 0) note_barrier_passed(); // the counters' synchronisation rounds
+  return passed;
 }
 
 // out (and residual) of tile (tm, tn): the W ranks' partials in the exchange areas (element

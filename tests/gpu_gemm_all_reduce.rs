@@ -27,8 +27,10 @@ use common::{assert_same_bits, Bits};
 use cudarc::driver::{CudaSlice, DevicePtrMut};
 use half::{bf16, f16};
 use tpfuse::ops::gemm::GemmElement;
+use tpfuse::ops::linear::{Fusion, RowParallelLinear, RowParallelPath};
 use tpfuse::ops::{self, gemm, gemm_all_reduce, Algorithm, Epilogue, GemmShape, RmsNorm};
 use tpfuse::reference::{gemm_f64, rms_norm_f64};
+use tpfuse::shard::{HostWeight, RowParallelSpec};
 use tpfuse::{GroupOptions, NcclType, TpGroup};
 
 const EPS: f32 = 1e-5;
@@ -335,6 +337,38 @@ fn bad_calls() {
     };
     let bad_gamma = gemm_all_reduce(g, &x1, &w, epilogue, &mut out1, small);
     expect_invalid_saying("gamma", bad_gamma, "gamma", &["504", "512"]);
+
+    // A layer: forced fusion of a message over half the capacity is an error naming the
+    // layer; Auto falls back to the GEMM and the all-reduce (NCCL-less virtual ranks: the
+    // custom kernels, which take up to the whole capacity).
+    let spec = RowParallelSpec::new("o_proj", 2 * k, n, 2).expect("spec");
+    let full = random_vec::<T>(7, n * 2 * k, -0.1, 0.1);
+    let layers: Vec<RowParallelLinear<T>> = groups
+        .iter()
+        .map(|g| {
+            RowParallelLinear::from_host(g, spec.clone(), HostWeight::new(&full, n, 2 * k), None)
+                .expect("layer")
+        })
+        .collect();
+    let m2 = 3; // 3 x 512 x 2 bytes = 3 KiB: over 2 KiB, within 4 KiB
+    let xs: Vec<CudaSlice<T>> = groups.iter().map(|g| poisoned(g, m2 * k)).collect();
+    let mut parts: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m2 * n);
+    let mut outs: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m2 * n);
+    let forced =
+        RowParallelLinear::from_host(g, spec.clone(), HostWeight::new(&full, n, 2 * k), None)
+            .expect("layer")
+            .with_fusion(Fusion::Fused)
+            .forward(g, &xs[0], &mut parts[0], &mut outs[0]);
+    expect_invalid_saying(
+        "forced",
+        forced,
+        "row-parallel 'o_proj'",
+        &["forces the fused", "capacity"],
+    );
+    let ran = round(&groups, "auto falls back", |r| {
+        layers[r].forward(&groups[r], &xs[r], &mut parts[r], &mut outs[r])
+    });
+    assert!(matches!(ran[0], RowParallelPath::Unfused(_)), "{ran:?}");
 
     let wrong_x = gemm_all_reduce(g, &x, &w, Epilogue::default(), &mut out1, small);
     expect_invalid_saying("x", wrong_x, "x", &["m * k"]);

@@ -60,7 +60,9 @@ use cudarc::driver::{CudaContext, CudaSlice};
 use half::{bf16, f16};
 use std::sync::Arc;
 use tpfuse::ops::gemm::GemmElement;
-use tpfuse::ops::linear::{ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear};
+use tpfuse::ops::linear::{
+    ColumnParallelLinear, Fusion, MergedColumnParallelLinear, RowParallelLinear, RowParallelPath,
+};
 use tpfuse::ops::{Algorithm, RmsNorm};
 use tpfuse::reference::{all_reduce_epilogue_exact, gated_mlp_f64, gemm_f64, rms_norm_f64};
 use tpfuse::shard::{ColumnParallelSpec, HostWeight, MergedColumnSpec, RowParallelSpec};
@@ -271,12 +273,19 @@ fn mlp_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usize) {
     let first = first_layer(&label, &groups, &layers, &mlp, &x);
 
     let mut first_bits: Option<Vec<T>> = None;
-    for algo in [Algorithm::Auto, Algorithm::OneShot, Algorithm::TwoShot] {
+    let ways = [
+        (Fusion::Unfused, Algorithm::Auto),
+        (Fusion::Unfused, Algorithm::OneShot),
+        (Fusion::Unfused, Algorithm::TwoShot),
+        (Fusion::Fused, Algorithm::Auto),
+        (Fusion::Auto, Algorithm::Auto),
+    ];
+    for (fusion, algo) in ways {
         layers = layers
             .into_iter()
-            .map(|(gu, dn)| (gu, dn.with_algorithm(algo)))
+            .map(|(gu, dn)| (gu, dn.with_algorithm(algo).with_fusion(fusion)))
             .collect();
-        let label = format!("{label} {algo:?}");
+        let label = format!("{label} {fusion:?} {algo:?}");
         let mut partials: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * hidden);
         let mut outs: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * hidden);
         let ran = round(&groups, &label, |r| {
@@ -285,14 +294,36 @@ fn mlp_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usize) {
                 .forward(&groups[r], &first.act[r], &mut partials[r], &mut outs[r])
         });
         assert!(ran.iter().all(|a| *a == ran[0]), "{label}: {ran:?}");
-        match algo {
-            Algorithm::OneShot => assert_eq!(ran[0], AllReduceAlgo::OneShot, "{label}"),
-            Algorithm::TwoShot => assert_eq!(ran[0], AllReduceAlgo::TwoShot, "{label}"),
+        match (fusion, algo) {
+            (Fusion::Unfused, Algorithm::OneShot) => {
+                assert_eq!(
+                    ran[0],
+                    RowParallelPath::Unfused(AllReduceAlgo::OneShot),
+                    "{label}"
+                )
+            }
+            (Fusion::Unfused, Algorithm::TwoShot) => {
+                assert_eq!(
+                    ran[0],
+                    RowParallelPath::Unfused(AllReduceAlgo::TwoShot),
+                    "{label}"
+                )
+            }
+            // m <= 64 on virtual ranks: the placeholder rule fuses.
+            (Fusion::Fused | Fusion::Auto, _) => {
+                assert_eq!(ran[0], RowParallelPath::Fused, "{label}")
+            }
             _ => {}
         }
         let got: Vec<Vec<T>> = download_ranks(&groups, &outs);
         assert_ranks_agree(&label, &got);
         assert_close(&label, &got[0], &want, T::MLP_TOLERANCE);
+        if ran[0] == RowParallelPath::Fused {
+            // The partials were not written: the bits are the unfused paths' (below).
+            let bits = first_bits.as_ref().expect("an unfused way ran first");
+            assert_same_bits(&format!("{label} vs unfused"), &got[0], bits);
+            continue;
+        }
         // The bits: Σ partials in rank order in f32, + bias once, rounded once.
         let parts: Vec<Vec<T>> = download_ranks(&groups, &partials);
         let refs: Vec<&[T]> = parts.iter().map(|p| p.as_slice()).collect();
@@ -322,7 +353,7 @@ fn mlp_rmsnorm_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usi
     let label = format!("MLP+RMSNorm {} W={world} m={m} seed={seed:#x}", T::NAME);
     let groups = virtual_group(ctx, world, GroupOptions::default());
     let mlp = Mlp::<T>::new(seed, hidden, inter);
-    let layers = mlp.layers(&groups);
+    let mut layers = mlp.layers(&groups);
     let x = random::<T>(splitmix64(seed ^ 4), m * hidden, 1.0);
     let residual_in = random::<T>(splitmix64(seed ^ 5), m * hidden, 1.0);
     let gamma = random::<T>(splitmix64(seed ^ 6), hidden, 1.0);
@@ -336,46 +367,73 @@ fn mlp_rmsnorm_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usi
     let first = first_layer(&label, &groups, &layers, &mlp, &x);
 
     let gammas: Vec<CudaSlice<T>> = upload_copies(&groups, &gamma);
-    let mut residuals: Vec<CudaSlice<T>> = upload_copies(&groups, &residual_in);
-    let mut partials: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * hidden);
-    let mut outs: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * hidden);
-    for g in &groups {
-        g.stream().synchronize().expect("uploading");
-    }
-    round(&groups, &label, |r| {
-        layers[r].1.forward_residual_rmsnorm(
-            &groups[r],
-            &first.act[r],
-            &mut partials[r],
-            &mut residuals[r],
-            RmsNorm {
+    // Unfused first (its partials give the exact bits), then fused: the same bits.
+    let mut unfused: Option<(Vec<Vec<T>>, Vec<Vec<T>>)> = None;
+    for fusion in [Fusion::Unfused, Fusion::Fused] {
+        let label = format!("{label} {fusion:?}");
+        let mut residuals: Vec<CudaSlice<T>> = upload_copies(&groups, &residual_in);
+        let mut partials: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * hidden);
+        let mut outs: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * hidden);
+        for g in &groups {
+            g.stream().synchronize().expect("uploading");
+        }
+        layers = layers
+            .into_iter()
+            .map(|(gu, dn)| (gu, dn.with_fusion(fusion)))
+            .collect();
+        let ran = round(&groups, &label, |r| {
+            let norm = RmsNorm {
                 gamma: &gammas[r],
                 eps: EPS,
-            },
-            &mut outs[r],
-        )
-    });
-    let h: Vec<Vec<T>> = download_ranks(&groups, &residuals);
-    let out: Vec<Vec<T>> = download_ranks(&groups, &outs);
-    assert_ranks_agree(&format!("{label} residual"), &h);
-    assert_ranks_agree(&format!("{label} out"), &out);
-    assert_close(
-        &format!("{label} residual"),
-        &h[0],
-        &h_want,
-        T::MLP_TOLERANCE,
-    );
-    assert_close(
-        &format!("{label} out"),
-        &out[0],
-        &out_want,
-        T::MLP_TOLERANCE,
-    );
-    // The new residual: Σ partials + bias + old residual, in f32 in that order, rounded once.
-    let parts: Vec<Vec<T>> = download_ranks(&groups, &partials);
-    let refs: Vec<&[T]> = parts.iter().map(|p| p.as_slice()).collect();
-    let exact = all_reduce_epilogue_exact(&refs, Some(&mlp.bias), Some(&residual_in), hidden);
-    assert_same_bits(&format!("{label}: residual vs exact"), &h[0], &exact);
+            };
+            let (x, p, res, o) = (
+                &first.act[r],
+                &mut partials[r],
+                &mut residuals[r],
+                &mut outs[r],
+            );
+            layers[r]
+                .1
+                .forward_residual_rmsnorm(&groups[r], x, p, res, norm, o)
+        });
+        let h: Vec<Vec<T>> = download_ranks(&groups, &residuals);
+        let out: Vec<Vec<T>> = download_ranks(&groups, &outs);
+        assert_ranks_agree(&format!("{label} residual"), &h);
+        assert_ranks_agree(&format!("{label} out"), &out);
+        assert_close(
+            &format!("{label} residual"),
+            &h[0],
+            &h_want,
+            T::MLP_TOLERANCE,
+        );
+        assert_close(
+            &format!("{label} out"),
+            &out[0],
+            &out_want,
+            T::MLP_TOLERANCE,
+        );
+        match &unfused {
+            None => {
+                assert!(
+                    matches!(ran[0], RowParallelPath::Unfused(_)),
+                    "{label}: {ran:?}"
+                );
+                // The new residual: Σ partials + bias + old residual, in f32 in that order,
+                // rounded once.
+                let parts: Vec<Vec<T>> = download_ranks(&groups, &partials);
+                let refs: Vec<&[T]> = parts.iter().map(|p| p.as_slice()).collect();
+                let exact =
+                    all_reduce_epilogue_exact(&refs, Some(&mlp.bias), Some(&residual_in), hidden);
+                assert_same_bits(&format!("{label}: residual vs exact"), &h[0], &exact);
+                unfused = Some((h, out));
+            }
+            Some((h_u, out_u)) => {
+                assert_eq!(ran[0], RowParallelPath::Fused, "{label}");
+                assert_same_bits(&format!("{label}: residual vs unfused"), &h[0], &h_u[0]);
+                assert_same_bits(&format!("{label}: out vs unfused"), &out[0], &out_u[0]);
+            }
+        }
+    }
 }
 
 fn mlp_matrix<T: TestElement>() {

@@ -367,3 +367,32 @@ impl AllReduceRule {
 fn limits_in(table: &[SizeLimits], world: usize) -> Option<SizeLimits> {
     table.iter().find(|l| world <= l.max_world).copied()
 }
+
+/// When a row-parallel layer under [`Fusion::Auto`](crate::ops::linear::Fusion::Auto) runs
+/// its GEMM and all-reduce as one kernel ([`crate::ops::gemm_all_reduce`]).
+///
+/// **Placeholder thresholds, not measurements.** Fused up to [`max_m`](Self::max_m) rows
+/// (decode and small prefill: the all-reduce is latency-bound there, and the fused kernel
+/// reduces each tile while the GEMM computes the next), on groups whose custom all-reduce may
+/// run; unfused beyond, where fusion is not free (FIELD-NOTES: Flux's GEMM + reduce-scatter
+/// got slower at m = 8192 on 8×H100). `benches/gemm_all_reduce.rs` measures the crossing
+/// on a GPU; no GPU has run it yet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FusionRule {
+    /// The most rows (tokens) the fused kernel takes.
+    pub max_m: usize,
+}
+
+impl Default for FusionRule {
+    fn default() -> Self {
+        FusionRule { max_m: 64 }
+    }
+}
+
+impl FusionRule {
+    /// Whether a call of `m` rows fuses on a group with `verdict` (`None`: virtual ranks, or a
+    /// topology NVML could not show, where the custom kernels run as on NVLink).
+    pub fn fuse(&self, verdict: Option<&Verdict>, m: usize) -> bool {
+        m <= self.max_m && verdict.is_none_or(Verdict::custom_all_reduce)
+    }
+}

@@ -90,7 +90,7 @@ mod row;
 pub use column::ColumnParallelLinear;
 pub use loader::SectionLoader;
 pub use merged::MergedColumnParallelLinear;
-pub use row::RowParallelLinear;
+pub use row::{Fusion, RowParallelLinear, RowParallelPath};
 
 /// The names the GEMM's errors use for its arguments, and what a layer calls them.
 const GEMM_NAMES: [(&str, &str); 5] = [

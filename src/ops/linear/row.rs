@@ -6,9 +6,10 @@ use crate::dtype::NcclType;
 use crate::error::{Error, Result};
 use crate::group::TpGroup;
 use crate::ops::all_reduce::{all_reduce_fused, Algorithm, Epilogue, RmsNorm};
-use crate::ops::gemm::GemmElement;
+use crate::ops::gemm::{GemmElement, GemmShape};
+use crate::ops::gemm_all_reduce::{facts_of, gemm_all_reduce, unfusable};
 use crate::shard::{HostWeight, RowParallelSpec};
-use crate::topology::AllReduceAlgo;
+use crate::topology::{AllReduceAlgo, FusionRule};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
 /// The names the all-reduce's errors use, and what a row-parallel layer calls them.
@@ -22,6 +23,41 @@ const ALL_REDUCE_NAMES: [(&str, &str); 7] = [
     ("algorithm", "the layer's algorithm"),
 ];
 
+/// The names the fused kernel's errors use, and what a row-parallel layer calls them.
+const FUSED_NAMES: [(&str, &str); 7] = [
+    ("x", "x"),
+    ("weight", "the weight shard"),
+    ("out", "out"),
+    ("bias", "the bias"),
+    ("residual", "residual"),
+    ("gamma", "norm.gamma"),
+    ("eps", "norm.eps"),
+];
+
+/// How a row-parallel layer joins its GEMM and its all-reduce.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fusion {
+    /// [`FusionRule`]'s choice (placeholder thresholds until measured): fused for small `m`
+    /// on groups whose custom kernels run, when the layer's algorithm is
+    /// [`Algorithm::Auto`] and the shape fits ([`unfusable`]); unfused otherwise.
+    Auto,
+    /// Always one kernel ([`gemm_all_reduce`]); a shape it cannot take (a message over half
+    /// the group's capacity, too many tiles, a group without custom kernels) is an error
+    /// naming the layer.
+    Fused,
+    /// Always the GEMM into `partial`, then [`all_reduce_fused`] with the layer's algorithm.
+    Unfused,
+}
+
+/// What a row-parallel `forward` ran.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RowParallelPath {
+    /// The fused GEMM + all-reduce kernel ([`gemm_all_reduce`]); `partial` was not touched.
+    Fused,
+    /// The GEMM into `partial`, then this all-reduce.
+    Unfused(AllReduceAlgo),
+}
+
 /// A row-parallel linear layer, one rank of it: a partial `x_r · W_rᵀ`, where `W_r`
 /// `[out, in/W]` are columns `r·in/W .. (r+1)·in/W` of the full weight and `x_r` the same
 /// columns of the input, then the all-reduce `y = Σ_r partial_r + b`. The bias is whole on
@@ -31,6 +67,7 @@ pub struct RowParallelLinear<T> {
     spec: RowParallelSpec,
     shard: Shard<T>,
     algorithm: Algorithm,
+    fusion: Fusion,
 }
 
 impl<T> std::fmt::Debug for RowParallelLinear<T> {
@@ -57,6 +94,7 @@ impl<T: GemmElement + NcclType> RowParallelLinear<T> {
             spec,
             shard,
             algorithm: Algorithm::Auto,
+            fusion: Fusion::Auto,
         })
     }
 
@@ -85,6 +123,48 @@ impl<T: GemmElement + NcclType> RowParallelLinear<T> {
     /// The all-reduce algorithm the layer asks for.
     pub fn algorithm(&self) -> Algorithm {
         self.algorithm
+    }
+
+    /// The same layer with another [`Fusion`] (every rank must choose the same).
+    pub fn with_fusion(mut self, fusion: Fusion) -> Self {
+        self.fusion = fusion;
+        self
+    }
+
+    /// How the layer joins its GEMM and all-reduce.
+    pub fn fusion(&self) -> Fusion {
+        self.fusion
+    }
+
+    /// Whether a call of `m` rows runs fused: [`Fusion`]'s rule. Forced fusion on a shape
+    /// the kernel cannot take is an error naming the layer.
+    fn fuses(&self, group: &TpGroup, m: usize) -> Result<bool> {
+        let label = self.shard.label.as_str();
+        let shape = GemmShape {
+            m,
+            n: self.shard.n,
+            k: self.shard.k,
+        };
+        let refusal = |group: &TpGroup| -> Result<Option<String>> {
+            if let Some(reason) = group.custom_kernels_refused() {
+                return Ok(Some(format!("the group has no custom kernels: {reason}")));
+            }
+            Ok(unfusable::<T>(shape, &facts_of(group)?))
+        };
+        match self.fusion {
+            Fusion::Unfused => Ok(false),
+            Fusion::Fused => match refusal(group)? {
+                None => Ok(true),
+                Some(reason) => Err(Error::invalid(
+                    label,
+                    format!("the layer forces the fused GEMM + all-reduce, but {reason}"),
+                )),
+            },
+            Fusion::Auto => Ok(self.algorithm == Algorithm::Auto
+                && m > 0
+                && FusionRule::default().fuse(group.verdict(), m)
+                && refusal(group)?.is_none()),
+        }
     }
 
     /// The layer's shape.
@@ -121,9 +201,11 @@ impl<T: GemmElement + NcclType> RowParallelLinear<T> {
         Ok(m)
     }
 
-    /// What both forwards enqueue once their buffers are checked: the partial product into
-    /// the caller's workspace, `partial = x · W_rᵀ` (no bias), then [`all_reduce_fused`] of
-    /// the partials with the bias and the given residual and norm as its epilogue.
+    /// What both forwards enqueue once their buffers are checked: fused
+    /// ([`Fusion`]), one [`gemm_all_reduce`] with the bias and the given residual and norm
+    /// as its epilogue; unfused, the partial product into the caller's workspace,
+    /// `partial = x · W_rᵀ` (no bias), then [`all_reduce_fused`] of the partials with that
+    /// epilogue. Both give the same bits.
     #[allow(clippy::too_many_arguments)]
     fn gemm_all_reduce<'e>(
         &'e self,
@@ -134,40 +216,54 @@ impl<T: GemmElement + NcclType> RowParallelLinear<T> {
         residual: Option<&'e mut dyn DevicePtrMut<T>>,
         norm: Option<RmsNorm<'e, T>>,
         out: &mut impl DevicePtrMut<T>,
-    ) -> Result<AllReduceAlgo> {
-        let names = [("a", "x"), ("b", "the weight shard"), ("c", "partial")];
-        self.shard.gemm(group, x, None, partial, m, &names)?;
+    ) -> Result<RowParallelPath> {
         let epilogue = Epilogue {
             bias: as_dyn(&self.shard.bias),
             residual,
             norm,
         };
+        if self.fuses(group, m)? {
+            let shape = GemmShape {
+                m,
+                n: self.shard.n,
+                k: self.shard.k,
+            };
+            gemm_all_reduce(group, x, &self.shard.weight, epilogue, out, shape)
+                .map_err(in_layer(&self.shard.label, &FUSED_NAMES))?;
+            return Ok(RowParallelPath::Fused);
+        }
+        let names = [("a", "x"), ("b", "the weight shard"), ("c", "partial")];
+        self.shard.gemm(group, x, None, partial, m, &names)?;
         all_reduce_fused(group, &*partial, epilogue, out, self.algorithm)
+            .map(RowParallelPath::Unfused)
             .map_err(in_layer(&self.shard.label, &ALL_REDUCE_NAMES))
     }
 
     /// `out` `[m, out]` = `Σ_r x_r · W_rᵀ + b` on every rank: the GEMM of this rank's input
     /// columns `x` `[m, in/W]` into the workspace `partial` `[m, out]`, then
     /// [`all_reduce_fused`] of the partials with the bias as its epilogue (added once, in
-    /// f32). Enqueued on the group's stream; returns the all-reduce algorithm that ran. A
-    /// collective: every rank calls it with the same `m`. `m` is `x.len() / (in/W)`.
+    /// f32); or, when the layer fuses ([`Fusion`]), both in one kernel
+    /// ([`gemm_all_reduce`], `partial` untouched, the same bits). Enqueued on the group's
+    /// stream; returns what ran. A collective: every rank calls it with the same `m`. `m` is
+    /// `x.len() / (in/W)`.
     pub fn forward(
         &self,
         group: &TpGroup,
         x: &impl DevicePtr<T>,
         partial: &mut (impl DevicePtr<T> + DevicePtrMut<T>),
         out: &mut impl DevicePtrMut<T>,
-    ) -> Result<AllReduceAlgo> {
+    ) -> Result<RowParallelPath> {
         let m = self.check_call(group, x.len(), partial.len(), out.len())?;
         self.gemm_all_reduce(group, x, partial, m, None, None, out)
     }
 
     /// The decode hot path of a transformer block: `h = Σ_r x_r · W_rᵀ + b + residual`,
-    /// `residual := h`, `out = rmsnorm(h) · norm.gamma`, on every rank. The GEMM writes the
-    /// workspace `partial` `[m, out]`; the reduction, bias, residual add and RMSNorm are one
-    /// [`all_reduce_fused`] (fully fused on the one-shot path). Shapes: `x` `[m, in/W]`,
-    /// `partial`, `residual` and `out` `[m, out]`, `norm.gamma` `[out]`. Returns the
-    /// all-reduce algorithm that ran. A collective, as [`forward`](Self::forward).
+    /// `residual := h`, `out = rmsnorm(h) · norm.gamma`, on every rank. Fused
+    /// ([`Fusion`]), all of it is one kernel ([`gemm_all_reduce`]); unfused, the GEMM writes
+    /// the workspace `partial` `[m, out]` and the reduction, bias, residual add and RMSNorm
+    /// are one [`all_reduce_fused`] (fully fused on the one-shot path). The same bits either
+    /// way. Shapes: `x` `[m, in/W]`, `partial`, `residual` and `out` `[m, out]`, `norm.gamma`
+    /// `[out]`. Returns what ran. A collective, as [`forward`](Self::forward).
     ///
     /// Without a bias and with [`Algorithm::Auto`] this is the GEMM followed by
     /// [`all_reduce_residual_rmsnorm`](crate::ops::all_reduce_residual_rmsnorm); with a
@@ -181,7 +277,7 @@ impl<T: GemmElement + NcclType> RowParallelLinear<T> {
         residual: &mut impl DevicePtrMut<T>,
         norm: RmsNorm<'_, T>,
         out: &mut impl DevicePtrMut<T>,
-    ) -> Result<AllReduceAlgo> {
+    ) -> Result<RowParallelPath> {
         let m = self.check_call(group, x.len(), partial.len(), out.len())?;
         let (label, n) = (self.shard.label.as_str(), self.shard.n);
         check_len(label, "residual", residual.len(), m, n)?;
