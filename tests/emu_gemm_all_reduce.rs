@@ -171,7 +171,7 @@ fn enqueue<T: TestElement>(
                     x.ptr().cast(),
                     w.ptr().cast(),
                     opt_ptr(&bias),
-                    opt_ptr(&residual),
+                    opt_ptr(residual),
                     opt_ptr(&gamma),
                     EPS,
                     out.ptr().cast(),
@@ -208,7 +208,7 @@ fn enqueue<T: TestElement>(
                     &args,
                     partial.ptr().cast(),
                     opt_ptr(&bias),
-                    opt_ptr(&residual),
+                    opt_ptr(residual),
                     opt_ptr(&gamma),
                     EPS,
                     out.ptr().cast(),
@@ -308,10 +308,13 @@ fn case<T: TestElement>(
     }
 }
 
-/// (world, blocks, (m, n, k), epilogue): every m of the issue, tails of n past 16, 32, 64 and
+/// (m, n, k).
+type Shape = (usize, usize, usize);
+
+/// (world, blocks, shape, epilogue): every m of the issue, tails of n past 16, 32, 64 and
 /// 128 columns and of k past 16, 32 and 64, grids of 1 block per rank (a block with many
 /// tiles) and more, every epilogue.
-const CASES: [(usize, i32, (usize, usize, usize), Epi); 8] = [
+const CASES: [(usize, i32, Shape, Epi); 8] = [
     (2, 2, (1, 264, 136), ALL),
     (3, 2, (3, 136, 40), NONE),
     (4, 1, (16, 72, 72), BIAS),

@@ -368,7 +368,9 @@ fn mlp_rmsnorm_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usi
 
     let gammas: Vec<CudaSlice<T>> = upload_copies(&groups, &gamma);
     // Unfused first (its partials give the exact bits), then fused: the same bits.
-    let mut unfused: Option<(Vec<Vec<T>>, Vec<Vec<T>>)> = None;
+    // Every rank's (residual, out) of the unfused run.
+    type PerRank<T> = Vec<Vec<T>>;
+    let mut unfused: Option<(PerRank<T>, PerRank<T>)> = None;
     for fusion in [Fusion::Unfused, Fusion::Fused] {
         let label = format!("{label} {fusion:?}");
         let mut residuals: Vec<CudaSlice<T>> = upload_copies(&groups, &residual_in);

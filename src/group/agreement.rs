@@ -130,6 +130,8 @@ impl RankRecord {
 #[derive(Debug, PartialEq, Eq)]
 pub(super) struct Agreement {
     pub(super) blocks: usize,
+    /// The smallest SM count of the ranks' GPUs.
+    pub(super) fewest_sms: usize,
     /// `Some(hosts)` when the ranks are not all on rank 0's host.
     pub(super) several_hosts: Option<String>,
 }
@@ -195,6 +197,7 @@ pub(super) fn agree(records: &[RankRecord]) -> Result<Agreement> {
         .then(|| host_list(records));
     Ok(Agreement {
         blocks,
+        fewest_sms,
         several_hosts,
     })
 }

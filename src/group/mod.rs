@@ -216,6 +216,8 @@ pub struct TpGroup {
     verdict: Option<Verdict>,
     rule: AllReduceRule,
     blocks: usize,
+    /// The fused GEMM + all-reduce's persistent grid bound ([`TpGroup::fused_blocks`]).
+    fused_blocks: usize,
     timeout: Duration,
     poison: Arc<Poison>,
     /// This rank's host-mapped error word; `None` without symmetric memory.
@@ -337,6 +339,7 @@ impl TpGroup {
                 verdict: None,
                 rule: AllReduceRule::default(),
                 blocks,
+                fused_blocks: (sms / world).max(1),
                 timeout: options.timeout,
                 poison: poison.clone(),
                 clock_khz: peak_clock_khz(ctx),
@@ -427,6 +430,7 @@ impl TpGroup {
                     verdict: verdict.clone(),
                     rule: AllReduceRule::default(),
                     blocks,
+                    fused_blocks: fewest_sms,
                     timeout: options.timeout,
                     poison: poison.clone(),
                     clock_khz: peak_clock_khz(&ctx),
@@ -505,6 +509,7 @@ impl TpGroup {
             verdict,
             rule: AllReduceRule::default(),
             blocks: agreed.blocks,
+            fused_blocks: agreed.fewest_sms,
             timeout: options.timeout,
             poison: Arc::new(Poison::default()),
             comm: Some(comm),
@@ -558,6 +563,16 @@ impl TpGroup {
     /// ([`AllReduceRule::default`]).
     pub fn rule(&self) -> &AllReduceRule {
         &self.rule
+    }
+
+    /// The bound on the fused GEMM + all-reduce's persistent grid
+    /// ([`crate::ops::gemm_all_reduce()`]), the same on every rank: one block per SM of the
+    /// group's smallest GPU for real groups (the kernel is the layer's GEMM: it streams the
+    /// weights and needs every SM, where the all-reduce's budget leaves half the GPU to the
+    /// work it overlaps with); for virtual ranks, which share one device, its SMs divided
+    /// among the ranks.
+    pub fn fused_blocks(&self) -> usize {
+        self.fused_blocks
     }
 
     /// Thread blocks per custom kernel launch (the CTA budget), the same on every rank.

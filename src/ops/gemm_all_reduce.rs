@@ -12,7 +12,7 @@
 //! The ranks' tiles meet through the group's symmetric memory: a tile's reduction starts as
 //! soon as every rank has computed it, while the GEMM goes on with the next tiles. The
 //! same deadlines and failure semantics as the custom all-reduce: a missing rank is
-//! [`Error::PeerTimeout`](crate::Error::PeerTimeout) on every survivor, a failed launch marks
+//! [`crate::Error::PeerTimeout`] on every survivor, a failed launch marks
 //! `out` and the residual failed ([`Element::failed_output`](crate::dtype::Element::failed_output)),
 //! and the call is CUDA-graph capturable.
 
@@ -58,7 +58,7 @@ pub struct FusedFacts {
     pub compute_capability: (u32, u32),
     /// SMs of the device.
     pub sms: usize,
-    /// The group's CTA budget: the persistent grid's bound.
+    /// The persistent grid's bound ([`TpGroup::fused_blocks`]).
     pub blocks: usize,
 }
 
@@ -207,7 +207,7 @@ pub fn facts_of(group: &TpGroup) -> Result<FusedFacts> {
             attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
         ),
         sms: attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize,
-        blocks: group.blocks(),
+        blocks: group.fused_blocks(),
     })
 }
 

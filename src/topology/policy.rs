@@ -369,7 +369,7 @@ fn limits_in(table: &[SizeLimits], world: usize) -> Option<SizeLimits> {
 }
 
 /// When a row-parallel layer under [`Fusion::Auto`](crate::ops::linear::Fusion::Auto) runs
-/// its GEMM and all-reduce as one kernel ([`crate::ops::gemm_all_reduce`]).
+/// its GEMM and all-reduce as one kernel ([`crate::ops::gemm_all_reduce()`]).
 ///
 /// **Placeholder thresholds, not measurements.** Fused up to [`max_m`](Self::max_m) rows
 /// (decode and small prefill: the all-reduce is latency-bound there, and the fused kernel
@@ -393,6 +393,6 @@ impl FusionRule {
     /// Whether a call of `m` rows fuses on a group with `verdict` (`None`: virtual ranks, or a
     /// topology NVML could not show, where the custom kernels run as on NVLink).
     pub fn fuse(&self, verdict: Option<&Verdict>, m: usize) -> bool {
-        m <= self.max_m && verdict.is_none_or(Verdict::custom_all_reduce)
+        m <= self.max_m && verdict.map_or(true, Verdict::custom_all_reduce)
     }
 }

@@ -1,0 +1,243 @@
+//! The fused row-parallel GEMM + all-reduce against the unfused sequence and against the
+//! GEMM alone, in one run (bf16, residual + RMSNorm epilogue).
+//!
+//! Criterion groups `gemm_all_reduce_bf16_{virtual,gpus}_w{W}_{o_proj,down}`: the DESIGN.md
+//! reference shapes of the row-parallel layers of Llama-3-70B at TP 8 (o_proj n 8192, k 1024;
+//! down n 8192, k 3584), m in {1, 16, 64, 256}, three ways per shape:
+//!
+//! - `gemm`: [`ops::gemm`] of every rank's partial alone (the floor the fusion aims at: the
+//!   goal is `fused` within 1.05x of it for m <= 64);
+//! - `unfused`: [`ops::gemm`] into a workspace, then [`ops::all_reduce_fused`] with the
+//!   epilogue (`Algorithm::Auto`);
+//! - `fused`: [`ops::gemm_all_reduce`], one kernel.
+//!
+//! `virtual`: W = 2 virtual ranks on GPU 0 (each rank's kernels share the GPU with the other's:
+//! a rehearsal, not a TP-2 machine). `gpus`: one GPU per rank ([`TpGroup::single_process`],
+//! W = 2, 4, 8 as far as the machine has GPUs with peer access). Every way runs from per-rank
+//! CUDA graphs of 16 rounds (launch overhead does not favour the fused path), timed with CUDA
+//! events across all ranks' streams (`time_rounds`). After the groups the bench prints the
+//! ratios fused/gemm and fused/unfused from its own event-timed medians.
+//!
+//! Without a CUDA driver the bench prints one line and registers nothing. Quick run:
+//! `cargo bench --bench gemm_all_reduce -- --warm-up-time 0.5 --measurement-time 1`.
+
+#[path = "common/mod.rs"]
+mod common;
+use common::{random_device, time_rounds};
+
+use criterion::{BenchmarkId, Criterion};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
+use half::bf16;
+use std::sync::Arc;
+use std::time::Duration;
+use tpfuse::ops::{self, Algorithm, Epilogue, GemmShape, RmsNorm};
+use tpfuse::{GroupOptions, TpGroup};
+
+type T = bf16;
+
+/// (name, n, k) of the reference row-parallel layers at TP 8.
+const LAYERS: [(&str, usize, usize); 2] = [("o_proj", 8192, 1024), ("down", 8192, 3584)];
+const MS: [usize; 4] = [1, 16, 64, 256];
+const ROUNDS: u64 = 16;
+const SAMPLES: usize = 9;
+const EPS: f32 = 1e-5;
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Way {
+    Gemm,
+    Unfused,
+    Fused,
+}
+
+/// Every rank's buffers for the largest m of one layer.
+struct Buffers {
+    x: Vec<CudaSlice<T>>,
+    w: Vec<CudaSlice<T>>,
+    partial: Vec<CudaSlice<T>>,
+    out: Vec<CudaSlice<T>>,
+    residual: Vec<CudaSlice<T>>,
+    gamma: Vec<CudaSlice<T>>,
+}
+
+fn buffers(groups: &[TpGroup], n: usize, k: usize) -> Buffers {
+    let m = MS[MS.len() - 1];
+    let each = |len: usize, scale: f32, seed: u64| -> Vec<CudaSlice<T>> {
+        groups
+            .iter()
+            .enumerate()
+            .map(|(r, g)| random_device(g.stream(), len, scale, seed ^ (r as u64) << 8))
+            .collect()
+    };
+    Buffers {
+        x: each(m * k, 1.0, 1),
+        w: each(n * k, 2.0 / (k as f32).sqrt(), 2),
+        partial: each(m * n, 1.0, 3),
+        out: each(m * n, 1.0, 4),
+        residual: each(m * n, 1.0, 5),
+        gamma: each(n, 1.0, 6),
+    }
+}
+
+/// Rank r's call of `way` at `m`.
+fn enqueue(
+    groups: &[TpGroup],
+    b: &mut Buffers,
+    r: usize,
+    way: Way,
+    shape: GemmShape,
+) -> tpfuse::Result<()> {
+    let GemmShape { m, n, k } = shape;
+    let g = &groups[r];
+    let x = b.x[r].slice(0..m * k);
+    let mut out = b.out[r].slice_mut(0..m * n);
+    let mut partial = b.partial[r].slice_mut(0..m * n);
+    let mut residual = b.residual[r].slice_mut(0..m * n);
+    let epilogue = Epilogue {
+        bias: None,
+        residual: Some(&mut residual),
+        norm: Some(RmsNorm {
+            gamma: &b.gamma[r],
+            eps: EPS,
+        }),
+    };
+    match way {
+        Way::Gemm => ops::gemm(g.stream(), &x, &b.w[r], None, None, &mut out, m, n, k),
+        Way::Unfused => {
+            ops::gemm(g.stream(), &x, &b.w[r], None, None, &mut partial, m, n, k)?;
+            ops::all_reduce_fused(g, &partial, epilogue, &mut out, Algorithm::Auto).map(|_| ())
+        }
+        Way::Fused => ops::gemm_all_reduce(g, &x, &b.w[r], epilogue, &mut out, shape).map(|_| ()),
+    }
+}
+
+/// Per-rank graphs of ROUNDS calls (after one eager round: validation and module loading
+/// stay outside the capture).
+fn graphs(groups: &[TpGroup], b: &mut Buffers, way: Way, shape: GemmShape) -> Vec<CudaGraph> {
+    for r in 0..groups.len() {
+        enqueue(groups, b, r, way, shape).unwrap_or_else(|e| panic!("{way:?} rank {r}: {e}"));
+    }
+    check_all(groups, "warm-up");
+    (0..groups.len())
+        .map(|r| {
+            let stream = groups[r].stream();
+            stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .expect("beginning a capture");
+            let mut result = Ok(());
+            for _ in 0..ROUNDS {
+                result = result.and_then(|()| enqueue(groups, b, r, way, shape));
+            }
+            let graph = stream.end_capture(CUgraphInstantiate_flags(0));
+            result.unwrap_or_else(|e| panic!("{way:?} rank {r} during the capture: {e}"));
+            let graph = graph
+                .expect("ending a capture")
+                .expect("the capture recorded work");
+            graph.upload().expect("uploading a graph");
+            graph
+        })
+        .collect()
+}
+
+fn check_all(groups: &[TpGroup], what: &str) {
+    for g in groups {
+        g.check()
+            .unwrap_or_else(|e| panic!("{what}: rank {}: {e}", g.rank()));
+    }
+}
+
+/// GPU time of `iters` launches of every rank's graph (ROUNDS calls each).
+fn time_graphs(streams: &[Arc<CudaStream>], graphs: &[CudaGraph], iters: u64) -> Duration {
+    time_rounds(streams, iters, || {
+        for g in graphs {
+            g.launch().expect("launching a graph");
+        }
+    })
+}
+
+/// The median of SAMPLES event-timed launches, per call.
+fn per_call(streams: &[Arc<CudaStream>], graphs: &[CudaGraph]) -> Duration {
+    let mut times: Vec<Duration> = (0..SAMPLES)
+        .map(|_| time_graphs(streams, graphs, 1) / ROUNDS as u32)
+        .collect();
+    times.sort();
+    times[SAMPLES / 2]
+}
+
+fn bench_groups(c: &mut Criterion, kind: &str, groups: &[TpGroup], summary: &mut Vec<String>) {
+    let world = groups.len();
+    let streams: Vec<Arc<CudaStream>> = groups.iter().map(|g| g.stream().clone()).collect();
+    for (layer, n, k) in LAYERS {
+        let mut b = buffers(groups, n, k);
+        let mut group = c.benchmark_group(format!("gemm_all_reduce_bf16_{kind}_w{world}_{layer}"));
+        for m in MS {
+            let shape = GemmShape { m, n, k };
+            let mut medians = Vec::new();
+            for way in [Way::Gemm, Way::Unfused, Way::Fused] {
+                let gs = graphs(groups, &mut b, way, shape);
+                let name = format!("{way:?}").to_lowercase();
+                group.bench_function(BenchmarkId::new(name, format!("m{m}")), |bench| {
+                    bench.iter_custom(|iters| time_graphs(&streams, &gs, iters))
+                });
+                medians.push(per_call(&streams, &gs));
+                check_all(groups, "timed rounds");
+            }
+            let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64();
+            summary.push(format!(
+                "{kind} W={world} {layer} m={m}: gemm {:?}, unfused {:?}, fused {:?}; fused/gemm {:.3}, fused/unfused {:.3}",
+                medians[0],
+                medians[1],
+                medians[2],
+                ratio(medians[2], medians[0]),
+                ratio(medians[2], medians[1]),
+            ));
+        }
+        group.finish();
+    }
+}
+
+fn main() {
+    if !common::driver_present("gemm_all_reduce") {
+        return;
+    }
+    // Read when the context is created: before the first CUDA call.
+    if std::env::var_os("CUDA_DEVICE_MAX_CONNECTIONS").is_none() {
+        std::env::set_var("CUDA_DEVICE_MAX_CONNECTIONS", "32");
+    }
+    let mut c = Criterion::default()
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2))
+        .sample_size(20)
+        .configure_from_args();
+    let options = GroupOptions {
+        capacity_bytes: 64 << 20,
+        ..GroupOptions::default()
+    };
+    let mut summary = Vec::new();
+    let ctx = tpfuse::device::open(0).unwrap_or_else(|e| panic!("opening GPU 0: {e}"));
+    // SAFETY: every buffer lives on its rank's stream.
+    unsafe { ctx.disable_event_tracking() };
+    match TpGroup::virtual_ranks(&ctx, 2, options.clone()) {
+        Ok(groups) => bench_groups(&mut c, "virtual", &groups, &mut summary),
+        Err(e) => println!("virtual ranks could not be built: {e}"),
+    }
+    let count = tpfuse::device::device_count().unwrap_or(0);
+    for world in [2, 4, 8].into_iter().filter(|&w| w <= count) {
+        let ordinals: Vec<usize> = (0..world).collect();
+        match TpGroup::single_process(&ordinals, options.clone()) {
+            Ok(groups) if groups[0].custom_kernels_refused().is_none() => {
+                bench_groups(&mut c, "gpus", &groups, &mut summary)
+            }
+            Ok(groups) => println!(
+                "GPUs {ordinals:?}: no custom kernels ({}): the fused path cannot run",
+                groups[0].custom_kernels_refused().unwrap_or("?")
+            ),
+            Err(e) => println!("GPUs {ordinals:?}: {e}"),
+        }
+    }
+    c.final_summary();
+    println!("\nmedian per call, {SAMPLES} samples of {ROUNDS}-call graphs:");
+    for line in summary {
+        println!("  {line}");
+    }
+}

@@ -1,0 +1,192 @@
+//! The counters table of docs/fused-gemm.md, from the CPU emulator: the row-parallel o_proj of
+//! Llama-3-70B at TP 8 (n = hidden = 8192, k = 8192 / 8 = 1024), bf16, W = 8 virtual ranks
+//! with 128 SMs each (about an H100's 132), with the residual + RMSNorm epilogue, for m = 1 and 64 (or
+//! the m given as arguments): the GEMM alone, the unfused sequence (GEMM into a workspace,
+//! then the one-shot all-reduce) and the fused kernel.
+//!
+//! ```sh
+//! eval "$(scripts/setup.sh)" && cargo run --features emulator --example gemm_all_reduce_counters [m ...]
+//! ```
+//!
+//! Per rank (the worst one): kernel launches, blocks per launch, cross-rank synchronisation
+//! rounds of the busiest block (barriers; for the fused kernel, tile-flag waits), global bytes
+//! read and written, of which peer bytes. The minimum a rank must move: its weight shard
+//! (n·k), its input (m·k), the other ranks' partials ((W-1)·m·n, one-shot), the residual read
+//! and written and out written (3·m·n). The last column is a model, not a measurement: local
+//! bytes over 3.0 TB/s (HBM copy bandwidth measured on an H100) scaled by the share of the
+//! 132 SMs the launch's blocks occupy (an assumption: an SM streams no more than its share),
+//! plus peer bytes over 450 GB/s (NVLink, one direction), plus 2 µs per synchronisation round
+//! on the critical path, plus 4 µs per extra kernel launch; the fused kernel's tile waits
+//! overlap the next tile's GEMM except the last one, so it is charged one round.
+
+use half::bf16;
+use tpfuse::emulator::counters::{self, LaunchCounters};
+use tpfuse::ops::{self, gemm, gemm_all_reduce, Algorithm, Epilogue, GemmShape, RmsNorm};
+use tpfuse::{GroupOptions, TpGroup};
+
+type T = bf16;
+const WORLD: usize = 8;
+const N: usize = 8192;
+const K: usize = 1024;
+const SIZE: u64 = 2;
+const HBM_BYTES_PER_S: f64 = 3.0e12;
+const LINK_BYTES_PER_S: f64 = 450e9;
+const ROUND_S: f64 = 2e-6;
+const LAUNCH_S: f64 = 4e-6;
+const SMS_PER_RANK: usize = 128;
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Way {
+    GemmAlone,
+    Unfused,
+    Fused,
+}
+
+fn main() -> tpfuse::Result<()> {
+    let ms: Vec<usize> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    let ms = if ms.is_empty() { vec![1, 64] } else { ms };
+    // Every virtual rank gets 128 SMs (the emulator holds 1024 at most; an H100 has 132), so
+    // its persistent grid is about a real TP-8 group's (TpGroup::fused_blocks).
+    let mut config = tpfuse::emulator::config();
+    config.sms = (SMS_PER_RANK * WORLD) as u32;
+    tpfuse::emulator::set_config(&config)?;
+    let ctx = tpfuse::device::open(0)?;
+    let groups = TpGroup::virtual_ranks(&ctx, WORLD, GroupOptions::default())?;
+    println!(
+        "W = {WORLD}, bf16, o_proj n = {N}, k = {K}, residual + RMSNorm, {SMS_PER_RANK} SMs per rank, fused grid bound {}\n",
+        groups[0].fused_blocks()
+    );
+    println!("| m | way | launches/rank | blocks | sync rounds | global bytes/rank (x minimum) | of which peer | model µs |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for m in ms {
+        for way in [Way::GemmAlone, Way::Unfused, Way::Fused] {
+            let launches = run(&groups, m, way)?;
+            row(m, way, &launches);
+        }
+    }
+    Ok(())
+}
+
+/// One round of the layer on every rank, counted; the launches of the round.
+fn run(groups: &[TpGroup], m: usize, way: Way) -> tpfuse::Result<Vec<LaunchCounters>> {
+    let cuda = |e| tpfuse::Error::Cuda {
+        context: "upload",
+        source: e,
+    };
+    let fill = |g: &TpGroup, len: usize, seed: usize| {
+        let host: Vec<T> = (0..len)
+            .map(|i| T::from_f32((((i * 7 + seed * 13) % 29) as f32 - 14.0) / 64.0))
+            .collect();
+        g.stream().clone_htod(&host).map_err(cuda)
+    };
+    let (mut xs, mut ws, mut parts, mut outs, mut residuals, mut gammas) =
+        (vec![], vec![], vec![], vec![], vec![], vec![]);
+    for (r, g) in groups.iter().enumerate() {
+        xs.push(fill(g, m * K, r)?);
+        ws.push(fill(g, N * K, r + 8)?);
+        parts.push(fill(g, m * N, 0)?);
+        outs.push(fill(g, m * N, 0)?);
+        residuals.push(fill(g, m * N, 1)?);
+        gammas.push(fill(g, N, 2)?);
+    }
+    let shape = GemmShape { m, n: N, k: K };
+    let (result, launches) = counters::count(|| -> tpfuse::Result<()> {
+        for r in 0..groups.len() {
+            let g = &groups[r];
+            let epilogue = Epilogue {
+                bias: None,
+                residual: Some(&mut residuals[r]),
+                norm: Some(RmsNorm {
+                    gamma: &gammas[r],
+                    eps: 1e-5,
+                }),
+            };
+            match way {
+                Way::GemmAlone => gemm(
+                    g.stream(),
+                    &xs[r],
+                    &ws[r],
+                    None,
+                    None,
+                    &mut outs[r],
+                    m,
+                    N,
+                    K,
+                )?,
+                Way::Unfused => {
+                    gemm(
+                        g.stream(),
+                        &xs[r],
+                        &ws[r],
+                        None,
+                        None,
+                        &mut parts[r],
+                        m,
+                        N,
+                        K,
+                    )?;
+                    ops::all_reduce_fused(
+                        g,
+                        &parts[r],
+                        epilogue,
+                        &mut outs[r],
+                        Algorithm::OneShot,
+                    )?;
+                }
+                Way::Fused => {
+                    gemm_all_reduce(g, &xs[r], &ws[r], epilogue, &mut outs[r], shape)?;
+                }
+            }
+        }
+        groups.iter().try_for_each(TpGroup::check)
+    });
+    result?;
+    Ok(launches)
+}
+
+fn row(m: usize, way: Way, launches: &[LaunchCounters]) {
+    let (m64, n, k, w) = (m as u64, N as u64, K as u64, WORLD as u64);
+    let mut worst = (0usize, 0usize, 0u64, 0u64, 0u64); // launches, blocks, rounds, global, peer
+    for r in 0..WORLD {
+        let mine: Vec<&LaunchCounters> = launches.iter().filter(|l| l.rank == Some(r)).collect();
+        let global: u64 = mine
+            .iter()
+            .map(|l| l.total().global_read_bytes + l.total().global_write_bytes)
+            .sum();
+        let peer: u64 = mine.iter().map(|l| l.total().peer_read_bytes).sum();
+        let rounds: u64 = mine
+            .iter()
+            .map(|l| l.blocks.iter().map(|b| b.barriers).max().unwrap_or(0))
+            .sum();
+        let blocks = mine.iter().map(|l| l.blocks.len()).max().unwrap_or(0);
+        worst = (
+            worst.0.max(mine.len()),
+            worst.1.max(blocks),
+            worst.2.max(rounds),
+            worst.3.max(global),
+            worst.4.max(peer),
+        );
+    }
+    let (count, blocks, rounds, global, peer) = worst;
+    let minimum = match way {
+        Way::GemmAlone => (n * k + m64 * k + m64 * n) * SIZE,
+        _ => (n * k + m64 * k + (w - 1) * m64 * n + 3 * m64 * n) * SIZE,
+    };
+    let critical_rounds = match way {
+        Way::Fused => rounds.min(1),
+        _ => rounds,
+    };
+    let share = (blocks as f64 / 132.0).min(1.0);
+    let model_us = ((global - peer) as f64 / (HBM_BYTES_PER_S * share)
+        + peer as f64 / LINK_BYTES_PER_S
+        + critical_rounds as f64 * ROUND_S
+        + (count.saturating_sub(1)) as f64 * LAUNCH_S)
+        * 1e6;
+    println!(
+        "| {m} | {way:?} | {count} | {blocks} | {rounds} | {global} ({:.3}x) | {peer} | {model_us:.1} |",
+        global as f64 / minimum as f64,
+    );
+}
