@@ -61,7 +61,9 @@ struct Pad {
     return base + TPFUSE_SIGNAL_DESCRIPTORS_OFFSET / 4 + block * TPFUSE_MAX_RANKS + src;
   }
   // The fused GEMM + all-reduce's words (gemm_all_reduce.cu).
-  __device__ uint32_t *fused_epoch() const { return base + TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET / 4; }
+  __device__ uint64_t *fused_epoch() const {
+    return reinterpret_cast<uint64_t *>(reinterpret_cast<char *>(base) + TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET);
+  }
   __device__ uint32_t *fused_done() const { return base + TPFUSE_SIGNAL_FUSED_DONE_OFFSET / 4; }
   __device__ uint32_t *strip_count(int strip) const {
     return base + TPFUSE_SIGNAL_STRIP_COUNTS_OFFSET / 4 + strip;

@@ -8,12 +8,12 @@
 //
 //   produce t_i   gemm_tile computes this rank's partial x·wᵀ of the tile and stores it,
 //                 rounded to T (as tpfuse_gemm rounds it), into this rank's exchange area;
-//                 __syncthreads; thread p (p < W) stores the tile's flag, epoch << 32 |
-//                 descriptor, into tile_flags[t_i][rank] of rank p's pad with st.release.sys
+//                 __syncthreads; thread p (p < W) stores the tile's flag (the launch's epoch
+//                 and descriptor) into tile_flags[t_i][rank] of rank p's pad with st.release.sys
 //                 (everything the block stored before the __syncthreads is visible, at system
 //                 scope, to whoever acquires that flag: the pattern of barrier.cuh);
 //   consume t_i-1 thread q (q < W) waits until tile_flags[t_i-1][q] of this rank's pad holds
-//                 this launch's epoch or a later one (ld.relaxed.sys spin, then one
+//                 this launch's epoch or the next one (ld.relaxed.sys spin, then one
 //                 ld.acquire.sys), __syncthreads, then the block adds the W ranks' partials
 //                 of the tile in rank order in f32 and applies the epilogue (reduce.cuh:
 //                 the one-shot all-reduce's arithmetic, so its bits).
@@ -28,16 +28,22 @@
 // host keeps within what the device holds at once (for virtual ranks, divided among the
 // ranks that share it). Within a rank no block ever waits for another.
 //
-// Epochs. fused_epoch (this rank's pad) counts this rank's fused launches; every block reads
-// it when it starts and uses E = fused_epoch + 1. The block that ends last (fused_done, an
-// atom.acq_rel counter: every block adds 1 once it is done, after it read the epoch) stores
-// E and sets the counter back to 0. Every rank makes the same fused launches, so every rank
-// uses the same E. Flags only grow: nothing is reset, and a replayed CUDA graph works.
-// A flag whose epoch is E carries the producer's descriptor (kind, sizes, configuration,
-// grid, epilogue), compared with the consumer's own: ranks that launched different
-// things get TPFUSE_ERROR_PEER_MISMATCH instead of each other's tiles. A flag past E means
-// the producer already finished launch E (which needed our flags, checked against its
-// descriptor), so it is accepted as is.
+// Epochs. fused_epoch (this rank's pad, 64 bits) counts this rank's fused launches; every
+// block reads it when it starts and uses E = fused_epoch + 1. The block that ends last
+// (fused_done, an atom.acq_rel counter: every block adds 1 once it is done, after it read the
+// epoch) stores E and sets the counter back to 0. A rank's fused launches run one after the
+// other (one stream, or the edges of a graph; no programmatic dependent launch), and every
+// rank makes the same fused launches, so every rank uses the same E. Nothing is reset, and a
+// replayed CUDA graph works.
+// A flag is E's low 40 bits << 24 | the descriptor's low 24 bits (kind, sizes, configuration,
+// grid, epilogue, eps). A producer is at most one launch ahead of a consumer (to start E+2 it
+// must have seen the consumer's flags of E+1), so a consumer in launch E accepts exactly the
+// epochs E and E+1 (mod 2^40): a flag of any older launch, however old (a tile index unused
+// for a long time keeps its flag), is not ready. A flag of E with another descriptor is
+// TPFUSE_ERROR_PEER_MISMATCH (the ranks launched different things) instead of wrong data. A
+// flag of E+1 means the producer finished launch E, which needed our flags of E, checked
+// against its descriptor (a mismatch would have poisoned it before it made E+1 flags): it is
+// accepted as is. 2^40 launches, at 10^4 a second, are three years.
 //
 // Exchange areas. Launch E writes the half (E & 1) of the result half of this rank's
 // symmetric buffer (offset capacity + (E & 1) * capacity / 2). When a rank starts launch E+2,
@@ -46,7 +52,8 @@
 // area included. No closing barrier is needed. The other custom kernels stage in the staging
 // half and write their result half only after their first barrier (when every peer is in
 // that launch, hence done with this one), and end with a closing barrier, so they and this
-// kernel never overlap on an area either.
+// kernel never overlap on an area either. (Both rest on the sticky error word: after a
+// failure no launch of the group produces anything.)
 //
 // RMSNorm. It needs whole rows, and a tile covers part of a row. After a block reduced a tile
 // of row strip s (the tile's BM rows), thread 0 adds 1 to strip_counts[s] (atom.acq_rel.gpu:
@@ -56,13 +63,16 @@
 // the standalone kernel's order, so the bits do not depend on which block does it) and sets
 // the count back to 0.
 //
-// Failures. A wait ends at the launch's deadline (barrier.cuh, Deadline) or when the rank's
+// Failures. A wait ends at the launch's deadline (barrier.cuh, Deadline: from the block's
+// start, so it covers the block's whole share of the GEMM too) or when the rank's
 // error word is set; a missing rank is TPFUSE_ERROR_PEER_TIMEOUT | peer, reported to every
 // rank. A block that fails, or finds the group poisoned when it starts, stops producing and
 // consuming. The block that ends last reads the error word: when it is set, it marks every
 // element of out and residual failed (failure.cuh) and copies the word to the host, after
 // every block of the rank has ended (the done counter orders their stores before), so no
 // partial result survives.
+
+#include <cstring>
 
 #include "barrier.cuh"
 #include "gemm_sm80.cuh"
@@ -88,6 +98,11 @@ template <typename T> struct StagingEpilogue {
   }
 };
 
+// A tile flag: the epoch's low 40 bits, then the descriptor's low 24 bits.
+constexpr int kDescriptorBits = 24;
+constexpr uint64_t kDescriptorMask = (uint64_t{1} << kDescriptorBits) - 1;
+constexpr uint64_t kEpochMask = (uint64_t{1} << (64 - kDescriptorBits)) - 1;
+
 // What every block of a launch shares.
 template <typename T> struct Launch {
   const tpfuse_peers &peers;
@@ -96,12 +111,12 @@ template <typename T> struct Launch {
   T *residual, *out;
   float eps;
   int m, n, k, tiles_m, tiles_n;
-  uint32_t descriptor;
+  uint64_t descriptor; // the launch descriptor's low kDescriptorBits
 };
 
 // The block's state, in shared memory: one decision for all its threads.
 struct BlockState {
-  uint32_t epoch;  // E
+  uint64_t epoch;  // E
   int failed;      // nonzero once the block gave up (or the group was poisoned at its start)
   int last;        // scratch for "this block was the last" decisions
 };
@@ -114,10 +129,10 @@ __device__ __forceinline__ bool wait_for_tile(const Launch<T> &L, const Deadline
   const int q = threadIdx.x;
   if (q < L.g.world) {
     const uint64_t *flag = own.tile_flag(tile, q);
-    const uint32_t epoch = st.epoch;
     bool arrived = true;
-    // The flag's epoch half, wrap-safe: at or past E.
-    const auto ready = [&](uint64_t v) { return static_cast<int32_t>(static_cast<uint32_t>(v >> 32) - epoch) >= 0; };
+    // The flag's launch, relative to this one: 0 (this launch), 1 (the next), else older.
+    const auto ahead = [&](uint64_t v) { return ((v >> kDescriptorBits) - st.epoch) & kEpochMask; };
+    const auto ready = [&](uint64_t v) { return ahead(v) <= 1; };
     for (uint32_t spins = 0; !ready(ld_relaxed_sys(flag)); ++spins) {
       if ((spins & 1023u) != 1023u) continue;
       if (ld_relaxed_sys(own.error()) != 0 || deadline.expired()) {
@@ -127,7 +142,7 @@ __device__ __forceinline__ bool wait_for_tile(const Launch<T> &L, const Deadline
     }
     if (arrived) {
       const uint64_t v = ld_acquire_sys(flag); // the acquire: orders the tile's loads below
-      if (static_cast<uint32_t>(v >> 32) == epoch && static_cast<uint32_t>(v) != L.descriptor) {
+      if (ahead(v) == 0 && (v & kDescriptorMask) != L.descriptor) {
         report_failure(L.peers, L.g,
                        TPFUSE_ERROR_PEER_MISMATCH | static_cast<uint32_t>(q) | static_cast<uint32_t>(L.g.rank) << 16);
         atomicAdd(&st.failed, 1);
@@ -191,7 +206,7 @@ __device__ __forceinline__ bool consume(const Launch<T> &L, const Deadline &dead
 template <typename T, typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const __grid_constant__ tpfuse_peers peers,
                                                                           const __grid_constant__ tpfuse_group_args g,
-                                                                          uint32_t descriptor, const T *x, const T *w,
+                                                                          uint64_t descriptor, const T *x, const T *w,
                                                                           const T *bias, T *residual, const T *gamma,
                                                                           float eps, T *out, int m, int n, int k,
                                                                           int tiles_m, int tiles_n) {
@@ -202,16 +217,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
   const Deadline deadline(g);
   if (threadIdx.x == 0) {
     // fused_epoch changes only when every block of this launch has read it (see above).
-    st.epoch = *own.fused_epoch() + 1u;
+    st.epoch = *own.fused_epoch() + 1;
     st.failed = ld_relaxed_sys(own.error()) != 0 ? 1 : 0;
   }
   __syncthreads();
-  const uint32_t epoch = st.epoch;
+  const uint64_t epoch = st.epoch;
   const size_t exchange_bytes = g.capacity + (epoch & 1u) * (g.capacity / 2);
   T *mine = reinterpret_cast<T *>(static_cast<char *>(peers.data[g.rank]) + exchange_bytes);
   const StagingEpilogue<T> staging{mine, n};
   const size_t exchange = exchange_bytes / sizeof(T);
-  const uint64_t flag_value = static_cast<uint64_t>(epoch) << 32 | descriptor;
+  const uint64_t flag_value = (epoch & kEpochMask) << kDescriptorBits | descriptor;
 
   const int tiles = tiles_m * tiles_n;
   int previous = -1;
@@ -258,12 +273,19 @@ int launch_config(const tpfuse_peers &peers, const tpfuse_group_args &g, int con
   if (tiles_m * tiles_n > TPFUSE_MAX_FUSED_TILES) return cudaErrorInvalidValue;
   const int grid = static_cast<int>(tiles_m * tiles_n < blocks ? tiles_m * tiles_n : blocks);
   auto kernel = gemm_all_reduce_kernel<T, Cfg>;
-  const cudaError_t err = gemm::allow_dynamic_smem(kernel, Cfg::kSmemBytes);
+  // Always opted in (not only past 48 KiB, as gemm.cu does): the kernel's static shared
+  // memory (BlockState, the RMSNorm's warp sums) counts with the dynamic size toward the
+  // default 48 KiB, and two configurations take exactly 48 KiB of dynamic shared memory.
+  const cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (err != cudaSuccess) return err;
-  const uint32_t descriptor = launch_descriptor(
-      {kKindGemmAllReduce, sizeof(T), static_cast<uint64_t>(m), static_cast<uint64_t>(n), static_cast<uint64_t>(k),
-       static_cast<uint64_t>(config), static_cast<uint64_t>(grid), bias != nullptr, residual != nullptr,
-       gamma != nullptr});
+  uint32_t eps_bits;
+  std::memcpy(&eps_bits, &eps, sizeof eps_bits);
+  const uint64_t descriptor =
+      launch_descriptor({kKindGemmAllReduce, sizeof(T), static_cast<uint64_t>(m), static_cast<uint64_t>(n),
+                         static_cast<uint64_t>(k), static_cast<uint64_t>(config), static_cast<uint64_t>(grid),
+                         bias != nullptr, residual != nullptr, gamma != nullptr, eps_bits}) &
+      kDescriptorMask;
   TPFUSE_LAUNCH(kernel, grid, Cfg::kThreads, Cfg::kSmemBytes, stream)(
       peers, g, descriptor, x, w, bias, residual, gamma, eps, out, m, n, k, static_cast<int>(tiles_m),
       static_cast<int>(tiles_n));
@@ -313,7 +335,8 @@ extern "C" int tpfuse_gemm_all_reduce(tpfuse_dtype dtype, int32_t config, const 
   if (m == 0 || n == 0 || k == 0 || n % 8 != 0 || k % 8 != 0 || m > kMaxDim || n > kMaxDim || k > kMaxDim)
     return cudaErrorInvalidValue;
   if (x == nullptr || w == nullptr || out == nullptr) return cudaErrorInvalidValue;
-  if (m * n * dtype_size(dtype) > group->capacity / 2) return cudaErrorInvalidValue;
+  // The two exchange areas: halves of the result half, each 16-byte aligned.
+  if (group->capacity % 32 != 0 || m * n * dtype_size(dtype) > group->capacity / 2) return cudaErrorInvalidValue;
   for (const void *p : {x, w, bias, gamma, static_cast<const void *>(residual), static_cast<const void *>(out)})
     if (!is_aligned16(p)) return cudaErrorMisalignedAddress;
   cudaStream_t s = static_cast<cudaStream_t>(stream);

@@ -76,13 +76,14 @@ int32_t tpfuse_cudart_version(void);
  *                                                         (a hash of the kernel, its sizes
  *                                                         and its grid), compared at the
  *                                                         first barrier of every launch
- *       uint32 fused_epoch, fused_done                    the fused GEMM + all-reduce's launch
+ *       uint64 fused_epoch; uint32 fused_done             the fused GEMM + all-reduce's launch
  *                                                         epoch and its blocks' end count
  *       (padding to 256 bytes)
  *       uint32 strip_counts[TPFUSE_MAX_FUSED_TILES]       tiles of a row strip reduced (RMSNorm)
  *       uint64 tile_flags[TPFUSE_MAX_FUSED_TILES][TPFUSE_MAX_RANKS]  tile_flags[t][src]: rank
  *                                                         src's partial of tile t is ready:
- *                                                         epoch << 32 | descriptor
+ *                                                         epoch (40 bits) << 24 | descriptor
+ *                                                         (24 bits)
  *   (gemm_all_reduce.cu explains the fused words)
  * The kernels never reset flags: every barrier waits for a larger value (epochs), so the
  * same launch can be replayed from a CUDA graph.
@@ -104,7 +105,7 @@ int32_t tpfuse_cudart_version(void);
 #define TPFUSE_SIGNAL_GRID_GENERATION_OFFSET (TPFUSE_SIGNAL_ERROR_OFFSET + 8)
 #define TPFUSE_SIGNAL_DESCRIPTORS_OFFSET (TPFUSE_SIGNAL_ERROR_OFFSET + 256)
 #define TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET (TPFUSE_SIGNAL_DESCRIPTORS_OFFSET + 4 * TPFUSE_MAX_BLOCKS * TPFUSE_MAX_RANKS)
-#define TPFUSE_SIGNAL_FUSED_DONE_OFFSET (TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET + 4)
+#define TPFUSE_SIGNAL_FUSED_DONE_OFFSET (TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET + 8)
 #define TPFUSE_SIGNAL_STRIP_COUNTS_OFFSET (TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET + 256)
 #define TPFUSE_SIGNAL_TILE_FLAGS_OFFSET (TPFUSE_SIGNAL_STRIP_COUNTS_OFFSET + 4 * TPFUSE_MAX_FUSED_TILES)
 #define TPFUSE_SIGNAL_PAD_BYTES (TPFUSE_SIGNAL_TILE_FLAGS_OFFSET + 8 * TPFUSE_MAX_FUSED_TILES * TPFUSE_MAX_RANKS)
@@ -113,8 +114,9 @@ int32_t tpfuse_cudart_version(void);
  * (q << 16): ranks p and q launched different kernels, sizes, epilogues or grids (q noticed).
  * GRID_TIMEOUT | r: the blocks of rank r's launch did not all meet before the deadline (they
  * were not all resident at once). The pad's error word is sticky: nothing clears it, and the
- * barriers' epochs, descriptors and grid count are only consistent while it is 0 (a launch
- * that fails leaves them as they are); a group whose word is set is rebuilt, never reset. */
+ * barriers' epochs, descriptors, grid count, the fused kernel's epoch, end count and strip
+ * counts are only consistent while it is 0 (a launch that fails leaves them as they are); a
+ * group whose word is set is rebuilt, never reset. */
 #define TPFUSE_ERROR_PEER_TIMEOUT 0x100
 #define TPFUSE_ERROR_PEER_MISMATCH 0x200
 #define TPFUSE_ERROR_GRID_TIMEOUT 0x400

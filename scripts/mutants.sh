@@ -265,7 +265,9 @@ mutant norm-before-row-complete emu_gemm_all_reduce "the first block to reduce a
 mutant fused-failure-unmarked emu_gemm_all_reduce "the fused kernel's last block leaves a failed launch's outputs" \
   gemm_all_reduce.cu 'if (st.last && st.failed) {' 'if (false) {'
 mutant fused-no-descriptor-check emu_gemm_all_reduce "the fused kernel accepts a tile flag of another launch's shape" \
-  gemm_all_reduce.cu 'static_cast<uint32_t>(v) != L.descriptor' 'false'
+  gemm_all_reduce.cu '(v & kDescriptorMask) != L.descriptor' 'false'
+mutant epoch-window-half-range emu_gemm_all_reduce "the fused kernel takes any flag in the half range after this launch as ready" \
+  gemm_all_reduce.cu 'return ahead(v) <= 1;' 'return ahead(v) < (kEpochMask >> 1);'
 # Right results, wasted work: only the counters see these.
 mutant double-peer-read emu_counters "the reduction loads every peer's vector twice" \
   reduce.cuh 'x[p] = load16_peer(static_cast<const T *>(peers.data[p]) + offset + i);' \

@@ -406,6 +406,59 @@ fn launches_in_a_row_each_get_their_own_inputs() {
     }
 }
 
+/// Every rank's launch counter set to `start` and every tile flag set to a launch long past
+/// (`stale` launches before the next one), in the pads' layout (tpfuse.h).
+fn age_pads(ranks: &mut Ranks, start: u64, stale: u64) {
+    let epoch_word = abi::TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET as usize / 4;
+    let flags_word = abi::TPFUSE_SIGNAL_TILE_FLAGS_OFFSET as usize / 4;
+    let flags = (abi::TPFUSE_MAX_FUSED_TILES * abi::TPFUSE_MAX_RANKS) as usize;
+    let old_epoch = (start + 1).wrapping_sub(stale) & ((1 << 40) - 1);
+    let flag = old_epoch << 24 | 0x00ab_cdef;
+    for pad in ranks.signals.iter_mut() {
+        let mut words = pad.to_vec();
+        words[epoch_word] = start as u32;
+        words[epoch_word + 1] = (start >> 32) as u32;
+        for f in 0..flags {
+            words[flags_word + 2 * f] = flag as u32;
+            words[flags_word + 2 * f + 1] = (flag >> 32) as u32;
+        }
+        pad.copy_from(&words);
+    }
+}
+
+/// Launch counters past 32 bits, and tile flags left by a launch 2^39 + 7 launches ago (a tile
+/// index unused that long): such a flag is not ready (a window of "at or after this launch"
+/// would take it for this launch's and read the peer's tile before it is there).
+#[test]
+fn a_flag_of_a_long_past_launch_is_not_ready() {
+    let _s = session(
+        "emu_gemm_all_reduce",
+        "a_flag_of_a_long_past_launch_is_not_ready",
+    );
+    let world = 3;
+    let mut ranks = Ranks::with_capacity(world, 2, LONG_TIMEOUT_NS, CAPACITY);
+    age_pads(&mut ranks, (1 << 33) + 5, (1 << 39) + 7);
+    let seed = base_seed(0xf05e_0006);
+    for step in 0..3 {
+        let p = problem::<bf16>(world, (16, 136, 40), ALL, mix_seed(seed, &[step]));
+        let (fused, fused_res) = run(&ranks, &p, Path::Fused);
+        let (unfused, unfused_res) = run(&ranks, &p, Path::Unfused);
+        for r in 0..world {
+            let at = format!("step {step} rank {r}");
+            assert_same_bits(
+                &format!("{at}: out"),
+                &fused[r].out.to_vec(),
+                &unfused[r].out.to_vec(),
+            );
+            assert_same_bits(
+                &format!("{at}: residual"),
+                fused_res[r].as_ref().expect("residual"),
+                unfused_res[r].as_ref().expect("residual"),
+            );
+        }
+    }
+}
+
 /// A rank that never launches: every survivor times out within its deadline, names the
 /// missing rank, publishes the error word and marks out and residual failed.
 #[test]

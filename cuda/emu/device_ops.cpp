@@ -76,6 +76,25 @@ void *block_shared_bytes(const void *tag, size_t bytes, size_t align) {
       const uintptr_t raw = reinterpret_cast<uintptr_t>(entry.second.get());
       return reinterpret_cast<void *>((raw + align - 1) / align * align);
     }
+  // A kernel's static shared memory counts toward the block's limit with its dynamic shared
+  // memory: 48 KiB in all unless the kernel opted in to more dynamic shared memory
+  // (cudaFuncAttributeMaxDynamicSharedMemorySize, whose default is 48 KiB less the static
+  // size). A GPU refuses such a launch; here it fails when the block declares the static.
+  b.static_bytes += bytes;
+  if (b.dynamic_smem.size() + b.static_bytes > kSmemPerBlockDefault) {
+    Device &dev = device();
+    bool opted_in;
+    {
+      std::lock_guard<std::mutex> lk(dev.mu);
+      opted_in = dev.max_dynamic_smem.count(b.launch->func) != 0;
+    }
+    if (!opted_in) {
+      fail_launch(cudaErrorInvalidValue,
+                  std::to_string(b.dynamic_smem.size()) + " B of dynamic and " + std::to_string(b.static_bytes) +
+                      " B of static shared memory exceed 48 KiB without the kernel's opt-in "
+                      "(cudaFuncAttributeMaxDynamicSharedMemorySize)");
+    }
+  }
   std::unique_ptr<unsigned char[]> storage(new unsigned char[bytes + align]);
   std::memset(storage.get(), 0xFF, bytes + align);
   const uintptr_t raw = reinterpret_cast<uintptr_t>(storage.get());

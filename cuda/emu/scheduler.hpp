@@ -88,6 +88,7 @@ struct Block {
   std::vector<Warp> warps;
   std::vector<unsigned char> dynamic_smem;
   std::vector<std::pair<const void *, std::unique_ptr<unsigned char[]>>> statics;
+  size_t static_bytes = 0;  // the statics' sizes: with the dynamic size, within the limit
   bool gone = false;  // finished or failed; its SM resources are free
 };
 
