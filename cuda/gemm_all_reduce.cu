@@ -1,6 +1,8 @@
 // gemm_all_reduce.cu: the row-parallel layer's GEMM, its all-reduce and its epilogue (+ bias,
-// + residual written back, RMSNorm) in one launch per rank (tpfuse.h, tpfuse_gemm_all_reduce).
-// docs/fused-gemm.md explains the design and its numbers; this is the protocol.
+// + residual written back, RMSNorm) in one launch per rank (tpfuse.h, tpfuse_gemm_all_reduce);
+// and GEMM + reduce-scatter, the same kernel where each rank reduces only its slice of the
+// rows (tpfuse_gemm_reduce_scatter). docs/fused-gemm.md explains the design and its numbers;
+// this is the protocol.
 //
 // Work. The output [m, n] is cut into the GEMM configuration's tiles, numbered in
 // tile_of_block's order. Every rank runs a persistent grid of G blocks (G = min(tiles,
@@ -20,6 +22,8 @@
 //
 // and consumes its last tile at the end. So a tile's reduction starts as soon as the
 // corresponding blocks of every rank have produced it, while they compute their next tile.
+// The reduce-scatter consumes only the tiles that hold rows of the rank's slice, and only
+// those rows (it waits for nothing else).
 //
 // No deadlock: block b waits only for block b of the other ranks, for a tile that block
 // produces before it waits for anything (t_i is published before t_i-1 is awaited, and
@@ -48,8 +52,9 @@
 // Exchange areas. Launch E writes the half (E & 1) of the result half of this rank's
 // symmetric buffer (offset capacity + (E & 1) * capacity / 2). When a rank starts launch E+2,
 // which rewrites that area, it has finished launch E+1, so it has seen every peer's flags of
-// launch E+1 for every tile, so every peer had finished launch E (stream order), reads of the
-// area included. No closing barrier is needed. The other custom kernels stage in the staging
+// launch E+1 (for every tile; the reduce-scatter for the tiles of its rows, at least one,
+// from every peer), so every peer had finished launch E (stream order), reads of the area
+// included. No closing barrier is needed. The other custom kernels stage in the staging
 // half and write their result half only after their first barrier (when every peer is in
 // that launch, hence done with this one), and end with a closing barrier, so they and this
 // kernel never overlap on an area either. (Both rest on the sticky error word: after a
@@ -84,6 +89,11 @@ namespace {
 using gemm::gemm_tile;
 using gemm::tile_of_block;
 
+// Rows [first, end).
+struct Range2 {
+  int first, end;
+};
+
 // The GEMM's epilogue here: the tile's partial, rounded once to T (GemmEpilogue without bias
 // or residual: the same bits as the unfused GEMM's output), into the exchange area.
 template <typename T> struct StagingEpilogue {
@@ -111,6 +121,9 @@ template <typename T> struct Launch {
   T *residual, *out;
   float eps;
   int m, n, k, tiles_m, tiles_n;
+  // The rows this rank reduces into out (row row_begin is out's first): all of them for the
+  // all-reduce, the rank's slice for the reduce-scatter.
+  int row_begin, row_end;
   uint64_t descriptor; // the launch descriptor's low kDescriptorBits
 };
 
@@ -158,21 +171,29 @@ __device__ __forceinline__ bool wait_for_tile(const Launch<T> &L, const Deadline
   return passed;
 }
 
-// out (and residual) of tile (tm, tn): the W ranks' partials in the exchange areas (element
-// offset `exchange`), added in rank order, through the epilogue, in 16-byte vectors. One code
-// path for every world (reduce_vector's predicated form): an instantiation per world, inlined
-// side by side, pushed the kernel past 255 registers into spills.
+// The rows of tile row tm that this rank reduces: [first, end), empty when none.
+template <typename T, int BM> __device__ __forceinline__ Range2 rows_to_reduce(const Launch<T> &L, int tm) {
+  return Range2{max(tm * BM, L.row_begin), min(min((tm + 1) * BM, L.m), L.row_end)};
+}
+
+// out (and residual) of this rank's rows of tile (tm, tn): the W ranks' partials in the
+// exchange areas (element offset `exchange`, laid out [m, n]), added in rank order, through
+// the epilogue, in 16-byte vectors. One code path for every world (reduce_vector's predicated
+// form): an instantiation per world, inlined side by side, pushed the kernel past 255
+// registers into spills.
 template <typename T, int BM, int BN>
 __device__ __forceinline__ void reduce_tile(const Launch<T> &L, size_t exchange, int tm, int tn) {
   constexpr int kVec = Vec16<T>::kLen;
-  const int m0 = tm * BM, n0 = tn * BN;
-  const int rows = min(BM, L.m - m0);
+  const Range2 rows = rows_to_reduce<T, BM>(L, tm);
+  const int n0 = tn * BN;
   const int runs = min(BN, L.n - n0) / kVec; // n and n0 are multiples of 8 = kVec
   const Epilogue<T> epi{L.bias, L.residual, static_cast<size_t>(L.n)};
+  // Element i of out (and of the residual) is element i + row_begin·n of the exchange areas.
+  const size_t shifted = exchange + static_cast<size_t>(L.row_begin) * L.n;
 #pragma unroll 1 // one vector's loads in flight per thread: the registers stay few
-  for (int u = threadIdx.x; u < rows * runs; u += blockDim.x) {
-    const size_t i = static_cast<size_t>(m0 + u / runs) * L.n + n0 + (u % runs) * kVec;
-    store16(L.out + i, reduce_vector<T, TPFUSE_MAX_RANKS>(L.peers, L.g.world, exchange, i, epi));
+  for (int u = threadIdx.x; u < (rows.end - rows.first) * runs; u += blockDim.x) {
+    const size_t i = static_cast<size_t>(rows.first - L.row_begin + u / runs) * L.n + n0 + (u % runs) * kVec;
+    store16(L.out + i, reduce_vector<T, TPFUSE_MAX_RANKS>(L.peers, L.g.world, shifted, i, epi));
   }
 }
 
@@ -181,9 +202,11 @@ __device__ __forceinline__ void reduce_tile(const Launch<T> &L, size_t exchange,
 template <typename T, typename Cfg>
 __device__ __forceinline__ bool consume(const Launch<T> &L, const Deadline &deadline, BlockState &st,
                                         size_t exchange, int tile) {
-  if (!wait_for_tile(L, deadline, st, tile)) return false;
   int tm, tn;
   tile_of_block(tile, L.tiles_m, L.tiles_n, tm, tn);
+  const Range2 rows = rows_to_reduce<T, Cfg::kBlockM>(L, tm);
+  if (rows.first >= rows.end) return true; // another rank's rows (reduce-scatter): no wait
+  if (!wait_for_tile(L, deadline, st, tile)) return false;
   reduce_tile<T, Cfg::kBlockM, Cfg::kBlockN>(L, exchange, tm, tn);
   if (L.gamma == nullptr) return true;
   __syncthreads(); // the tile's stores, before thread 0's release
@@ -209,10 +232,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
                                                                           uint64_t descriptor, const T *x, const T *w,
                                                                           const T *bias, T *residual, const T *gamma,
                                                                           float eps, T *out, int m, int n, int k,
-                                                                          int tiles_m, int tiles_n) {
+                                                                          int tiles_m, int tiles_n, int row_begin,
+                                                                          int row_end) {
   TPFUSE_DYNAMIC_SHARED(smem);
   TPFUSE_SHARED(BlockState, st);
-  const Launch<T> L{peers, g, x, w, bias, gamma, residual, out, eps, m, n, k, tiles_m, tiles_n, descriptor};
+  const Launch<T> L{peers,   g,       x,       w,         bias,      gamma,   residual, out,       eps,
+                    m,       n,       k,       tiles_m,   tiles_n,   row_begin, row_end, descriptor};
   const Pad own{peers.signals[g.rank]};
   const Deadline deadline(g);
   if (threadIdx.x == 0) {
@@ -256,18 +281,26 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
   }
   __syncthreads();
   if (st.last && st.failed) {
-    const size_t len = static_cast<size_t>(m) * n;
+    const size_t len = static_cast<size_t>(row_end - row_begin) * n;
     mark_failed(out, 0, len);
     mark_failed(residual, 0, len);
   }
 }
 
+// The kinds of launch a descriptor tells apart (all_reduce.cu's are 1..9).
 constexpr uint64_t kKindGemmAllReduce = 16;
+constexpr uint64_t kKindGemmReduceScatter = 17;
+
+// What a launch reduces: all of out (all-reduce), or this rank's slice of m / world rows.
+struct Reduction {
+  uint64_t kind;
+  bool scatter;
+};
 
 template <typename T, typename Cfg>
-int launch_config(const tpfuse_peers &peers, const tpfuse_group_args &g, int config, int blocks, const T *x,
-                  const T *w, const T *bias, T *residual, const T *gamma, float eps, T *out, int m, int n, int k,
-                  cudaStream_t stream) {
+int launch_config(Reduction reduction, const tpfuse_peers &peers, const tpfuse_group_args &g, int config,
+                  int blocks, const T *x, const T *w, const T *bias, T *residual, const T *gamma, float eps, T *out,
+                  int m, int n, int k, cudaStream_t stream) {
   const long long tiles_m = (m + Cfg::kBlockM - 1) / Cfg::kBlockM;
   const long long tiles_n = (n + Cfg::kBlockN - 1) / Cfg::kBlockN;
   if (tiles_m * tiles_n > TPFUSE_MAX_FUSED_TILES) return cudaErrorInvalidValue;
@@ -282,18 +315,21 @@ int launch_config(const tpfuse_peers &peers, const tpfuse_group_args &g, int con
   uint32_t eps_bits;
   std::memcpy(&eps_bits, &eps, sizeof eps_bits);
   const uint64_t descriptor =
-      launch_descriptor({kKindGemmAllReduce, sizeof(T), static_cast<uint64_t>(m), static_cast<uint64_t>(n),
+      launch_descriptor({reduction.kind, sizeof(T), static_cast<uint64_t>(m), static_cast<uint64_t>(n),
                          static_cast<uint64_t>(k), static_cast<uint64_t>(config), static_cast<uint64_t>(grid),
                          bias != nullptr, residual != nullptr, gamma != nullptr, eps_bits}) &
       kDescriptorMask;
+  const int slice = m / g.world;
+  const int row_begin = reduction.scatter ? g.rank * slice : 0;
+  const int row_end = reduction.scatter ? row_begin + slice : m;
   TPFUSE_LAUNCH(kernel, grid, Cfg::kThreads, Cfg::kSmemBytes, stream)(
       peers, g, descriptor, x, w, bias, residual, gamma, eps, out, m, n, k, static_cast<int>(tiles_m),
-      static_cast<int>(tiles_n));
+      static_cast<int>(tiles_n), row_begin, row_end);
   return cudaGetLastError();
 }
 
 template <typename T>
-int launch(int config, const tpfuse_peers &peers, const tpfuse_group_args &g, int blocks, const void *x,
+int launch(Reduction reduction, int config, const tpfuse_peers &peers, const tpfuse_group_args &g, int blocks, const void *x,
            const void *w, const void *bias, void *residual, const void *gamma, float eps, void *out, int m, int n,
            int k, cudaStream_t s) {
   const T *tx = static_cast<const T *>(x);
@@ -305,35 +341,33 @@ int launch(int config, const tpfuse_peers &peers, const tpfuse_group_args &g, in
   using namespace gemm;
   switch (config) {
   case TPFUSE_GEMM_CONFIG_SMALL_16X16:
-    return launch_config<T, SmallM16x16>(peers, g, config, blocks, tx, tw, tb, tr, tg, eps, to, m, n, k, s);
+    return launch_config<T, SmallM16x16>(reduction, peers, g, config, blocks, tx, tw, tb, tr, tg, eps, to, m, n, k, s);
   case TPFUSE_GEMM_CONFIG_SMALL_16X32:
-    return launch_config<T, SmallM16x32>(peers, g, config, blocks, tx, tw, tb, tr, tg, eps, to, m, n, k, s);
+    return launch_config<T, SmallM16x32>(reduction, peers, g, config, blocks, tx, tw, tb, tr, tg, eps, to, m, n, k, s);
   case TPFUSE_GEMM_CONFIG_SMALL_16X64:
-    return launch_config<T, SmallM16x64>(peers, g, config, blocks, tx, tw, tb, tr, tg, eps, to, m, n, k, s);
+    return launch_config<T, SmallM16x64>(reduction, peers, g, config, blocks, tx, tw, tb, tr, tg, eps, to, m, n, k, s);
   case TPFUSE_GEMM_CONFIG_TILE_64X64:
-    return launch_config<T, Tile64x64>(peers, g, config, blocks, tx, tw, tb, tr, tg, eps, to, m, n, k, s);
+    return launch_config<T, Tile64x64>(reduction, peers, g, config, blocks, tx, tw, tb, tr, tg, eps, to, m, n, k, s);
   case TPFUSE_GEMM_CONFIG_TILE_128X128:
-    return launch_config<T, Tile128x128>(peers, g, config, blocks, tx, tw, tb, tr, tg, eps, to, m, n, k, s);
+    return launch_config<T, Tile128x128>(reduction, peers, g, config, blocks, tx, tw, tb, tr, tg, eps, to, m, n, k, s);
   default: return cudaErrorInvalidValue;
   }
 }
 
 constexpr size_t kMaxDim = size_t{1} << 30;
 
-} // namespace
-} // namespace tpfuse
-
-extern "C" int tpfuse_gemm_all_reduce(tpfuse_dtype dtype, int32_t config, const tpfuse_peers *peers,
-                                      const tpfuse_group_args *group, int32_t blocks, const void *x, const void *w,
-                                      const void *bias, void *residual, const void *gamma, float eps, void *out,
-                                      size_t m, size_t n, size_t k, void *stream) {
-  using namespace tpfuse;
+// The checks both entry points share, then the launch.
+int checked_launch(Reduction reduction, tpfuse_dtype dtype, int32_t config, const tpfuse_peers *peers,
+                   const tpfuse_group_args *group, int32_t blocks, const void *x, const void *w, const void *bias,
+                   void *residual, const void *gamma, float eps, void *out, size_t m, size_t n, size_t k,
+                   void *stream) {
   if (peers == nullptr || group == nullptr || group->world < 2 || group->world > TPFUSE_MAX_RANKS ||
       group->rank < 0 || group->rank >= group->world || blocks < 1) {
     return cudaErrorInvalidValue;
   }
   if (m == 0 || n == 0 || k == 0 || n % 8 != 0 || k % 8 != 0 || m > kMaxDim || n > kMaxDim || k > kMaxDim)
     return cudaErrorInvalidValue;
+  if (reduction.scatter && m % static_cast<size_t>(group->world) != 0) return cudaErrorInvalidValue;
   if (x == nullptr || w == nullptr || out == nullptr) return cudaErrorInvalidValue;
   // The two exchange areas: halves of the result half, each 16-byte aligned.
   if (group->capacity % 32 != 0 || m * n * dtype_size(dtype) > group->capacity / 2) return cudaErrorInvalidValue;
@@ -343,10 +377,31 @@ extern "C" int tpfuse_gemm_all_reduce(tpfuse_dtype dtype, int32_t config, const 
   const int im = static_cast<int>(m), in = static_cast<int>(n), ik = static_cast<int>(k);
   switch (dtype) {
   case TPFUSE_DTYPE_F16:
-    return launch<__half>(config, *peers, *group, blocks, x, w, bias, residual, gamma, eps, out, im, in, ik, s);
+    return launch<__half>(reduction, config, *peers, *group, blocks, x, w, bias, residual, gamma, eps, out, im, in,
+                          ik, s);
   case TPFUSE_DTYPE_BF16:
-    return launch<__nv_bfloat16>(config, *peers, *group, blocks, x, w, bias, residual, gamma, eps, out, im, in, ik,
-                                 s);
+    return launch<__nv_bfloat16>(reduction, config, *peers, *group, blocks, x, w, bias, residual, gamma, eps, out,
+                                 im, in, ik, s);
   default: return cudaErrorInvalidValue;
   }
+}
+
+} // namespace
+} // namespace tpfuse
+
+extern "C" int tpfuse_gemm_all_reduce(tpfuse_dtype dtype, int32_t config, const tpfuse_peers *peers,
+                                      const tpfuse_group_args *group, int32_t blocks, const void *x, const void *w,
+                                      const void *bias, void *residual, const void *gamma, float eps, void *out,
+                                      size_t m, size_t n, size_t k, void *stream) {
+  using namespace tpfuse;
+  return checked_launch(Reduction{kKindGemmAllReduce, false}, dtype, config, peers, group, blocks, x, w, bias,
+                        residual, gamma, eps, out, m, n, k, stream);
+}
+
+extern "C" int tpfuse_gemm_reduce_scatter(tpfuse_dtype dtype, int32_t config, const tpfuse_peers *peers,
+                                          const tpfuse_group_args *group, int32_t blocks, const void *x,
+                                          const void *w, void *out, size_t m, size_t n, size_t k, void *stream) {
+  using namespace tpfuse;
+  return checked_launch(Reduction{kKindGemmReduceScatter, true}, dtype, config, peers, group, blocks, x, w, nullptr,
+                        nullptr, nullptr, 0.f, out, m, n, k, stream);
 }

@@ -282,6 +282,17 @@ int tpfuse_gemm_all_reduce(tpfuse_dtype dtype, int32_t config, const tpfuse_peer
                            const void *bias, void *residual, const void *gamma, float eps, void *out,
                            size_t m, size_t n, size_t k, void *stream);
 
+/*
+ * GEMM + reduce-scatter (sequence parallelism), the same kernel: every rank computes its
+ * partial p = x * w^T of all m rows, and rank r gets rows r*m/W .. (r+1)*m/W of the sum:
+ * out [m / world, n] = (sum over ranks of p, rank order, f32, rounded once)[rank's rows], the
+ * bits of tpfuse_gemm followed by tpfuse_reduce_scatter. m a multiple of world; the other
+ * arguments and the failure semantics as tpfuse_gemm_all_reduce (no epilogue).
+ */
+int tpfuse_gemm_reduce_scatter(tpfuse_dtype dtype, int32_t config, const tpfuse_peers *peers,
+                               const tpfuse_group_args *group, int32_t blocks, const void *x, const void *w,
+                               void *out, size_t m, size_t n, size_t k, void *stream);
+
 #ifdef __cplusplus
 }
 #endif

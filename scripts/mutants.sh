@@ -268,6 +268,8 @@ mutant fused-no-descriptor-check emu_gemm_all_reduce "the fused kernel accepts a
   gemm_all_reduce.cu '(v & kDescriptorMask) != L.descriptor' 'false'
 mutant epoch-window-half-range emu_gemm_all_reduce "the fused kernel takes any flag in the half range after this launch as ready" \
   gemm_all_reduce.cu 'return ahead(v) <= 1;' 'return ahead(v) < (kEpochMask >> 1);'
+mutant scatter-rank-0-rows emu_gemm_all_reduce "GEMM + reduce-scatter gives every rank rank 0's rows" \
+  gemm_all_reduce.cu 'const int row_begin = reduction.scatter ? g.rank * slice : 0;' 'const int row_begin = 0;'
 # Right results, wasted work: only the counters see these.
 mutant double-peer-read emu_counters "the reduction loads every peer's vector twice" \
   reduce.cuh 'x[p] = load16_peer(static_cast<const T *>(peers.data[p]) + offset + i);' \

@@ -349,6 +349,121 @@ fn fused_equals_gemm_then_all_reduce_f16() {
     every_case::<f16>(base_seed(0xf05e_0002));
 }
 
+/// GEMM + reduce-scatter on every rank against tpfuse_gemm then tpfuse_reduce_scatter: rank r's
+/// slice of m / W rows, bitwise, and against f64.
+fn reduce_scatter_case<T: TestElement>(world: usize, blocks: i32, shape: Shape, seed: u64) {
+    let (m, n, k) = shape;
+    let label = format!(
+        "reduce-scatter {} W={world} blocks={blocks} (m, n, k)={shape:?} seed={seed:#x}",
+        T::NAME
+    );
+    let p = problem::<T>(world, shape, NONE, seed);
+    let ranks = Ranks::with_capacity(world, blocks, LONG_TIMEOUT_NS, CAPACITY);
+    let rows = m / world;
+    let mut kept = Vec::new();
+    let mut results = Vec::new();
+    for fused in [true, false] {
+        let outs: Vec<DeviceBuffer<T>> = (0..world).map(|_| poisoned::<T>(rows * n)).collect();
+        for r in 0..world {
+            let x = DeviceBuffer::from_slice(&p.x[r]);
+            let w = DeviceBuffer::from_slice(&p.w[r]);
+            let partial = poisoned::<T>(m * n);
+            let (peers, args, stream) = (ranks.peers(), ranks.args(r), ranks.stream(r));
+            // SAFETY: every buffer holds what the shapes need and is kept until the synchronize.
+            let code = unsafe {
+                if fused {
+                    abi::tpfuse_gemm_reduce_scatter(
+                        T::DTYPE,
+                        auto_config(m, n, k),
+                        &peers,
+                        &args,
+                        blocks,
+                        x.ptr().cast(),
+                        w.ptr().cast(),
+                        outs[r].ptr().cast(),
+                        m,
+                        n,
+                        k,
+                        stream,
+                    )
+                } else {
+                    let code = abi::tpfuse_gemm(
+                        T::DTYPE,
+                        abi::TPFUSE_GEMM_CONFIG_AUTO,
+                        x.ptr().cast(),
+                        w.ptr().cast(),
+                        std::ptr::null(),
+                        std::ptr::null(),
+                        partial.ptr().cast(),
+                        m,
+                        n,
+                        k,
+                        stream,
+                    );
+                    launched(&format!("{label}: gemm rank {r}"), code);
+                    abi::tpfuse_reduce_scatter(
+                        T::DTYPE,
+                        &peers,
+                        &args,
+                        partial.ptr().cast(),
+                        outs[r].ptr().cast(),
+                        rows * n,
+                        stream,
+                    )
+                }
+            };
+            launched(&format!("{label}: rank {r}"), code);
+            kept.push((x, w, partial));
+        }
+        ranks.synchronize();
+        for r in 0..world {
+            assert_eq!(ranks.error_word(r), 0, "{label}: rank {r} failed");
+        }
+        results.push(outs.iter().map(DeviceBuffer::to_vec).collect::<Vec<_>>());
+    }
+    let partials: Vec<Vec<T>> = kept[world..].iter().map(|(_, _, p)| p.to_vec()).collect();
+    let refs: Vec<&[T]> = partials.iter().map(Vec::as_slice).collect();
+    let (sum, _) = all_reduce_fused_f64(&refs, None, None, None, 0.0, n);
+    for r in 0..world {
+        let at = format!("{label} rank {r}");
+        assert_same_bits(
+            &format!("{at}: fused vs unfused"),
+            &results[0][r],
+            &results[1][r],
+        );
+        assert_close(
+            &format!("{at}: vs f64"),
+            &results[0][r],
+            &sum[r * rows * n..(r + 1) * rows * n],
+            T::TOLERANCE,
+        );
+    }
+}
+
+/// (world, blocks, shape): slices of 1, 3, 16, 65 rows (tiles of 16 and 64 rows cut across
+/// slices), tails of n and k.
+const REDUCE_SCATTER_CASES: [(usize, i32, Shape); 6] = [
+    (2, 2, (2, 136, 40)),
+    (3, 1, (9, 72, 72)),
+    (4, 2, (64, 72, 40)),
+    (8, 2, (24, 264, 24)),
+    (2, 3, (130, 136, 40)),
+    (4, 1, (68, 72, 56)),
+];
+
+#[test]
+fn gemm_reduce_scatter_equals_gemm_then_reduce_scatter() {
+    let _s = session(
+        "emu_gemm_all_reduce",
+        "gemm_reduce_scatter_equals_gemm_then_reduce_scatter",
+    );
+    let seed = base_seed(0xf05e_0007);
+    for (i, &(world, blocks, shape)) in REDUCE_SCATTER_CASES.iter().enumerate() {
+        reduce_scatter_case::<bf16>(world, blocks, shape, mix_seed(seed, &[i as u64, 1]));
+        reduce_scatter_case::<f16>(world, blocks, shape, mix_seed(seed, &[i as u64, 2]));
+    }
+}
+
 /// Launches in a row on every stream, all in flight before one synchronize, each with fresh
 /// inputs and the residual carried from one to the next (a decode loop): every launch's
 /// epoch and exchange area must be its own.

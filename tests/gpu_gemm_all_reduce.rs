@@ -9,6 +9,8 @@
 //! - A CUDA graph of the fused op replayed 100 times (the residual carried from replay to
 //!   replay) ends with the bits of 100 eager unfused calls.
 //! - Bad calls are typed errors naming the argument, before anything runs.
+//! - GEMM + reduce-scatter ([`tpfuse::ops::gemm_reduce_scatter`]) is bit for bit [`gemm`] then
+//!   [`tpfuse::ops::reduce_scatter`], every rank's slice.
 //!
 //! Fresh random inputs per case (seeded from `TPFUSE_TEST_SEED`), outputs poisoned first.
 
@@ -28,7 +30,9 @@ use cudarc::driver::{CudaSlice, DevicePtrMut};
 use half::{bf16, f16};
 use tpfuse::ops::gemm::GemmElement;
 use tpfuse::ops::linear::{Fusion, RowParallelLinear, RowParallelPath};
-use tpfuse::ops::{self, gemm, gemm_all_reduce, Algorithm, Epilogue, GemmShape, RmsNorm};
+use tpfuse::ops::{
+    self, gemm, gemm_all_reduce, gemm_reduce_scatter, Algorithm, Epilogue, GemmShape, RmsNorm,
+};
 use tpfuse::reference::{gemm_f64, rms_norm_f64};
 use tpfuse::shard::{HostWeight, RowParallelSpec};
 use tpfuse::{GroupOptions, NcclType, TpGroup};
@@ -190,6 +194,70 @@ gpu_tests! {
     a_graph_of_the_fused_op_replays_100_times => graph_replays();
     /// Bad calls: typed errors naming the argument, nothing launched.
     bad_calls_are_refused_before_anything_runs => bad_calls();
+    /// GEMM + reduce-scatter against the GEMM then the reduce-scatter, every rank's slice.
+    fused_reduce_scatter_equals_gemm_then_reduce_scatter => reduce_scatter_shapes();
+}
+
+fn reduce_scatter_shapes() {
+    type T = bf16;
+    let gpu = gpu();
+    let o_proj = (shape(8192, 1024), shape(1024, 128));
+    for (world, m) in [(2, 2), (4, 64), (8, 16)] {
+        let (n, k) = o_proj;
+        let seed = case_seed::<T>(&[200, world as u64, m as u64]);
+        let label = format!("reduce-scatter W={world} m={m} n={n} k={k} seed={seed:#x}");
+        let groups = virtual_group(&gpu.ctx, world, GroupOptions::default());
+        let c = case::<T>(world, (m, n, k), seed);
+        let xs = upload_ranks(&groups, &c.x);
+        let ws = upload_ranks(&groups, &c.w);
+        let rows = m / world;
+        let mut fused: Vec<CudaSlice<T>> = poisoned_ranks(&groups, rows * n);
+        let mut unfused: Vec<CudaSlice<T>> = poisoned_ranks(&groups, rows * n);
+        let mut partials: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * n);
+        let shape = GemmShape { m, n, k };
+        round(&groups, &format!("{label} fused"), |r| {
+            gemm_reduce_scatter(&groups[r], &xs[r], &ws[r], &mut fused[r], shape)
+        });
+        round(&groups, &format!("{label} unfused"), |r| {
+            gemm(
+                groups[r].stream(),
+                &xs[r],
+                &ws[r],
+                None,
+                None,
+                &mut partials[r],
+                m,
+                n,
+                k,
+            )?;
+            ops::reduce_scatter(&groups[r], &partials[r], &mut unfused[r])
+        });
+        let mut sum = vec![0f64; m * n];
+        for r in 0..world {
+            let y = gemm_f64(&c.x[r], &c.w[r], None, None, m, n, k);
+            sum.iter_mut().zip(y).for_each(|(s, y)| *s += y);
+        }
+        for r in 0..world {
+            let got = download(&groups[r], &fused[r]);
+            let want = download(&groups[r], &unfused[r]);
+            assert_same_bits(&format!("{label} rank {r}: fused vs unfused"), &got, &want);
+            let slice = &sum[r * rows * n..(r + 1) * rows * n];
+            assert_close(
+                &format!("{label} rank {r}: vs f64"),
+                &got,
+                slice,
+                <T as gpu::TestElement>::TOLERANCE,
+            );
+        }
+    }
+    // m must split into equal slices: an error naming m, before anything runs.
+    let groups = virtual_group(&gpu.ctx, 2, GroupOptions::default());
+    let (n, k) = (64, 32);
+    let x = poisoned::<T>(&groups[0], 3 * k);
+    let w = poisoned::<T>(&groups[0], n * k);
+    let mut out = poisoned::<T>(&groups[0], n);
+    let odd = gemm_reduce_scatter(&groups[0], &x, &w, &mut out, GemmShape { m: 3, n, k });
+    expect_invalid_saying("odd m", odd, "m", &["3 rows", "2 equal slices"]);
 }
 
 fn graph_replays() {

@@ -1,5 +1,7 @@
 //! The row-parallel layer's GEMM, all-reduce and epilogue as one kernel launch per rank
-//! (`cuda/gemm_all_reduce.cu`; design and numbers in `docs/fused-gemm.md`).
+//! ([`gemm_all_reduce`]), and GEMM + reduce-scatter for sequence parallelism
+//! ([`gemm_reduce_scatter`]), from `cuda/gemm_all_reduce.cu`; design and numbers in
+//! `docs/fused-gemm.md`.
 //!
 //! `out = epilogue(Σ_r x_r · W_rᵀ)` on every rank of a [`TpGroup`], where rank `r` passes its
 //! `x_r` `[m, k]` and `W_r` `[n, k]`: each rank's partial product is rounded to `T` (as
@@ -307,5 +309,132 @@ pub fn gemm_all_reduce<T: GemmElement + NcclType>(
         )
     };
     launched("tpfuse_gemm_all_reduce", code)?;
+    Ok(plan)
+}
+
+/// The checks of [`gemm_reduce_scatter`], on buffer descriptions (no GPU needed): `m` a
+/// multiple of the world size, `x` `[m, k]`, `weight` `[n, k]`, `out` `[m / W, n]` on the
+/// device, 16-byte aligned, `out` disjoint from `x` and `weight`, then [`unfusable`].
+pub fn plan_reduce_scatter<T: GemmElement>(
+    x: &BufferInfo,
+    weight: &BufferInfo,
+    out: &BufferInfo,
+    shape: GemmShape,
+    facts: &FusedFacts,
+) -> Result<FusedPlan> {
+    let world = facts.world.max(1);
+    if shape.m % world != 0 {
+        return Err(Error::invalid(
+            "m",
+            format!(
+                "m = {} rows do not split into {world} equal slices (one per rank)",
+                shape.m
+            ),
+        ));
+    }
+    // x and the weight as the GEMM sees them; `c` stands for the [m, n] partial (lengths only).
+    let partial = BufferInfo::new(0, shape.m * shape.n, out.device);
+    let lengths = GemmBuffers {
+        a: *x,
+        b: *weight,
+        bias: None,
+        residual: None,
+        c: partial,
+    };
+    check_gemm_shapes(&lengths, shape, facts.device).map_err(renamed)?;
+    out.check_device("out", facts.device)?;
+    let rows = shape.m / world;
+    if out.len != rows * shape.n {
+        return Err(Error::invalid(
+            "out",
+            format!(
+                "holds {} elements but this rank's slice [m / world, n] = [{rows}, {}] needs {}",
+                out.len,
+                shape.n,
+                rows * shape.n
+            ),
+        ));
+    }
+    if shape.m == 0 {
+        return Ok(FusedPlan {
+            config: GemmConfig::SmallM16x16,
+            tiles: 0,
+            grid: 0,
+        });
+    }
+    for (name, b) in [("x", x), ("weight", weight), ("out", out)] {
+        b.check_aligned16(name)?;
+    }
+    check_disjoint::<T>("x", x, "out", out)?;
+    check_disjoint::<T>("weight", weight, "out", out)?;
+    if let Some(reason) = unfusable::<T>(shape, facts) {
+        return Err(Error::invalid("out", reason));
+    }
+    let config = select_config(shape, facts.compute_capability, facts.sms)
+        .ok_or_else(|| Error::invalid("out", "no GEMM path on this device"))?;
+    let tiles = tiles_of(config, shape);
+    Ok(FusedPlan {
+        config,
+        tiles,
+        grid: tiles.min(facts.blocks.max(1)),
+    })
+}
+
+/// GEMM + reduce-scatter (Megatron sequence parallelism), one kernel launch on the group's
+/// stream: rank `r` gets `out` `[m / W, n]` = rows `r·m/W .. (r+1)·m/W` of `Σ_q x_q · W_qᵀ`
+/// (each rank's partial rounded to `T`, the partials added in rank order in f32, rounded
+/// once): the bits of [`gemm`](crate::ops::gemm()) into a workspace followed by
+/// [`reduce_scatter`](crate::ops::reduce_scatter) of it. Shapes: `x` `[m, k]`, `weight`
+/// `[n, k]`; `m` a multiple of the world size; `n`, `k` positive multiples of 8; the partial
+/// `[m, n]` must fit in half the group's capacity. A collective: every rank calls it with the
+/// same shapes. Errors, before anything is launched: [`Error::InvalidArgument`] naming `m`,
+/// `x`, `weight` or `out`; a poisoned group's error; a group without symmetric memory.
+pub fn gemm_reduce_scatter<T: GemmElement + NcclType>(
+    group: &TpGroup,
+    x: &impl DevicePtr<T>,
+    weight: &impl DevicePtr<T>,
+    out: &mut impl DevicePtrMut<T>,
+    shape: GemmShape,
+) -> Result<FusedPlan> {
+    let facts = facts_of(group)?;
+    let stream = group.stream();
+    let mut xi = BufferInfo::new(0, x.len(), owner(x));
+    let mut wi = BufferInfo::new(0, weight.len(), owner(weight));
+    let mut oi = BufferInfo::new(0, out.len(), owner(&*out));
+    // Lengths and devices first, before any pointer is taken.
+    for (name, b) in [("x", &xi), ("weight", &wi), ("out", &oi)] {
+        b.check_device(name, facts.device)?;
+    }
+    if shape.m == 0 {
+        return plan_reduce_scatter::<T>(&xi, &wi, &oi, shape, &facts);
+    }
+    let (x_ptr, _x) = x.device_ptr(stream);
+    let (w_ptr, _w) = weight.device_ptr(stream);
+    let (out_ptr, _out) = out.device_ptr_mut(stream);
+    (xi.addr, wi.addr, oi.addr) = (x_ptr, w_ptr, out_ptr);
+    let plan = plan_reduce_scatter::<T>(&xi, &wi, &oi, shape, &facts)?;
+    let (peers, args) = group.kernel_args()?;
+    bind(stream)?;
+    // SAFETY: `plan_reduce_scatter` checked every length against m, n, k and the world, the
+    // devices, the alignment, the capacity and tile count, and that out overlaps no input;
+    // the symmetric workspace lives as long as `group`; the guards keep cudarc's stream
+    // ordering until the kernel is enqueued.
+    let code = unsafe {
+        kernels::tpfuse_gemm_reduce_scatter(
+            T::DTYPE,
+            plan.config.abi(),
+            &peers,
+            &args,
+            i32::try_from(plan.grid).unwrap_or(i32::MAX),
+            x_ptr as *const c_void,
+            w_ptr as *const c_void,
+            out_ptr as *mut c_void,
+            shape.m,
+            shape.n,
+            shape.k,
+            stream.cu_stream() as *mut c_void,
+        )
+    };
+    launched("tpfuse_gemm_reduce_scatter", code)?;
     Ok(plan)
 }
