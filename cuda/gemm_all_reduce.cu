@@ -32,33 +32,10 @@
 // host keeps within what the device holds at once (for virtual ranks, divided among the
 // ranks that share it). Within a rank no block ever waits for another.
 //
-// Epochs. fused_epoch (this rank's pad, 64 bits) counts this rank's fused launches; every
-// block reads it when it starts and uses E = fused_epoch + 1. The block that ends last
-// (fused_done, an atom.acq_rel counter: every block adds 1 once it is done, after it read the
-// epoch) stores E and sets the counter back to 0. A rank's fused launches run one after the
-// other (one stream, or the edges of a graph; no programmatic dependent launch), and every
-// rank makes the same fused launches, so every rank uses the same E. Nothing is reset, and a
-// replayed CUDA graph works.
-// A flag is E's low 40 bits << 24 | the descriptor's low 24 bits (kind, sizes, configuration,
-// grid, epilogue, eps). A producer is at most one launch ahead of a consumer (to start E+2 it
-// must have seen the consumer's flags of E+1), so a consumer in launch E accepts exactly the
-// epochs E and E+1 (mod 2^40): a flag of any older launch, however old (a tile index unused
-// for a long time keeps its flag), is not ready. A flag of E with another descriptor is
-// TPFUSE_ERROR_PEER_MISMATCH (the ranks launched different things) instead of wrong data. A
-// flag of E+1 means the producer finished launch E, which needed our flags of E, checked
-// against its descriptor (a mismatch would have poisoned it before it made E+1 flags): it is
-// accepted as is. 2^40 launches, at 10^4 a second, are three years.
-//
-// Exchange areas. Launch E writes the half (E & 1) of the result half of this rank's
-// symmetric buffer (offset capacity + (E & 1) * capacity / 2). When a rank starts launch E+2,
-// which rewrites that area, it has finished launch E+1, so it has seen every peer's flags of
-// launch E+1 (for every tile; the reduce-scatter for the tiles of its rows, at least one,
-// from every peer), so every peer had finished launch E (stream order), reads of the area
-// included. No closing barrier is needed. The other custom kernels stage in the staging
-// half and write their result half only after their first barrier (when every peer is in
-// that launch, hence done with this one), and end with a closing barrier, so they and this
-// kernel never overlap on an area either. (Both rest on the sticky error word: after a
-// failure no launch of the group produces anything.)
+// Epochs, the flags' encoding and why a launch needs no closing barrier (two exchange areas,
+// by the epoch's parity): fused_flags.cuh. Here every rank consumes tiles of every peer in
+// every launch (the reduce-scatter: the tiles of its rows, at least one, from every peer), as
+// that argument needs.
 //
 // RMSNorm. It needs whole rows, and a tile covers part of a row. After a block reduced a tile
 // of row strip s (the tile's BM rows), thread 0 adds 1 to strip_counts[s] (atom.acq_rel.gpu:
@@ -68,24 +45,19 @@
 // the standalone kernel's order, so the bits do not depend on which block does it) and sets
 // the count back to 0.
 //
-// Failures. A wait ends at the launch's deadline (barrier.cuh, Deadline: from the block's
-// start, so it covers the block's whole share of the GEMM too) or when the rank's
-// error word is set; a missing rank is TPFUSE_ERROR_PEER_TIMEOUT | peer, reported to every
-// rank. A block that fails, or finds the group poisoned when it starts, stops producing and
-// consuming. The block that ends last reads the error word: when it is set, it marks every
-// element of out and residual failed (failure.cuh) and copies the word to the host, after
-// every block of the rank has ended (the done counter orders their stores before), so no
-// partial result survives.
+// Failures: fused_flags.cuh. The last block marks out and residual (this rank's slice of out,
+// for the reduce-scatter).
 
 #include <cstring>
 
-#include "barrier.cuh"
+#include "fused_flags.cuh"
 #include "gemm_sm80.cuh"
 #include "reduce.cuh"
 
 namespace tpfuse {
 namespace {
 
+using gemm::DenseRows;
 using gemm::gemm_tile;
 using gemm::tile_of_block;
 
@@ -108,11 +80,6 @@ template <typename T> struct StagingEpilogue {
   }
 };
 
-// A tile flag: the epoch's low 40 bits, then the descriptor's low 24 bits.
-constexpr int kDescriptorBits = 24;
-constexpr uint64_t kDescriptorMask = (uint64_t{1} << kDescriptorBits) - 1;
-constexpr uint64_t kEpochMask = (uint64_t{1} << (64 - kDescriptorBits)) - 1;
-
 // What every block of a launch shares.
 template <typename T> struct Launch {
   const tpfuse_peers &peers;
@@ -127,48 +94,14 @@ template <typename T> struct Launch {
   uint64_t descriptor; // the launch descriptor's low kDescriptorBits
 };
 
-// The block's state, in shared memory: one decision for all its threads.
-struct BlockState {
-  uint64_t epoch;  // E
-  int failed;      // nonzero once the block gave up (or the group was poisoned at its start)
-  int last;        // scratch for "this block was the last" decisions
-};
+using fused::BlockState;
 
 // Thread q (< world) waits for tile t's flag from rank q; false when the block gave up.
 template <typename T>
 __device__ __forceinline__ bool wait_for_tile(const Launch<T> &L, const Deadline &deadline, BlockState &st,
                                               int tile) {
-  const Pad own{L.peers.signals[L.g.rank]};
-  const int q = threadIdx.x;
-  if (q < L.g.world) {
-    const uint64_t *flag = own.tile_flag(tile, q);
-    bool arrived = true;
-    // The flag's launch, relative to this one: 0 (this launch), 1 (the next), else older.
-    const auto ahead = [&](uint64_t v) { return ((v >> kDescriptorBits) - st.epoch) & kEpochMask; };
-    const auto ready = [&](uint64_t v) { return ahead(v) <= 1; };
-    for (uint32_t spins = 0; !ready(ld_relaxed_sys(flag)); ++spins) {
-      if ((spins & 1023u) != 1023u) continue;
-      if (ld_relaxed_sys(own.error()) != 0 || deadline.expired()) {
-        arrived = false;
-        break;
-      }
-    }
-    if (arrived) {
-      const uint64_t v = ld_acquire_sys(flag); // the acquire: orders the tile's loads below
-      if (ahead(v) == 0 && (v & kDescriptorMask) != L.descriptor) {
-        report_failure(L.peers, L.g,
-                       TPFUSE_ERROR_PEER_MISMATCH | static_cast<uint32_t>(q) | static_cast<uint32_t>(L.g.rank) << 16);
-        atomicAdd(&st.failed, 1);
-      }
-    } else {
-      if (ld_relaxed_sys(own.error()) == 0) report_failure(L.peers, L.g, TPFUSE_ERROR_PEER_TIMEOUT | static_cast<uint32_t>(q));
-      atomicAdd(&st.failed, 1);
-    }
-  }
-  __syncthreads();
-  const bool passed = st.failed == 0;
-  if (passed && threadIdx.x == 0) note_barrier_passed(); // the counters' synchronisation rounds
-  return passed;
+  if (static_cast<int>(threadIdx.x) < L.g.world) fused::await(L.peers, L.g, deadline, st, tile, threadIdx.x, L.descriptor);
+  return fused::passed(st);
 }
 
 // The rows of tile row tm that this rank reduces: [first, end), empty when none.
@@ -238,20 +171,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
   TPFUSE_SHARED(BlockState, st);
   const Launch<T> L{peers,   g,       x,       w,         bias,      gamma,   residual, out,       eps,
                     m,       n,       k,       tiles_m,   tiles_n,   row_begin, row_end, descriptor};
-  const Pad own{peers.signals[g.rank]};
   const Deadline deadline(g);
-  if (threadIdx.x == 0) {
-    // fused_epoch changes only when every block of this launch has read it (see above).
-    st.epoch = *own.fused_epoch() + 1;
-    st.failed = ld_relaxed_sys(own.error()) != 0 ? 1 : 0;
-  }
-  __syncthreads();
-  const uint64_t epoch = st.epoch;
-  const size_t exchange_bytes = g.capacity + (epoch & 1u) * (g.capacity / 2);
+  fused::begin(Pad{peers.signals[g.rank]}, st);
+  const size_t exchange_bytes = fused::exchange_offset(g, st.epoch);
   T *mine = reinterpret_cast<T *>(static_cast<char *>(peers.data[g.rank]) + exchange_bytes);
   const StagingEpilogue<T> staging{mine, n};
   const size_t exchange = exchange_bytes / sizeof(T);
-  const uint64_t flag_value = (epoch & kEpochMask) << kDescriptorBits | descriptor;
+  const uint64_t flag_value = fused::flag_of(st.epoch, descriptor);
 
   const int tiles = tiles_m * tiles_n;
   int previous = -1;
@@ -259,28 +185,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
   for (int tile = blockIdx.x; tile < tiles && st.failed == 0; tile += gridDim.x) {
     int tm, tn;
     tile_of_block(tile, tiles_m, tiles_n, tm, tn);
-    gemm_tile<T, Cfg>(x, w, m, n, k, tm, tn, staging, smem);
+    gemm_tile<T, Cfg>(DenseRows<T>{x, k}, w, m, n, k, tm, tn, staging, smem);
     __syncthreads(); // the tile's stores (and the epilogue's reads of smem), before the flags
-    if (threadIdx.x < g.world) st_release_sys(Pad{peers.signals[threadIdx.x]}.tile_flag(tile, g.rank), flag_value);
+    fused::publish(peers, g, tile, flag_value);
     if (previous >= 0 && !consume<T, Cfg>(L, deadline, st, exchange, previous)) break;
     previous = tile;
   }
   if (previous >= 0 && st.failed == 0) consume<T, Cfg>(L, deadline, st, exchange, previous);
 
-  // The end: the last block to get here advances the epoch and, when the launch failed on
-  // this rank or anywhere, marks every output failed.
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    st.last = atomic_add_acq_rel_gpu(own.fused_done(), 1u) + 1u == gridDim.x;
-    if (st.last) {
-      *own.fused_done() = 0;
-      *own.fused_epoch() = epoch;
-      st.failed = ld_relaxed_sys(own.error()) != 0 ? 1 : 0;
-      if (st.failed) publish_error_to_host(peers, g);
-    }
-  }
-  __syncthreads();
-  if (st.last && st.failed) {
+  if (fused::end(peers, g, st)) {
     const size_t len = static_cast<size_t>(row_end - row_begin) * n;
     mark_failed(out, 0, len);
     mark_failed(residual, 0, len);
@@ -318,7 +231,7 @@ int launch_config(Reduction reduction, const tpfuse_peers &peers, const tpfuse_g
       launch_descriptor({reduction.kind, sizeof(T), static_cast<uint64_t>(m), static_cast<uint64_t>(n),
                          static_cast<uint64_t>(k), static_cast<uint64_t>(config), static_cast<uint64_t>(grid),
                          bias != nullptr, residual != nullptr, gamma != nullptr, eps_bits}) &
-      kDescriptorMask;
+      fused::kDescriptorMask;
   const int slice = m / g.world;
   const int row_begin = reduction.scatter ? g.rank * slice : 0;
   const int row_end = reduction.scatter ? row_begin + slice : m;

@@ -145,14 +145,23 @@ __device__ __forceinline__ void tile_of_block(int block, int tiles_m, int tiles_
   tile_n = within / rows;
 }
 
-// One BM x BN tile of C = A · B^T, (tile_m, tile_n), through `epi`, by the whole block, with
+// One BM x BN tile of C = A · B^T, (tile_m, tile_n), through `epi`, by the whole block (A's rows
+// from `a`, an ARows such as DenseRows), with
 // `smem` (Cfg::kSmemBytes of dynamic shared memory). The block must not touch `smem` while a
 // call runs; the call's last accesses to it are the epilogue's reads, so a block that runs
 // another tile afterwards passes a __syncthreads first (the first thing a call does is write
 // `smem`). m, n, k < 2^30; n and k multiples of 8; every pointer 16-byte aligned.
-template <typename T, typename Cfg, typename Epi>
-__device__ __forceinline__ void gemm_tile(const T *__restrict__ a, const T *__restrict__ b, int m, int n, int k,
-                                          int tile_m, int tile_n, const Epi &epi, unsigned char *smem) {
+// Where the rows of A live: one [m, k] row-major matrix. (all_gather_gemm.cu gathers its A
+// from the ranks' exchange areas with another ARows: row(r) is all gemm_tile asks of it.)
+template <typename T> struct DenseRows {
+  const T *a;
+  int k;
+  __device__ __forceinline__ const T *row(int r) const { return a + static_cast<size_t>(r) * static_cast<size_t>(k); }
+};
+
+template <typename T, typename Cfg, typename ARows, typename Epi>
+__device__ __forceinline__ void gemm_tile(const ARows &a, const T *__restrict__ b, int m, int n, int k, int tile_m,
+                                          int tile_n, const Epi &epi, unsigned char *smem) {
   constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, BK = Cfg::kBlockK, STAGES = Cfg::kStages;
   constexpr int MT = Cfg::kMTiles, NT = Cfg::kNTiles;
   const int m0 = tile_m * BM;
@@ -175,7 +184,7 @@ __device__ __forceinline__ void gemm_tile(const T *__restrict__ a, const T *__re
   for (int i = 0; i < Cfg::kALoads; ++i) {
     const int r = row0 + i * Cfg::kRowsPerPass;
     a_live[i] = m0 + r < m;
-    a_src[i] = a + (a_live[i] ? static_cast<size_t>(m0 + r) * k + chunk * 8 : 0);
+    a_src[i] = a_live[i] ? a.row(m0 + r) + chunk * 8 : a.row(0);
     a_dst[i] = r * Cfg::kRowBytes + ((chunk ^ swizzle_term<Cfg::kChunks>(r)) << 4);
   }
   const T *b_src[Cfg::kBLoads];
@@ -347,7 +356,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   TPFUSE_DYNAMIC_SHARED(smem);
   int tile_m, tile_n;
   tile_of_block(blockIdx.x, tiles_m, tiles_n, tile_m, tile_n);
-  gemm_tile<T, Cfg>(a, b, m, n, k, tile_m, tile_n, epi, smem);
+  gemm_tile<T, Cfg>(DenseRows<T>{a, k}, b, m, n, k, tile_m, tile_n, epi, smem);
 }
 
 } // namespace gemm

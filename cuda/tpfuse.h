@@ -293,6 +293,18 @@ int tpfuse_gemm_reduce_scatter(tpfuse_dtype dtype, int32_t config, const tpfuse_
                                const tpfuse_group_args *group, int32_t blocks, const void *x, const void *w,
                                void *out, size_t m, size_t n, size_t k, void *stream);
 
+/*
+ * All-gather + GEMM (sequence parallelism): rank r holds x [m / world, k], rows
+ * r*m/W .. (r+1)*m/W of the input; out [m, n] = all_gather(x) * w^T (+ bias [n]), the bits of
+ * tpfuse_all_gather followed by tpfuse_gemm (same rows, same tiles and epilogue). The GEMM
+ * starts on the local rows while the peers' rows arrive. m a multiple of world; this rank's
+ * x (m / world * k elements) must fit in capacity / 2; the other arguments and the failure
+ * semantics as tpfuse_gemm_all_reduce (out is marked failed).
+ */
+int tpfuse_all_gather_gemm(tpfuse_dtype dtype, int32_t config, const tpfuse_peers *peers,
+                           const tpfuse_group_args *group, int32_t blocks, const void *x, const void *w,
+                           const void *bias, void *out, size_t m, size_t n, size_t k, void *stream);
+
 #ifdef __cplusplus
 }
 #endif

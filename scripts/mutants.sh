@@ -254,22 +254,26 @@ mutant last-slice-steps emu_gemm "the last k-slice runs one k16-step too few" \
 mutant epilogue-no-bias emu_gemm "the GEMM epilogue reads bias at column 0" \
   gemm_epilogue.cuh 'const Vec16<T> b = load16(bias + col);' 'const Vec16<T> b = load16(bias);'
 mutant flag-before-tile emu_gemm_all_reduce "the fused kernel publishes a tile's flag before computing the tile" \
-  gemm_all_reduce.cu $'    gemm_tile<T, Cfg>(x, w, m, n, k, tm, tn, staging, smem);\n    __syncthreads(); // the tile\'s stores (and the epilogue\'s reads of smem), before the flags\n    if (threadIdx.x < g.world) st_release_sys(Pad{peers.signals[threadIdx.x]}.tile_flag(tile, g.rank), flag_value);' \
-  $'    if (threadIdx.x < g.world) st_release_sys(Pad{peers.signals[threadIdx.x]}.tile_flag(tile, g.rank), flag_value);\n    gemm_tile<T, Cfg>(x, w, m, n, k, tm, tn, staging, smem);\n    __syncthreads();'
+  gemm_all_reduce.cu $'    gemm_tile<T, Cfg>(DenseRows<T>{x, k}, w, m, n, k, tm, tn, staging, smem);\n    __syncthreads(); // the tile\'s stores (and the epilogue\'s reads of smem), before the flags\n    fused::publish(peers, g, tile, flag_value);' \
+  $'    fused::publish(peers, g, tile, flag_value);\n    gemm_tile<T, Cfg>(DenseRows<T>{x, k}, w, m, n, k, tm, tn, staging, smem);\n    __syncthreads();'
 mutant no-sync-before-flag emu_gemm_all_reduce "the fused kernel publishes a tile's flag before the whole block stored it" \
   gemm_all_reduce.cu $'    __syncthreads(); // the tile\'s stores (and the epilogue\'s reads of smem), before the flags\n' ''
 mutant epoch-not-advanced emu_gemm_all_reduce "the fused kernel's launches all use epoch 1" \
-  gemm_all_reduce.cu '*own.fused_epoch() = epoch;' ''
+  fused_flags.cuh '*own.fused_epoch() = st.epoch;' ''
 mutant norm-before-row-complete emu_gemm_all_reduce "the first block to reduce a tile of a strip normalises it" \
   gemm_all_reduce.cu '+ 1u == static_cast<uint32_t>(L.tiles_n);' '+ 1u == 1u;'
 mutant fused-failure-unmarked emu_gemm_all_reduce "the fused kernel's last block leaves a failed launch's outputs" \
-  gemm_all_reduce.cu 'if (st.last && st.failed) {' 'if (false) {'
+  fused_flags.cuh '  return st.last && st.failed;' '  return false;'
 mutant fused-no-descriptor-check emu_gemm_all_reduce "the fused kernel accepts a tile flag of another launch's shape" \
-  gemm_all_reduce.cu '(v & kDescriptorMask) != L.descriptor' 'false'
+  fused_flags.cuh '(v & kDescriptorMask) != descriptor' 'false'
 mutant epoch-window-half-range emu_gemm_all_reduce "the fused kernel takes any flag in the half range after this launch as ready" \
-  gemm_all_reduce.cu 'return ahead(v) <= 1;' 'return ahead(v) < (kEpochMask >> 1);'
+  fused_flags.cuh 'return ahead(v) <= 1;' 'return ahead(v) < (kEpochMask >> 1);'
 mutant scatter-rank-0-rows emu_gemm_all_reduce "GEMM + reduce-scatter gives every rank rank 0's rows" \
   gemm_all_reduce.cu 'const int row_begin = reduction.scatter ? g.rank * slice : 0;' 'const int row_begin = 0;'
+mutant gather-without-waiting emu_gemm_all_reduce "all-gather + GEMM reads the peers' rows without waiting for their flags" \
+  all_gather_gemm.cu '    if (needed != 0) {' '    if (false) {'
+mutant gather-rows-of-rank-0 emu_gemm_all_reduce "all-gather + GEMM reads every row from rank 0's area" \
+  all_gather_gemm.cu 'static_cast<const T *>(peers.data[r / rows_per_rank]) + exchange;' 'static_cast<const T *>(peers.data[0]) + exchange;'
 # Right results, wasted work: only the counters see these.
 mutant double-peer-read emu_counters "the reduction loads every peer's vector twice" \
   reduce.cuh 'x[p] = load16_peer(static_cast<const T *>(peers.data[p]) + offset + i);' \

@@ -23,7 +23,7 @@ use common::gpu::{assert_close, base_seed, mix_seed, random_vec, TestElement};
 use half::{bf16, f16};
 use std::ffi::c_void;
 use tpfuse::emulator::{self, abi, DeviceBuffer, Fault};
-use tpfuse::reference::all_reduce_fused_f64;
+use tpfuse::reference::{all_reduce_fused_f64, gemm_f64};
 use tpfuse::Element;
 
 const EPS: f32 = 1e-5;
@@ -364,7 +364,7 @@ fn reduce_scatter_case<T: TestElement>(world: usize, blocks: i32, shape: Shape, 
     let mut results = Vec::new();
     for fused in [true, false] {
         let outs: Vec<DeviceBuffer<T>> = (0..world).map(|_| poisoned::<T>(rows * n)).collect();
-        for r in 0..world {
+        for (r, out) in outs.iter().enumerate() {
             let x = DeviceBuffer::from_slice(&p.x[r]);
             let w = DeviceBuffer::from_slice(&p.w[r]);
             let partial = poisoned::<T>(m * n);
@@ -380,7 +380,7 @@ fn reduce_scatter_case<T: TestElement>(world: usize, blocks: i32, shape: Shape, 
                         blocks,
                         x.ptr().cast(),
                         w.ptr().cast(),
-                        outs[r].ptr().cast(),
+                        out.ptr().cast(),
                         m,
                         n,
                         k,
@@ -406,7 +406,7 @@ fn reduce_scatter_case<T: TestElement>(world: usize, blocks: i32, shape: Shape, 
                         &peers,
                         &args,
                         partial.ptr().cast(),
-                        outs[r].ptr().cast(),
+                        out.ptr().cast(),
                         rows * n,
                         stream,
                     )
@@ -461,6 +461,133 @@ fn gemm_reduce_scatter_equals_gemm_then_reduce_scatter() {
     for (i, &(world, blocks, shape)) in REDUCE_SCATTER_CASES.iter().enumerate() {
         reduce_scatter_case::<bf16>(world, blocks, shape, mix_seed(seed, &[i as u64, 1]));
         reduce_scatter_case::<f16>(world, blocks, shape, mix_seed(seed, &[i as u64, 2]));
+    }
+}
+
+/// All-gather + GEMM on every rank against tpfuse_all_gather then tpfuse_gemm: every rank's
+/// out [m, n] from the rows of every rank's x [m / W, k] and its own weight, bitwise, and
+/// against f64.
+fn all_gather_gemm_case<T: TestElement>(
+    world: usize,
+    blocks: i32,
+    shape: Shape,
+    bias: bool,
+    seed: u64,
+) {
+    let (m, n, k) = shape;
+    let label = format!("all-gather + GEMM {} W={world} blocks={blocks} (m, n, k)={shape:?} bias={bias} seed={seed:#x}", T::NAME);
+    let rows = m / world;
+    let xs: Vec<Vec<T>> = (0..world)
+        .map(|r| random_vec(mix_seed(seed, &[1, r as u64]), rows * k, -1.0, 1.0))
+        .collect();
+    let scale = 2.0 / (k as f32).sqrt();
+    let ws: Vec<Vec<T>> = (0..world)
+        .map(|r| random_vec(mix_seed(seed, &[2, r as u64]), n * k, -scale, scale))
+        .collect();
+    let b: Option<Vec<T>> = bias.then(|| random_vec(mix_seed(seed, &[3]), n, -1.0, 1.0));
+    let ranks = Ranks::with_capacity(world, blocks, LONG_TIMEOUT_NS, CAPACITY);
+    let mut results = Vec::new();
+    for fused in [true, false] {
+        let mut kept = Vec::new();
+        let outs: Vec<DeviceBuffer<T>> = (0..world).map(|_| poisoned::<T>(m * n)).collect();
+        for (r, out) in outs.iter().enumerate() {
+            let x = DeviceBuffer::from_slice(&xs[r]);
+            let w = DeviceBuffer::from_slice(&ws[r]);
+            let bias = b.as_deref().map(DeviceBuffer::from_slice);
+            let gathered = poisoned::<T>(m * k);
+            let (peers, args, stream) = (ranks.peers(), ranks.args(r), ranks.stream(r));
+            // SAFETY: every buffer holds what the shapes need and is kept until the synchronize.
+            let code = unsafe {
+                if fused {
+                    abi::tpfuse_all_gather_gemm(
+                        T::DTYPE,
+                        auto_config(m, n, k),
+                        &peers,
+                        &args,
+                        blocks,
+                        x.ptr().cast(),
+                        w.ptr().cast(),
+                        opt_ptr(&bias),
+                        out.ptr().cast(),
+                        m,
+                        n,
+                        k,
+                        stream,
+                    )
+                } else {
+                    let bytes = rows * k * std::mem::size_of::<T>();
+                    let code = abi::tpfuse_all_gather(
+                        &peers,
+                        &args,
+                        x.ptr().cast(),
+                        gathered.ptr().cast(),
+                        bytes,
+                        stream,
+                    );
+                    launched(&format!("{label}: all_gather rank {r}"), code);
+                    abi::tpfuse_gemm(
+                        T::DTYPE,
+                        abi::TPFUSE_GEMM_CONFIG_AUTO,
+                        gathered.ptr().cast(),
+                        w.ptr().cast(),
+                        opt_ptr(&bias),
+                        std::ptr::null(),
+                        out.ptr().cast(),
+                        m,
+                        n,
+                        k,
+                        stream,
+                    )
+                }
+            };
+            launched(&format!("{label}: rank {r}"), code);
+            kept.push((x, w, bias, gathered));
+        }
+        ranks.synchronize();
+        for r in 0..world {
+            assert_eq!(ranks.error_word(r), 0, "{label}: rank {r} failed");
+        }
+        results.push(outs.iter().map(DeviceBuffer::to_vec).collect::<Vec<_>>());
+    }
+    let x_all: Vec<T> = xs.concat();
+    for r in 0..world {
+        let at = format!("{label} rank {r}");
+        assert_same_bits(
+            &format!("{at}: fused vs unfused"),
+            &results[0][r],
+            &results[1][r],
+        );
+        let want = gemm_f64(&x_all, &ws[r], b.as_deref(), None, m, n, k);
+        assert_close(
+            &format!("{at}: vs f64"),
+            &results[0][r],
+            &want,
+            T::TOLERANCE,
+        );
+    }
+}
+
+/// (world, blocks, shape, bias): slices of 1, 3, 16, 17, 65 rows (tiles of 16 and 64 rows that
+/// span several ranks' rows), tails of n and k.
+const ALL_GATHER_GEMM_CASES: [(usize, i32, Shape, bool); 6] = [
+    (2, 2, (2, 136, 40), true),
+    (3, 1, (9, 72, 72), false),
+    (4, 2, (64, 72, 40), true),
+    (8, 2, (24, 264, 24), true),
+    (2, 3, (130, 136, 40), false),
+    (4, 1, (68, 72, 56), true),
+];
+
+#[test]
+fn all_gather_gemm_equals_all_gather_then_gemm() {
+    let _s = session(
+        "emu_gemm_all_reduce",
+        "all_gather_gemm_equals_all_gather_then_gemm",
+    );
+    let seed = base_seed(0xf05e_0008);
+    for (i, &(world, blocks, shape, bias)) in ALL_GATHER_GEMM_CASES.iter().enumerate() {
+        all_gather_gemm_case::<bf16>(world, blocks, shape, bias, mix_seed(seed, &[i as u64, 1]));
+        all_gather_gemm_case::<f16>(world, blocks, shape, bias, mix_seed(seed, &[i as u64, 2]));
     }
 }
 

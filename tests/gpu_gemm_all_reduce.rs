@@ -10,7 +10,8 @@
 //!   replay) ends with the bits of 100 eager unfused calls.
 //! - Bad calls are typed errors naming the argument, before anything runs.
 //! - GEMM + reduce-scatter ([`tpfuse::ops::gemm_reduce_scatter`]) is bit for bit [`gemm`] then
-//!   [`tpfuse::ops::reduce_scatter`], every rank's slice.
+//!   [`tpfuse::ops::reduce_scatter`], every rank's slice; all-gather + GEMM
+//!   ([`tpfuse::ops::all_gather_gemm`]) is bit for bit [`tpfuse::ops::all_gather`] then [`gemm`].
 //!
 //! Fresh random inputs per case (seeded from `TPFUSE_TEST_SEED`), outputs poisoned first.
 
@@ -31,7 +32,8 @@ use half::{bf16, f16};
 use tpfuse::ops::gemm::GemmElement;
 use tpfuse::ops::linear::{Fusion, RowParallelLinear, RowParallelPath};
 use tpfuse::ops::{
-    self, gemm, gemm_all_reduce, gemm_reduce_scatter, Algorithm, Epilogue, GemmShape, RmsNorm,
+    self, all_gather_gemm, gemm, gemm_all_reduce, gemm_reduce_scatter, Algorithm, Epilogue,
+    GemmShape, RmsNorm,
 };
 use tpfuse::reference::{gemm_f64, rms_norm_f64};
 use tpfuse::shard::{HostWeight, RowParallelSpec};
@@ -196,6 +198,83 @@ gpu_tests! {
     bad_calls_are_refused_before_anything_runs => bad_calls();
     /// GEMM + reduce-scatter against the GEMM then the reduce-scatter, every rank's slice.
     fused_reduce_scatter_equals_gemm_then_reduce_scatter => reduce_scatter_shapes();
+    /// All-gather + GEMM against the all-gather then the GEMM, on every rank.
+    fused_all_gather_gemm_equals_all_gather_then_gemm => all_gather_gemm_shapes();
+}
+
+fn all_gather_gemm_shapes() {
+    type T = bf16;
+    let gpu = gpu();
+    // The column-parallel gate_up at TP 8 after a sequence-parallel region: n = 2·28672 / 8,
+    // k = hidden 8192 (divided by 8 on the emulator).
+    let (n, k) = (shape(7168, 896), shape(8192, 1024));
+    for (world, m) in [(2, 2), (4, 64), (8, 16)] {
+        let seed = case_seed::<T>(&[300, world as u64, m as u64]);
+        let label = format!("all-gather + GEMM W={world} m={m} n={n} k={k} seed={seed:#x}");
+        let groups = virtual_group(&gpu.ctx, world, GroupOptions::default());
+        let rows = m / world;
+        let scale = 2.0 / (k as f32).sqrt();
+        let xs_host: Vec<Vec<T>> = (0..world)
+            .map(|r| random_vec(mix_seed(seed, &[1, r as u64]), rows * k, -1.0, 1.0))
+            .collect();
+        let ws_host: Vec<Vec<T>> = (0..world)
+            .map(|r| random_vec(mix_seed(seed, &[2, r as u64]), n * k, -scale, scale))
+            .collect();
+        let bias_host: Vec<T> = random_vec(mix_seed(seed, &[3]), n, -1.0, 1.0);
+        let xs = upload_ranks(&groups, &xs_host);
+        let ws = upload_ranks(&groups, &ws_host);
+        let biases = upload_copies(&groups, &bias_host);
+        let mut fused: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * n);
+        let mut unfused: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * n);
+        let mut gathered: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * k);
+        let shape = GemmShape { m, n, k };
+        round(&groups, &format!("{label} fused"), |r| {
+            all_gather_gemm(
+                &groups[r],
+                &xs[r],
+                &ws[r],
+                Some(&biases[r]),
+                &mut fused[r],
+                shape,
+            )
+        });
+        round(&groups, &format!("{label} unfused"), |r| {
+            ops::all_gather(&groups[r], &xs[r], &mut gathered[r])?;
+            gemm(
+                groups[r].stream(),
+                &gathered[r],
+                &ws[r],
+                Some(&biases[r]),
+                None,
+                &mut unfused[r],
+                m,
+                n,
+                k,
+            )
+        });
+        let x_all: Vec<T> = xs_host.concat();
+        for r in 0..world {
+            let got = download(&groups[r], &fused[r]);
+            let want = download(&groups[r], &unfused[r]);
+            assert_same_bits(&format!("{label} rank {r}: fused vs unfused"), &got, &want);
+            let reference = gemm_f64(&x_all, &ws_host[r], Some(&bias_host), None, m, n, k);
+            let tolerance = <T as gpu::TestElement>::TOLERANCE;
+            assert_close(
+                &format!("{label} rank {r}: vs f64"),
+                &got,
+                &reference,
+                tolerance,
+            );
+        }
+    }
+    // x must be this rank's slice of whole rows: an error naming it, before anything runs.
+    let groups = virtual_group(&gpu.ctx, 2, GroupOptions::default());
+    let (n, k) = (64, 32);
+    let x = poisoned::<T>(&groups[0], 4 * k);
+    let w = poisoned::<T>(&groups[0], n * k);
+    let mut out = poisoned::<T>(&groups[0], 4 * n);
+    let wrong = all_gather_gemm(&groups[0], &x, &w, None, &mut out, GemmShape { m: 4, n, k });
+    expect_invalid_saying("whole x", wrong, "x", &["[2, 32]", "64"]);
 }
 
 fn reduce_scatter_shapes() {

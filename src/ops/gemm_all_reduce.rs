@@ -121,7 +121,7 @@ fn tiles_of(config: GemmConfig, shape: GemmShape) -> usize {
 const NAMES: [(&str, &str); 3] = [("a", "x"), ("b", "weight"), ("c", "out")];
 
 /// An [`Error::InvalidArgument`] of the GEMM's checks, renamed after this op's arguments.
-fn renamed(e: Error) -> Error {
+pub(crate) fn renamed(e: Error) -> Error {
     match e {
         Error::InvalidArgument { arg, reason } => {
             let arg = NAMES

@@ -1,5 +1,6 @@
 //! The product: kernels as safe, validated operations.
 
+pub mod all_gather_gemm;
 pub mod all_reduce;
 pub mod collectives;
 pub mod epilogue;
@@ -8,6 +9,7 @@ pub mod gemm_all_reduce;
 pub mod linear;
 pub mod reduce_ranks;
 
+pub use all_gather_gemm::all_gather_gemm;
 pub use all_reduce::{
     all_reduce, all_reduce_fused, all_reduce_in_place, all_reduce_residual_rmsnorm, Algorithm,
     Epilogue, RmsNorm,

@@ -1,0 +1,187 @@
+// all_gather_gemm.cu: all-gather + GEMM (Megatron sequence parallelism) in one launch per rank
+// (tpfuse.h, tpfuse_all_gather_gemm): out [m, n] = all_gather(x) · w^T (+ bias), where rank r
+// holds rows r·m/W .. (r+1)·m/W of the input (x_r [m/W, k]) and its weight shard w [n, k]. The
+// bits of tpfuse_all_gather followed by tpfuse_gemm: the GEMM reads the same rows and runs the
+// same tiles and epilogue.
+//
+// Protocol (the flags, epochs, exchange areas and failures are fused_flags.cuh's):
+//
+//   share    block b copies its part of x_r (an even share of its 16-byte vectors) into this
+//            rank's exchange area, __syncthreads, and publishes part flag b (slot b, source
+//            rank) to every rank;
+//   compute  for each of its tiles t = b, b + G, ...: the threads wait for the part flags of
+//            every rank whose rows the tile needs (all G parts of each; ranks already complete
+//            for this block are skipped), __syncthreads, then gemm_tile reads A's rows from
+//            the ranks' exchange areas (GatheredRows) and the epilogue writes out (+ bias).
+//
+// Tile rows are visited from this rank's own rows on (a rotation of the tile order), so the
+// first tiles need only the local part and the peers' parts arrive meanwhile.
+//
+// No deadlock: every block publishes its part before it waits for anything, so every wait
+// ends once the publishing blocks have run; a block waits for every block of the ranks it
+// needs, its own rank's included, so each rank's G blocks must be resident together, which
+// the grid bound gives (TpGroup::fused_blocks: one block per SM, or the SMs divided among
+// virtual ranks). Every rank reads every peer's part in every launch, as fused_flags.cuh's
+// exchange-area argument needs.
+
+#include <climits>
+
+#include "fused_flags.cuh"
+#include "gemm_sm80.cuh"
+
+namespace tpfuse {
+namespace {
+
+using fused::BlockState;
+using gemm::GemmEpilogue;
+using gemm::gemm_tile;
+using gemm::tile_of_block;
+
+// A's rows gathered from the ranks: row r is row r % rows_per_rank of rank r / rows_per_rank's
+// exchange area (element offset `exchange`, [rows_per_rank, k]).
+template <typename T> struct GatheredRows {
+  const tpfuse_peers &peers;
+  size_t exchange;
+  int rows_per_rank, k;
+  __device__ __forceinline__ const T *row(int r) const {
+    const T *area = static_cast<const T *>(peers.data[r / rows_per_rank]) + exchange;
+    return area + static_cast<size_t>(r % rows_per_rank) * static_cast<size_t>(k);
+  }
+};
+
+// The block's parts of x_r: an even share of its 16-byte vectors.
+__device__ __forceinline__ void share_of(size_t vectors, size_t b, size_t blocks, size_t &begin, size_t &end) {
+  begin = vectors * b / blocks;
+  end = vectors * (b + 1) / blocks;
+}
+
+template <typename T, typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    all_gather_gemm_kernel(const __grid_constant__ tpfuse_peers peers, const __grid_constant__ tpfuse_group_args g,
+                           uint64_t descriptor, const T *x, const T *w, const T *bias, T *out, int m, int n, int k,
+                           int tiles_m, int tiles_n) {
+  TPFUSE_DYNAMIC_SHARED(smem);
+  TPFUSE_SHARED(BlockState, st);
+  TPFUSE_SHARED(uint32_t, complete); // bit p: every part of rank p acquired by this block
+  const Deadline deadline(g);
+  if (threadIdx.x == 0) complete = 0; // ordered before every read by begin's __syncthreads
+  fused::begin(Pad{peers.signals[g.rank]}, st);
+  const size_t exchange_bytes = fused::exchange_offset(g, st.epoch);
+  const size_t exchange = exchange_bytes / sizeof(T);
+  const int rows_per_rank = m / g.world;
+
+  // Share: this block's part of x_r into the exchange area, then its flag to every rank.
+  if (st.failed == 0) {
+    const uint4 *src = reinterpret_cast<const uint4 *>(x);
+    uint4 *dst = reinterpret_cast<uint4 *>(static_cast<char *>(peers.data[g.rank]) + exchange_bytes);
+    size_t begin, end;
+    share_of(static_cast<size_t>(rows_per_rank) * k * sizeof(T) / 16, blockIdx.x, gridDim.x, begin, end);
+    for (size_t i = begin + threadIdx.x; i < end; i += blockDim.x) st_global(dst + i, ld_global(src + i));
+    __syncthreads(); // the part's stores, before the flags
+    fused::publish(peers, g, blockIdx.x, fused::flag_of(st.epoch, descriptor));
+  }
+
+  // Compute: the block's tiles, from this rank's rows on.
+  const GatheredRows<T> rows{peers, exchange, rows_per_rank, k};
+  const GemmEpilogue<T> epi{out, bias, nullptr, n};
+  const int shift = g.rank * rows_per_rank / Cfg::kBlockM;
+#pragma unroll 1
+  for (int tile = blockIdx.x; tile < tiles_m * tiles_n && st.failed == 0; tile += gridDim.x) {
+    int tm, tn;
+    tile_of_block(tile, tiles_m, tiles_n, tm, tn);
+    tm = (tm + shift) % tiles_m;
+    const int first = tm * Cfg::kBlockM / rows_per_rank;
+    const int last = (min((tm + 1) * Cfg::kBlockM, m) - 1) / rows_per_rank;
+    uint32_t needed = 0;
+    for (int p = first; p <= last; ++p) needed |= 1u << p;
+    needed &= ~complete; // read by every thread; written only after the __syncthreads below
+    if (needed != 0) {
+      // Pairs (rank p, part b) of the needed ranks, spread over the threads.
+      const int parts = static_cast<int>(gridDim.x);
+      for (int i = threadIdx.x; i < (last - first + 1) * parts; i += blockDim.x) {
+        const int p = first + i / parts;
+        if (needed & (1u << p)) fused::await(peers, g, deadline, st, i % parts, p, descriptor);
+      }
+      if (!fused::passed(st)) break;
+      if (threadIdx.x == 0) complete |= needed;
+    }
+    gemm_tile<T, Cfg>(rows, w, m, n, k, tm, tn, epi, smem);
+    __syncthreads(); // the epilogue's reads of smem, before the next tile's writes
+  }
+
+  if (fused::end(peers, g, st)) mark_failed(out, 0, static_cast<size_t>(m) * n);
+}
+
+constexpr uint64_t kKindAllGatherGemm = 18; // after gemm_all_reduce.cu's 16 and 17
+
+template <typename T, typename Cfg>
+int launch_config(const tpfuse_peers &peers, const tpfuse_group_args &g, int config, int blocks, const T *x,
+                  const T *w, const T *bias, T *out, int m, int n, int k, cudaStream_t stream) {
+  const long long tiles_m = (m + Cfg::kBlockM - 1) / Cfg::kBlockM;
+  const long long tiles_n = (n + Cfg::kBlockN - 1) / Cfg::kBlockN;
+  if (tiles_m * tiles_n > INT_MAX / 2 || blocks > TPFUSE_MAX_FUSED_TILES) return cudaErrorInvalidValue;
+  const int grid = static_cast<int>(tiles_m * tiles_n < blocks ? tiles_m * tiles_n : blocks);
+  auto kernel = all_gather_gemm_kernel<T, Cfg>;
+  // Always opted in: the static shared memory counts toward the default 48 KiB (as in
+  // gemm_all_reduce.cu).
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  const uint64_t descriptor =
+      launch_descriptor({kKindAllGatherGemm, sizeof(T), static_cast<uint64_t>(m), static_cast<uint64_t>(n),
+                         static_cast<uint64_t>(k), static_cast<uint64_t>(config), static_cast<uint64_t>(grid),
+                         bias != nullptr}) &
+      fused::kDescriptorMask;
+  TPFUSE_LAUNCH(kernel, grid, Cfg::kThreads, Cfg::kSmemBytes, stream)(
+      peers, g, descriptor, x, w, bias, out, m, n, k, static_cast<int>(tiles_m), static_cast<int>(tiles_n));
+  return cudaGetLastError();
+}
+
+template <typename T>
+int launch(int config, const tpfuse_peers &peers, const tpfuse_group_args &g, int blocks, const void *x,
+           const void *w, const void *bias, void *out, int m, int n, int k, cudaStream_t s) {
+  const T *tx = static_cast<const T *>(x);
+  const T *tw = static_cast<const T *>(w);
+  const T *tb = static_cast<const T *>(bias);
+  T *to = static_cast<T *>(out);
+  using namespace gemm;
+  switch (config) {
+  case TPFUSE_GEMM_CONFIG_SMALL_16X16: return launch_config<T, SmallM16x16>(peers, g, config, blocks, tx, tw, tb, to, m, n, k, s);
+  case TPFUSE_GEMM_CONFIG_SMALL_16X32: return launch_config<T, SmallM16x32>(peers, g, config, blocks, tx, tw, tb, to, m, n, k, s);
+  case TPFUSE_GEMM_CONFIG_SMALL_16X64: return launch_config<T, SmallM16x64>(peers, g, config, blocks, tx, tw, tb, to, m, n, k, s);
+  case TPFUSE_GEMM_CONFIG_TILE_64X64: return launch_config<T, Tile64x64>(peers, g, config, blocks, tx, tw, tb, to, m, n, k, s);
+  case TPFUSE_GEMM_CONFIG_TILE_128X128: return launch_config<T, Tile128x128>(peers, g, config, blocks, tx, tw, tb, to, m, n, k, s);
+  default: return cudaErrorInvalidValue;
+  }
+}
+
+constexpr size_t kMaxDim = size_t{1} << 30;
+
+} // namespace
+} // namespace tpfuse
+
+extern "C" int tpfuse_all_gather_gemm(tpfuse_dtype dtype, int32_t config, const tpfuse_peers *peers,
+                                      const tpfuse_group_args *group, int32_t blocks, const void *x, const void *w,
+                                      const void *bias, void *out, size_t m, size_t n, size_t k, void *stream) {
+  using namespace tpfuse;
+  if (peers == nullptr || group == nullptr || group->world < 2 || group->world > TPFUSE_MAX_RANKS ||
+      group->rank < 0 || group->rank >= group->world || blocks < 1) {
+    return cudaErrorInvalidValue;
+  }
+  if (m == 0 || n == 0 || k == 0 || n % 8 != 0 || k % 8 != 0 || m > kMaxDim || n > kMaxDim || k > kMaxDim ||
+      m % static_cast<size_t>(group->world) != 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (x == nullptr || w == nullptr || out == nullptr) return cudaErrorInvalidValue;
+  // This rank's part in one of its two exchange areas (halves of the result half, 16-byte aligned).
+  if (group->capacity % 32 != 0 || m / group->world * k * dtype_size(dtype) > group->capacity / 2)
+    return cudaErrorInvalidValue;
+  for (const void *p : {x, w, bias, static_cast<const void *>(out)})
+    if (!is_aligned16(p)) return cudaErrorMisalignedAddress;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const int im = static_cast<int>(m), in = static_cast<int>(n), ik = static_cast<int>(k);
+  switch (dtype) {
+  case TPFUSE_DTYPE_F16: return launch<__half>(config, *peers, *group, blocks, x, w, bias, out, im, in, ik, s);
+  case TPFUSE_DTYPE_BF16: return launch<__nv_bfloat16>(config, *peers, *group, blocks, x, w, bias, out, im, in, ik, s);
+  default: return cudaErrorInvalidValue;
+  }
+}

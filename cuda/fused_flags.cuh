@@ -1,0 +1,156 @@
+// fused_flags.cuh: the flags, epochs and end of launch of the fused GEMM kernels
+// (gemm_all_reduce.cu: GEMM + all-reduce / reduce-scatter, tiles of the output; and
+// all_gather_gemm.cu: all-gather + GEMM, parts of the input). One protocol, written out here.
+//
+// Flags. A producer publishes a unit of work (a tile, a part of its input) with: every thread
+// stores its share (weak stores), __syncthreads, then thread p (p < W) stores the flag into
+// slot `slot` / source `rank` of rank p's pad (tile_flags, tpfuse.h) with st.release.sys:
+// everything the block stored before the __syncthreads is visible, at system scope, to
+// whoever acquires that flag (the pattern of barrier.cuh). A consumer thread spins on the
+// flag with ld.relaxed.sys, loads it once more with ld.acquire.sys when it is ready (same
+// location, coherence: that load reads the ready value or a later one), and the consumer
+// block passes a __syncthreads before it reads the unit.
+//
+// Epochs. A flag is the launch's epoch (its low 40 bits) << 24 | the launch descriptor's low
+// 24 bits, in one 64-bit store. fused_epoch (this rank's pad, 64 bits) counts the rank's fused
+// launches, of every fused kind; every block reads it when it starts and uses E =
+// fused_epoch + 1. The block that ends last (fused_done, an atom.acq_rel counter: every block
+// adds 1 once it is done, after it read the epoch) stores E and sets the counter back to 0.
+// A rank's fused launches run one after the other (one stream, or the edges of a graph; no
+// programmatic dependent launch), and every rank makes the same fused launches, so every rank
+// uses the same E. Nothing is reset, and a replayed CUDA graph works.
+//
+// Every fused kernel has each rank consume something of every peer in every launch (its
+// tiles, its input). So a producer is at most one launch ahead of a consumer (to start E+2 it
+// must have finished E+1, which needed the consumer's flags of E+1), and a consumer in launch
+// E accepts exactly the epochs E and E+1 (mod 2^40): a flag of any older launch, however old
+// (a slot unused for a long time keeps its flag), is not ready. A flag of E with another
+// descriptor is TPFUSE_ERROR_PEER_MISMATCH (the ranks launched different things) instead of
+// wrong data. A flag of E+1 means the producer finished launch E, which needed our flags of
+// E, checked against its descriptor (a mismatch would have poisoned it before it made E+1
+// flags): it is accepted as is. 2^40 launches, at 10^4 a second, are three years.
+//
+// Exchange areas. Launch E writes the half (E & 1) of the result half of this rank's
+// symmetric buffer (offset capacity + (E & 1) * capacity / 2). When a rank starts launch E+2,
+// which rewrites that area, it has finished launch E+1, so it has seen flags of E+1 from every
+// peer, so every peer had finished launch E (stream order), its reads of the area included.
+// No closing barrier is needed. The other custom kernels stage in the staging half and write
+// their result half only after their first barrier (when every peer is in that launch, hence
+// done with this one), and end with a closing barrier, so they and the fused kernels never
+// overlap on an area either. (Both rest on the sticky error word: after a failure no launch of
+// the group produces anything.)
+//
+// Failures. A wait ends at the launch's deadline (barrier.cuh, Deadline: from the block's
+// start, so it covers the block's whole share of the GEMM too) or when the rank's error word
+// is set; a missing rank is TPFUSE_ERROR_PEER_TIMEOUT | peer, reported to every rank. A block
+// that fails, or finds the group poisoned when it starts, stops producing and consuming. The
+// block that ends last reads the error word: when it is set, it marks every output of the
+// rank failed (failure.cuh) and copies the word to the host, after every block of the rank
+// has ended (the done counter orders their stores before), so no partial result survives.
+#pragma once
+
+#include "barrier.cuh"
+#include "failure.cuh"
+
+namespace tpfuse {
+namespace fused {
+
+// A flag: the epoch's low 40 bits, then the descriptor's low 24 bits.
+constexpr int kDescriptorBits = 24;
+constexpr uint64_t kDescriptorMask = (uint64_t{1} << kDescriptorBits) - 1;
+constexpr uint64_t kEpochMask = (uint64_t{1} << (64 - kDescriptorBits)) - 1;
+
+// The block's state, in shared memory: one decision for all its threads.
+struct BlockState {
+  uint64_t epoch; // E
+  int failed;     // nonzero once the block gave up (or the group was poisoned at its start)
+  int last;       // scratch for "this block was the last" decisions
+};
+
+// The launch's flag value.
+__device__ __forceinline__ uint64_t flag_of(uint64_t epoch, uint64_t descriptor) {
+  return (epoch & kEpochMask) << kDescriptorBits | descriptor;
+}
+
+// The start of a block: E and whether the group was poisoned, read once by thread 0, then
+// the whole block. fused_epoch changes only when every block of this launch has read it.
+__device__ __forceinline__ void begin(const Pad &own, BlockState &st) {
+  if (threadIdx.x == 0) {
+    st.epoch = *own.fused_epoch() + 1;
+    st.failed = ld_relaxed_sys(own.error()) != 0 ? 1 : 0;
+  }
+  __syncthreads();
+}
+
+// The calling thread publishes `value` into slot `slot`, source g.rank, of rank p's pad, for
+// p = threadIdx.x < world. Call after the __syncthreads that follows the unit's stores.
+__device__ __forceinline__ void publish(const tpfuse_peers &peers, const tpfuse_group_args &g, int slot,
+                                        uint64_t value) {
+  if (threadIdx.x < g.world) st_release_sys(Pad{peers.signals[threadIdx.x]}.tile_flag(slot, g.rank), value);
+}
+
+// The calling thread waits for the flag of slot `slot` from rank `src` in this rank's pad:
+// ready, acquired and its descriptor checked; otherwise it reports the failure (unless one is
+// there already) and counts it in st.failed. The block passes a __syncthreads afterwards.
+__device__ __forceinline__ void await(const tpfuse_peers &peers, const tpfuse_group_args &g, const Deadline &deadline,
+                                      BlockState &st, int slot, int src, uint64_t descriptor) {
+  const Pad own{peers.signals[g.rank]};
+  const uint64_t *flag = own.tile_flag(slot, src);
+  // The flag's launch, relative to this one: 0 (this launch), 1 (the next), else older.
+  const auto ahead = [&](uint64_t v) { return ((v >> kDescriptorBits) - st.epoch) & kEpochMask; };
+  const auto ready = [&](uint64_t v) { return ahead(v) <= 1; };
+  bool arrived = true;
+  for (uint32_t spins = 0; !ready(ld_relaxed_sys(flag)); ++spins) {
+    if ((spins & 1023u) != 1023u) continue;
+    if (ld_relaxed_sys(own.error()) != 0 || deadline.expired()) {
+      arrived = false;
+      break;
+    }
+  }
+  if (arrived) {
+    const uint64_t v = ld_acquire_sys(flag); // the acquire: orders the unit's loads after it
+    if (ahead(v) == 0 && (v & kDescriptorMask) != descriptor) {
+      report_failure(peers, g, TPFUSE_ERROR_PEER_MISMATCH | static_cast<uint32_t>(src) | static_cast<uint32_t>(g.rank) << 16);
+      atomicAdd(&st.failed, 1);
+    }
+  } else {
+    if (ld_relaxed_sys(own.error()) == 0) report_failure(peers, g, TPFUSE_ERROR_PEER_TIMEOUT | static_cast<uint32_t>(src));
+    atomicAdd(&st.failed, 1);
+  }
+}
+
+// After the waits of one unit (every thread): whether the block may go on; a pass counts as
+// one synchronisation round in the emulator's counters.
+__device__ __forceinline__ bool passed(BlockState &st) {
+  __syncthreads();
+  const bool ok = st.failed == 0;
+  if (ok && threadIdx.x == 0) note_barrier_passed();
+  return ok;
+}
+
+// The end of a block (every thread): the last block of the rank to get here advances the
+// epoch and, when the launch failed on this rank or anywhere, publishes the error word to the
+// host; true in every thread of that block then: it must mark the rank's outputs failed.
+__device__ __forceinline__ bool end(const tpfuse_peers &peers, const tpfuse_group_args &g, BlockState &st) {
+  const Pad own{peers.signals[g.rank]};
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    st.last = atomic_add_acq_rel_gpu(own.fused_done(), 1u) + 1u == gridDim.x;
+    if (st.last) {
+      *own.fused_done() = 0;
+      *own.fused_epoch() = st.epoch;
+      st.failed = ld_relaxed_sys(own.error()) != 0 ? 1 : 0;
+      if (st.failed) publish_error_to_host(peers, g);
+    }
+  }
+  __syncthreads();
+  return st.last && st.failed;
+}
+
+// Bytes into a rank's symmetric buffer of launch `epoch`'s exchange area.
+__device__ __forceinline__ size_t exchange_offset(const tpfuse_group_args &g, uint64_t epoch) {
+  return g.capacity + (epoch & 1u) * (g.capacity / 2);
+}
+
+} // namespace fused
+} // namespace tpfuse
