@@ -139,6 +139,35 @@ fn auto_config(m: usize, n: usize, k: usize) -> i32 {
     unsafe { abi::tpfuse_gemm_select(m, n, k, 9, 0, sms) }
 }
 
+/// tpfuse_gemm of `x` [m, k] and `w` [n, k] into `c` [m, n] on `stream` (no bias, no residual).
+fn enqueue_gemm<T: TestElement>(
+    x: &DeviceBuffer<T>,
+    w: &DeviceBuffer<T>,
+    c: &DeviceBuffer<T>,
+    (m, n, k): Shape,
+    stream: *mut c_void,
+    what: &str,
+) {
+    // SAFETY: the caller's buffers hold [m, k], [n, k] and [m, n] elements and outlive the
+    // launch (they are kept until the synchronize).
+    let code = unsafe {
+        abi::tpfuse_gemm(
+            T::DTYPE,
+            abi::TPFUSE_GEMM_CONFIG_AUTO,
+            x.ptr().cast(),
+            w.ptr().cast(),
+            std::ptr::null(),
+            std::ptr::null(),
+            c.ptr().cast(),
+            m,
+            n,
+            k,
+            stream,
+        )
+    };
+    launched(what, code);
+}
+
 /// Enqueues rank `rank`'s launch of `p` on its stream, with `residual` (read, then written).
 fn enqueue<T: TestElement>(
     ranks: &Ranks,
@@ -184,22 +213,14 @@ fn enqueue<T: TestElement>(
             launched(&format!("gemm_all_reduce rank {rank}"), code);
         }
         Path::Unfused => {
-            let code = unsafe {
-                abi::tpfuse_gemm(
-                    T::DTYPE,
-                    abi::TPFUSE_GEMM_CONFIG_AUTO,
-                    x.ptr().cast(),
-                    w.ptr().cast(),
-                    std::ptr::null(),
-                    std::ptr::null(),
-                    partial.ptr().cast(),
-                    m,
-                    n,
-                    k,
-                    stream,
-                )
-            };
-            launched(&format!("gemm rank {rank}"), code);
+            enqueue_gemm(
+                &x,
+                &w,
+                &partial,
+                (m, n, k),
+                stream,
+                &format!("gemm rank {rank}"),
+            );
             let code = unsafe {
                 abi::tpfuse_all_reduce(
                     T::DTYPE,
@@ -349,6 +370,35 @@ fn fused_equals_gemm_then_all_reduce_f16() {
     every_case::<f16>(base_seed(0xf05e_0002));
 }
 
+/// Every rank's launch along each path (fused first, then unfused): `launch(fused, rank, out)`
+/// enqueues on the rank's stream and returns the launcher's code and what must outlive the
+/// launch; then a synchronize, no error word. Returns each path's outputs per rank and what
+/// the unfused launches kept.
+fn on_both_paths<T: TestElement, K>(
+    ranks: &Ranks,
+    label: &str,
+    out_len: usize,
+    mut launch: impl FnMut(bool, usize, &DeviceBuffer<T>) -> (i32, K),
+) -> ([Vec<Vec<T>>; 2], Vec<K>) {
+    let mut results: [Vec<Vec<T>>; 2] = Default::default();
+    let mut kept = Vec::new();
+    for (path, fused) in [true, false].into_iter().enumerate() {
+        kept.clear();
+        let outs: Vec<DeviceBuffer<T>> = (0..ranks.world).map(|_| poisoned::<T>(out_len)).collect();
+        for (r, out) in outs.iter().enumerate() {
+            let (code, keep) = launch(fused, r, out);
+            launched(&format!("{label}: rank {r} (fused: {fused})"), code);
+            kept.push(keep);
+        }
+        ranks.synchronize();
+        for r in 0..ranks.world {
+            assert_eq!(ranks.error_word(r), 0, "{label}: rank {r} failed");
+        }
+        results[path] = outs.iter().map(DeviceBuffer::to_vec).collect();
+    }
+    (results, kept)
+}
+
 /// GEMM + reduce-scatter on every rank against tpfuse_gemm then tpfuse_reduce_scatter: rank r's
 /// slice of m / W rows, bitwise, and against f64.
 fn reduce_scatter_case<T: TestElement>(world: usize, blocks: i32, shape: Shape, seed: u64) {
@@ -360,11 +410,11 @@ fn reduce_scatter_case<T: TestElement>(world: usize, blocks: i32, shape: Shape, 
     let p = problem::<T>(world, shape, NONE, seed);
     let ranks = Ranks::with_capacity(world, blocks, LONG_TIMEOUT_NS, CAPACITY);
     let rows = m / world;
-    let mut kept = Vec::new();
-    let mut results = Vec::new();
-    for fused in [true, false] {
-        let outs: Vec<DeviceBuffer<T>> = (0..world).map(|_| poisoned::<T>(rows * n)).collect();
-        for (r, out) in outs.iter().enumerate() {
+    let (results, kept) = on_both_paths(
+        &ranks,
+        &label,
+        rows * n,
+        |fused, r, out: &DeviceBuffer<T>| {
             let x = DeviceBuffer::from_slice(&p.x[r]);
             let w = DeviceBuffer::from_slice(&p.w[r]);
             let partial = poisoned::<T>(m * n);
@@ -387,20 +437,8 @@ fn reduce_scatter_case<T: TestElement>(world: usize, blocks: i32, shape: Shape, 
                         stream,
                     )
                 } else {
-                    let code = abi::tpfuse_gemm(
-                        T::DTYPE,
-                        abi::TPFUSE_GEMM_CONFIG_AUTO,
-                        x.ptr().cast(),
-                        w.ptr().cast(),
-                        std::ptr::null(),
-                        std::ptr::null(),
-                        partial.ptr().cast(),
-                        m,
-                        n,
-                        k,
-                        stream,
-                    );
-                    launched(&format!("{label}: gemm rank {r}"), code);
+                    let what = format!("{label}: gemm rank {r}");
+                    enqueue_gemm(&x, &w, &partial, shape, stream, &what);
                     abi::tpfuse_reduce_scatter(
                         T::DTYPE,
                         &peers,
@@ -412,16 +450,10 @@ fn reduce_scatter_case<T: TestElement>(world: usize, blocks: i32, shape: Shape, 
                     )
                 }
             };
-            launched(&format!("{label}: rank {r}"), code);
-            kept.push((x, w, partial));
-        }
-        ranks.synchronize();
-        for r in 0..world {
-            assert_eq!(ranks.error_word(r), 0, "{label}: rank {r} failed");
-        }
-        results.push(outs.iter().map(DeviceBuffer::to_vec).collect::<Vec<_>>());
-    }
-    let partials: Vec<Vec<T>> = kept[world..].iter().map(|(_, _, p)| p.to_vec()).collect();
+            (code, (x, w, partial))
+        },
+    );
+    let partials: Vec<Vec<T>> = kept.iter().map(|(_, _, p)| p.to_vec()).collect();
     let refs: Vec<&[T]> = partials.iter().map(Vec::as_slice).collect();
     let (sum, _) = all_reduce_fused_f64(&refs, None, None, None, 0.0, n);
     for r in 0..world {
@@ -486,11 +518,8 @@ fn all_gather_gemm_case<T: TestElement>(
         .collect();
     let b: Option<Vec<T>> = bias.then(|| random_vec(mix_seed(seed, &[3]), n, -1.0, 1.0));
     let ranks = Ranks::with_capacity(world, blocks, LONG_TIMEOUT_NS, CAPACITY);
-    let mut results = Vec::new();
-    for fused in [true, false] {
-        let mut kept = Vec::new();
-        let outs: Vec<DeviceBuffer<T>> = (0..world).map(|_| poisoned::<T>(m * n)).collect();
-        for (r, out) in outs.iter().enumerate() {
+    let (results, _kept) =
+        on_both_paths(&ranks, &label, m * n, |fused, r, out: &DeviceBuffer<T>| {
             let x = DeviceBuffer::from_slice(&xs[r]);
             let w = DeviceBuffer::from_slice(&ws[r]);
             let bias = b.as_deref().map(DeviceBuffer::from_slice);
@@ -540,15 +569,8 @@ fn all_gather_gemm_case<T: TestElement>(
                     )
                 }
             };
-            launched(&format!("{label}: rank {r}"), code);
-            kept.push((x, w, bias, gathered));
-        }
-        ranks.synchronize();
-        for r in 0..world {
-            assert_eq!(ranks.error_word(r), 0, "{label}: rank {r} failed");
-        }
-        results.push(outs.iter().map(DeviceBuffer::to_vec).collect::<Vec<_>>());
-    }
+            (code, (x, w, bias, gathered))
+        });
     let x_all: Vec<T> = xs.concat();
     for r in 0..world {
         let at = format!("{label} rank {r}");

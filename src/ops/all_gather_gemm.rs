@@ -14,8 +14,8 @@ use crate::dtype::NcclType;
 use crate::error::{Error, Result};
 use crate::ffi::kernels;
 use crate::group::TpGroup;
-use crate::ops::gemm::{check_gemm_shapes, select_config, GemmBuffers, GemmElement, GemmShape};
-use crate::ops::gemm_all_reduce::{facts_of, renamed, FusedFacts, FusedPlan};
+use crate::ops::gemm::{check_gemm_shapes, GemmBuffers, GemmElement, GemmShape};
+use crate::ops::gemm_all_reduce::{facts_of, planned, renamed, FusedFacts, FusedPlan};
 use crate::validate::{check_disjoint, launched, owner, BufferInfo};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use std::ffi::c_void;
@@ -83,21 +83,8 @@ pub fn plan_all_gather_gemm<T: GemmElement>(
             ),
         ));
     }
-    let config = select_config(shape, facts.compute_capability, facts.sms).ok_or_else(|| {
-        let (major, minor) = facts.compute_capability;
-        Error::invalid(
-            "out",
-            format!("compute capability {major}.{minor} has no GEMM path (8.0 or later needed)"),
-        )
-    })?;
-    let info = config.info();
-    let tiles = shape.m.div_ceil(info.block_m) * shape.n.div_ceil(info.block_n);
     if shape.m == 0 {
-        return Ok(FusedPlan {
-            config,
-            tiles,
-            grid: 0,
-        });
+        return planned(shape, facts);
     }
     let mut named = vec![("x", x), ("weight", weight), ("out", out)];
     if let Some(b) = bias {
@@ -112,11 +99,7 @@ pub fn plan_all_gather_gemm<T: GemmElement>(
     if let Some(b) = bias {
         check_disjoint::<T>("bias", b, "out", out)?;
     }
-    Ok(FusedPlan {
-        config,
-        tiles,
-        grid: tiles.min(facts.blocks.max(1)),
-    })
+    planned(shape, facts)
 }
 
 /// `out` `[m, n]` = `all_gather(x) · weightᵀ (+ bias)` on every rank, one kernel launch on the

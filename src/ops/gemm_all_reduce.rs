@@ -112,6 +112,24 @@ pub fn unfusable<T>(shape: GemmShape, facts: &FusedFacts) -> Option<String> {
     None
 }
 
+/// The plan of a shape that passed the checks: the GEMM's tile configuration for it, its
+/// tiles, and the persistent grid (at most [`FusedFacts::blocks`]).
+pub(crate) fn planned(shape: GemmShape, facts: &FusedFacts) -> Result<FusedPlan> {
+    let config = select_config(shape, facts.compute_capability, facts.sms).ok_or_else(|| {
+        let (major, minor) = facts.compute_capability;
+        Error::invalid(
+            "out",
+            format!("compute capability {major}.{minor} has no GEMM path (8.0 or later needed)"),
+        )
+    })?;
+    let tiles = tiles_of(config, shape);
+    Ok(FusedPlan {
+        config,
+        tiles,
+        grid: tiles.min(facts.blocks.max(1)),
+    })
+}
+
 fn tiles_of(config: GemmConfig, shape: GemmShape) -> usize {
     let info = config.info();
     shape.m.div_ceil(info.block_m) * shape.n.div_ceil(info.block_n)
@@ -181,14 +199,7 @@ pub fn plan<T: GemmElement>(
     if let Some(reason) = unfusable::<T>(shape, facts) {
         return Err(Error::invalid("out", reason));
     }
-    let config = select_config(shape, facts.compute_capability, facts.sms)
-        .ok_or_else(|| Error::invalid("out", "no GEMM path on this device"))?;
-    let tiles = tiles_of(config, shape);
-    Ok(FusedPlan {
-        config,
-        tiles,
-        grid: tiles.min(facts.blocks.max(1)),
-    })
+    planned(shape, facts)
 }
 
 /// The facts of `group`: its device's compute capability and SM count come from the driver.
@@ -356,11 +367,7 @@ pub fn plan_reduce_scatter<T: GemmElement>(
         ));
     }
     if shape.m == 0 {
-        return Ok(FusedPlan {
-            config: GemmConfig::SmallM16x16,
-            tiles: 0,
-            grid: 0,
-        });
+        return planned(shape, facts);
     }
     for (name, b) in [("x", x), ("weight", weight), ("out", out)] {
         b.check_aligned16(name)?;
@@ -370,14 +377,7 @@ pub fn plan_reduce_scatter<T: GemmElement>(
     if let Some(reason) = unfusable::<T>(shape, facts) {
         return Err(Error::invalid("out", reason));
     }
-    let config = select_config(shape, facts.compute_capability, facts.sms)
-        .ok_or_else(|| Error::invalid("out", "no GEMM path on this device"))?;
-    let tiles = tiles_of(config, shape);
-    Ok(FusedPlan {
-        config,
-        tiles,
-        grid: tiles.min(facts.blocks.max(1)),
-    })
+    planned(shape, facts)
 }
 
 /// GEMM + reduce-scatter (Megatron sequence parallelism), one kernel launch on the group's

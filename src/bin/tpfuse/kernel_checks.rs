@@ -9,6 +9,7 @@ use crate::traffic::Traffic;
 use half::bf16;
 use std::sync::Arc;
 use tpfuse::ops::gemm::{gemm_with_config, GemmConfig, GemmShape};
+use tpfuse::ops::linear::Fusion;
 use tpfuse::ops::{self, Algorithm, Epilogue, RmsNorm, RowParallelLinear};
 use tpfuse::reference::{
     all_reduce_epilogue_exact, all_reduce_fused_f64, gemm_f64, reduce_ranks_exact,
@@ -402,8 +403,9 @@ fn gemm(ctx: &Arc<CudaContext>, seed: u64, counting: bool) -> Result<OpReport> {
     Ok(rep)
 }
 
-/// A row-parallel layer built from host weights: the GEMM of every rank's shard, then the
-/// all-reduce + bias; the output is the exact rank-ordered sum of the downloaded partials.
+/// A row-parallel layer built from host weights: unfused (the GEMM of every rank's shard,
+/// then the all-reduce + bias), the output is the exact rank-ordered sum of the downloaded
+/// partials; fused (one kernel), the output has the unfused bits.
 fn row_parallel(ctx: &Arc<CudaContext>, seed: u64, counting: bool) -> Result<OpReport> {
     let mut rep = OpReport::new("row-parallel linear (GEMM + all-reduce)");
     let (inp, out) = (512usize, 256usize);
@@ -412,18 +414,23 @@ fn row_parallel(ctx: &Arc<CudaContext>, seed: u64, counting: bool) -> Result<OpR
         let s = seed ^ (world as u64) << 40;
         let weight = random(s ^ 1, out * inp, -0.05, 0.05);
         let bias = random(s ^ 2, out, -0.5, 0.5);
-        let layers = groups
-            .iter()
-            .map(|g| {
-                let spec = RowParallelSpec::new("selftest.down_proj", inp, out, world)?;
-                RowParallelLinear::from_host(
-                    g,
-                    spec,
-                    HostWeight::new(&weight, out, inp),
-                    Some(&bias),
-                )
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let layers_with = |fusion: Fusion| {
+            groups
+                .iter()
+                .map(|g| {
+                    let spec = RowParallelSpec::new("selftest.down_proj", inp, out, world)?;
+                    let layer = RowParallelLinear::from_host(
+                        g,
+                        spec,
+                        HostWeight::new(&weight, out, inp),
+                        Some(&bias),
+                    )?;
+                    Ok(layer.with_fusion(fusion))
+                })
+                .collect::<Result<Vec<_>>>()
+        };
+        let layers = layers_with(Fusion::Unfused)?;
+        let fused_layers = layers_with(Fusion::Fused)?;
         for m in [1usize, 7] {
             let x = random(s ^ 3 ^ m as u64, m * inp, -1.0, 1.0);
             let per = inp / world;
@@ -450,8 +457,18 @@ fn row_parallel(ctx: &Arc<CudaContext>, seed: u64, counting: bool) -> Result<OpR
             let refs: Vec<&[T]> = parts.iter().map(Vec::as_slice).collect();
             let exact = all_reduce_epilogue_exact(&refs, Some(&bias), None, out);
             let want = gemm_f64(&x, &weight, Some(&bias), None, m, out, inp);
+            let mut fused = nan_all(&groups, m * out)?;
+            round(&groups, |r| {
+                fused_layers[r]
+                    .forward(&groups[r], &xs[r], &mut partials[r], &mut fused[r])
+                    .map(|_| ())
+            })?;
+            let fused = download_all(&groups, &fused)?;
             rep.case(
-                all_equal(&got) && same_bits(&got[0], &exact),
+                all_equal(&got)
+                    && same_bits(&got[0], &exact)
+                    && all_equal(&fused)
+                    && same_bits(&fused[0], &got[0]),
                 relative_error(&got[0], &want),
             );
         }
