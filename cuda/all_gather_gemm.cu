@@ -86,7 +86,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const GemmEpilogue<T> epi{out, bias, nullptr, n};
   const int shift = g.rank * rows_per_rank / Cfg::kBlockM;
 #pragma unroll 1
-  for (int tile = blockIdx.x; tile < tiles_m * tiles_n && st.failed == 0; tile += gridDim.x) {
+  for (int tile = blockIdx.x; tile < tiles_m * tiles_n; tile += gridDim.x) {
+    // st.failed is read by every thread, then a __syncthreads, before this tile's waits can
+    // write it: a warp that raced ahead into the waits must not change another warp's branch.
+    const bool failed = st.failed != 0;
+    __syncthreads();
+    if (failed) break;
     int tm, tn;
     tile_of_block(tile, tiles_m, tiles_n, tm, tn);
     tm = (tm + shift) % tiles_m;
@@ -121,17 +126,17 @@ int launch_config(const tpfuse_peers &peers, const tpfuse_group_args &g, int con
   const long long tiles_n = (n + Cfg::kBlockN - 1) / Cfg::kBlockN;
   if (tiles_m * tiles_n > INT_MAX / 2 || blocks > TPFUSE_MAX_FUSED_TILES) return cudaErrorInvalidValue;
   const int grid = static_cast<int>(tiles_m * tiles_n < blocks ? tiles_m * tiles_n : blocks);
-  auto kernel = all_gather_gemm_kernel<T, Cfg>;
+  auto all_gather_gemm = all_gather_gemm_kernel<T, Cfg>; // the name the emulator suite reports
   // Always opted in: the static shared memory counts toward the default 48 KiB (as in
   // gemm_all_reduce.cu).
-  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+  const cudaError_t err = cudaFuncSetAttribute(all_gather_gemm, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (err != cudaSuccess) return err;
   const uint64_t descriptor =
       launch_descriptor({kKindAllGatherGemm, sizeof(T), static_cast<uint64_t>(m), static_cast<uint64_t>(n),
                          static_cast<uint64_t>(k), static_cast<uint64_t>(config), static_cast<uint64_t>(grid),
                          bias != nullptr}) &
       fused::kDescriptorMask;
-  TPFUSE_LAUNCH(kernel, grid, Cfg::kThreads, Cfg::kSmemBytes, stream)(
+  TPFUSE_LAUNCH(all_gather_gemm, grid, Cfg::kThreads, Cfg::kSmemBytes, stream)(
       peers, g, descriptor, x, w, bias, out, m, n, k, static_cast<int>(tiles_m), static_cast<int>(tiles_n));
   return cudaGetLastError();
 }

@@ -60,7 +60,7 @@ struct Pad {
   __device__ uint32_t *descriptor(int block, int src) const {
     return base + TPFUSE_SIGNAL_DESCRIPTORS_OFFSET / 4 + block * TPFUSE_MAX_RANKS + src;
   }
-  // The fused GEMM + all-reduce's words (gemm_all_reduce.cu).
+  // The fused GEMM kernels' words (fused_flags.cuh).
   __device__ uint64_t *fused_epoch() const {
     return reinterpret_cast<uint64_t *>(reinterpret_cast<char *>(base) + TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET);
   }

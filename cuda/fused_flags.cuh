@@ -91,10 +91,17 @@ __device__ __forceinline__ void publish(const tpfuse_peers &peers, const tpfuse_
 
 // The calling thread waits for the flag of slot `slot` from rank `src` in this rank's pad:
 // ready, acquired and its descriptor checked; otherwise it reports the failure (unless one is
-// there already) and counts it in st.failed. The block passes a __syncthreads afterwards.
+// there already) and counts it in st.failed. The block passes a __syncthreads afterwards. A
+// wait for this rank's own flags (the all-gather's parts, published by the rank's other
+// blocks) that times out is TPFUSE_ERROR_GRID_TIMEOUT: the rank's blocks were not all
+// resident. Once the error word is set, a wait gives up at once.
 __device__ __forceinline__ void await(const tpfuse_peers &peers, const tpfuse_group_args &g, const Deadline &deadline,
                                       BlockState &st, int slot, int src, uint64_t descriptor) {
   const Pad own{peers.signals[g.rank]};
+  if (ld_relaxed_sys(own.error()) != 0) {
+    atomicAdd(&st.failed, 1);
+    return;
+  }
   const uint64_t *flag = own.tile_flag(slot, src);
   // The flag's launch, relative to this one: 0 (this launch), 1 (the next), else older.
   const auto ahead = [&](uint64_t v) { return ((v >> kDescriptorBits) - st.epoch) & kEpochMask; };
@@ -114,7 +121,9 @@ __device__ __forceinline__ void await(const tpfuse_peers &peers, const tpfuse_gr
       atomicAdd(&st.failed, 1);
     }
   } else {
-    if (ld_relaxed_sys(own.error()) == 0) report_failure(peers, g, TPFUSE_ERROR_PEER_TIMEOUT | static_cast<uint32_t>(src));
+    const uint32_t word = src == g.rank ? TPFUSE_ERROR_GRID_TIMEOUT | static_cast<uint32_t>(g.rank)
+                                        : TPFUSE_ERROR_PEER_TIMEOUT | static_cast<uint32_t>(src);
+    if (ld_relaxed_sys(own.error()) == 0) report_failure(peers, g, word);
     atomicAdd(&st.failed, 1);
   }
 }

@@ -209,8 +209,9 @@ __device__ __forceinline__ void gemm_tile(const ARows &a, const T *__restrict__ 
       if (!b_live[i]) zero_16(smem_base + s * Cfg::kStageBytes + b_dst[i]);
   }
 
-  // Copies k-slice `slice` into stage `stage`. A chunk past k is zero-filled from the row's
-  // first element (a valid address; nothing is read).
+  // Copies k-slice `slice` into stage `stage`. A chunk past k is zero-filled: its source is
+  // the chunk's place in the row's first k-slice (a valid address; with src-size 0 nothing
+  // is read).
   auto load_slice = [&](int stage, int slice) {
     const int k0 = slice * BK;
     const bool k_live = k0 + chunk * 8 < k;

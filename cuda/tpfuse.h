@@ -76,15 +76,18 @@ int32_t tpfuse_cudart_version(void);
  *                                                         (a hash of the kernel, its sizes
  *                                                         and its grid), compared at the
  *                                                         first barrier of every launch
- *       uint64 fused_epoch; uint32 fused_done             the fused GEMM + all-reduce's launch
- *                                                         epoch and its blocks' end count
+ *       uint64 fused_epoch; uint32 fused_done             the fused GEMM kernels' launch epoch
+ *                                                         (one count for every fused kind) and
+ *                                                         their blocks' end count
  *       (padding to 256 bytes)
  *       uint32 strip_counts[TPFUSE_MAX_FUSED_TILES]       tiles of a row strip reduced (RMSNorm)
- *       uint64 tile_flags[TPFUSE_MAX_FUSED_TILES][TPFUSE_MAX_RANKS]  tile_flags[t][src]: rank
- *                                                         src's partial of tile t is ready:
- *                                                         epoch (40 bits) << 24 | descriptor
- *                                                         (24 bits)
- *   (gemm_all_reduce.cu explains the fused words)
+ *       uint64 tile_flags[TPFUSE_MAX_FUSED_TILES][TPFUSE_MAX_RANKS]  tile_flags[s][src]: rank
+ *                                                         src's unit s is ready (a partial tile
+ *                                                         of GEMM + all-reduce / reduce-scatter,
+ *                                                         a part of the all-gather + GEMM's
+ *                                                         input): epoch (40 bits) << 24 |
+ *                                                         descriptor (24 bits)
+ *   (cuda/fused_flags.cuh explains the fused words)
  * The kernels never reset flags: every barrier waits for a larger value (epochs), so the
  * same launch can be replayed from a CUDA graph.
  *

@@ -795,6 +795,95 @@ fn a_missing_rank_times_out_and_every_output_is_marked() {
     );
 }
 
+/// GEMM + reduce-scatter and all-gather + GEMM with a rank that never launches: every
+/// survivor times out naming it, and marks its whole output failed (random schedules included:
+/// every warp takes the same branch when the wait fails).
+#[test]
+fn the_sequence_parallel_kernels_time_out_on_a_missing_rank() {
+    let _s = session(
+        "emu_gemm_all_reduce",
+        "the_sequence_parallel_kernels_time_out_on_a_missing_rank",
+    );
+    let (world, timeout) = (3, 2_000_000);
+    let (m, n, k) = (12, 136, 40);
+    let rows = m / world;
+    for gather in [false, true] {
+        let ranks = Ranks::with_capacity(world, 2, timeout, CAPACITY);
+        ranks.streams[2].set_fault(Fault {
+            stop: true,
+            ..Fault::default()
+        });
+        let p = problem::<bf16>(world, (m, n, k), NONE, base_seed(0xf05e_0009));
+        let out_len = if gather { m * n } else { rows * n };
+        let mut kept = Vec::new();
+        for r in 0..2 {
+            let x_len = if gather { rows * k } else { m * k };
+            let x = DeviceBuffer::from_slice(&p.x[r][..x_len]);
+            let w = DeviceBuffer::from_slice(&p.w[r]);
+            let out = poisoned::<bf16>(out_len);
+            let (peers, args, stream) = (ranks.peers(), ranks.args(r), ranks.stream(r));
+            let config = auto_config(m, n, k);
+            // SAFETY: the buffers hold what the shapes need and are kept until the synchronize.
+            let code = unsafe {
+                if gather {
+                    abi::tpfuse_all_gather_gemm(
+                        bf16::DTYPE,
+                        config,
+                        &peers,
+                        &args,
+                        2,
+                        x.ptr().cast(),
+                        w.ptr().cast(),
+                        std::ptr::null(),
+                        out.ptr().cast(),
+                        m,
+                        n,
+                        k,
+                        stream,
+                    )
+                } else {
+                    abi::tpfuse_gemm_reduce_scatter(
+                        bf16::DTYPE,
+                        config,
+                        &peers,
+                        &args,
+                        2,
+                        x.ptr().cast(),
+                        w.ptr().cast(),
+                        out.ptr().cast(),
+                        m,
+                        n,
+                        k,
+                        stream,
+                    )
+                }
+            };
+            launched(&format!("gather={gather} rank {r}"), code);
+            kept.push((x, w, out));
+        }
+        for (r, (_, _, out)) in kept.iter().enumerate() {
+            ranks.streams[r]
+                .synchronize()
+                .unwrap_or_else(|e| panic!("gather={gather} rank {r}: {e}"));
+            let word = abi::TPFUSE_ERROR_PEER_TIMEOUT | 2;
+            assert_eq!(
+                ranks.error_word(r),
+                word,
+                "gather={gather} rank {r}: names rank 2"
+            );
+            assert_eq!(
+                ranks.host_error_word(r),
+                word,
+                "gather={gather} rank {r}: published"
+            );
+            assert!(
+                out.to_vec().iter().all(|x| x.is_failed_output()),
+                "gather={gather} rank {r}: out marked"
+            );
+        }
+    }
+}
+
 /// Ranks that launch different shapes (here m = 16 and m = 17: other tiles, another
 /// configuration) get TPFUSE_ERROR_PEER_MISMATCH, and their outputs are marked failed.
 #[test]

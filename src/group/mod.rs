@@ -718,6 +718,19 @@ impl TpGroup {
         }
     }
 
+    /// A custom collective's launcher code: `Ok` for 0; otherwise the launch error, and the
+    /// group is poisoned. A rank whose launch did not happen is out of step with its peers
+    /// (the fused kernels' launch epoch did not advance on it), so it must not launch again
+    /// on this group.
+    pub(crate) fn launched(&self, kernel: &'static str, code: i32) -> Result<()> {
+        crate::validate::launched(kernel, code).inspect_err(|e| {
+            self.poison.set(format!(
+                "rank {}: a custom kernel did not launch: {e}",
+                self.rank
+            ));
+        })
+    }
+
     /// Poisons the group for a nonzero error word and returns its error.
     fn fail_on_word(&self, word: u32) -> Result<()> {
         let Some(error) = error_of_word(word, self.rank, self.timeout) else {

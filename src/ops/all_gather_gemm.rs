@@ -16,7 +16,7 @@ use crate::ffi::kernels;
 use crate::group::TpGroup;
 use crate::ops::gemm::{check_gemm_shapes, GemmBuffers, GemmElement, GemmShape};
 use crate::ops::gemm_all_reduce::{facts_of, planned, renamed, FusedFacts, FusedPlan};
-use crate::validate::{check_disjoint, launched, owner, BufferInfo};
+use crate::validate::{check_disjoint, owner, BufferInfo};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use std::ffi::c_void;
 
@@ -169,6 +169,6 @@ pub fn all_gather_gemm<T: GemmElement + NcclType>(
             stream.cu_stream() as *mut c_void,
         )
     };
-    launched("tpfuse_all_gather_gemm", code)?;
+    group.launched("tpfuse_all_gather_gemm", code)?;
     Ok(plan)
 }

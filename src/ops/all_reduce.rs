@@ -450,7 +450,7 @@ fn execute<T: Element + NcclType>(
                     raw_stream,
                 )
             };
-            launched("tpfuse_all_reduce", code)?;
+            group.launched("tpfuse_all_reduce", code)?;
         }
         AllReduceAlgo::Nccl => {
             let comm = group

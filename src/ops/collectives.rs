@@ -7,7 +7,7 @@ use crate::dtype::{Element, NcclType};
 use crate::error::{Error, Result};
 use crate::ffi::kernels;
 use crate::group::TpGroup;
-use crate::validate::{check_disjoint, launched, owner, BufferInfo};
+use crate::validate::{check_disjoint, owner, BufferInfo};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use std::ffi::c_void;
 
@@ -176,5 +176,5 @@ fn launch_custom<T: Element>(
         op as *mut c_void,
         stream.cu_stream() as *mut c_void,
     );
-    launched(kernel, code)
+    group.launched(kernel, code)
 }

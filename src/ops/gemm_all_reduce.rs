@@ -27,7 +27,7 @@ use crate::ops::all_reduce::Epilogue;
 use crate::ops::gemm::{
     check_gemm, check_gemm_shapes, select_config, GemmBuffers, GemmConfig, GemmElement, GemmShape,
 };
-use crate::validate::{check_disjoint, launched, owner, BufferInfo};
+use crate::validate::{check_disjoint, owner, BufferInfo};
 use cudarc::driver::{sys, DevicePtr, DevicePtrMut};
 use std::ffi::c_void;
 
@@ -319,7 +319,7 @@ pub fn gemm_all_reduce<T: GemmElement + NcclType>(
             stream.cu_stream() as *mut c_void,
         )
     };
-    launched("tpfuse_gemm_all_reduce", code)?;
+    group.launched("tpfuse_gemm_all_reduce", code)?;
     Ok(plan)
 }
 
@@ -435,6 +435,6 @@ pub fn gemm_reduce_scatter<T: GemmElement + NcclType>(
             stream.cu_stream() as *mut c_void,
         )
     };
-    launched("tpfuse_gemm_reduce_scatter", code)?;
+    group.launched("tpfuse_gemm_reduce_scatter", code)?;
     Ok(plan)
 }
