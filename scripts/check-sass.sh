@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Compiler evidence for the GEMM kernels: disassembles the built cuda/gemm.cu objects
-# (target/*/build/tpfuse-*/out/gemm.o, every SASS architecture in them) and checks that every
-# sm80-path kernel (tpfuse::gemm::gemm_sm80_kernel<...>) contains
+# Compiler evidence for the GEMM kernels: disassembles the built objects of cuda/gemm.cu,
+# gemm_all_reduce.cu and all_gather_gemm.cu (target/*/build/tpfuse-*/out/*gemm*.o, every SASS
+# architecture in them) and checks that every kernel that runs the sm80 mainloop
+# (gemm_sm80_kernel, and the fused gemm_all_reduce_kernel and all_gather_gemm_kernel) contains
 #   - tensor-core MMAs of its type: HMMA.16816.F32.BF16 (bf16) or HMMA.16816.F32 (f16),
 #   - ldmatrix (LDSM) and cp.async (LDGSTS) instructions,
 #   - no local-memory traffic (LDL / STL: spills or stack arrays),
@@ -38,7 +39,7 @@ export NVDISASM_PATH="$nvdisasm"
 if [ $# -gt 0 ]; then
   objects=("$@")
 else
-  mapfile -t objects < <(ls -1 "$root"/target/*/build/tpfuse-*/out/gemm*.o 2>/dev/null || true)
+  mapfile -t objects < <(ls -1 "$root"/target/*/build/tpfuse-*/out/*gemm*.o 2>/dev/null || true)
 fi
 if [ ${#objects[@]} -eq 0 ]; then
   log "no gemm object under target/*/build/tpfuse-*/out: build the crate first"
@@ -74,17 +75,19 @@ def total(c, pred):
 
 failures = []
 rows = []
+KERNELS = ("gemm_sm80_kernel<", "gemm_all_reduce_kernel<", "all_gather_gemm_kernel<")
 for (arch, func), c in sorted(counts.items()):
-    if "gemm_sm80_kernel<" not in func:
+    kernel = next((k for k in KERNELS if k in func), None)
+    if kernel is None:
         continue
-    bf16 = func.split("gemm_sm80_kernel<", 1)[1].startswith("__nv_bfloat16")
+    bf16 = func.split(kernel, 1)[1].startswith("__nv_bfloat16")
     want = "HMMA.16816.F32.BF16" if bf16 else "HMMA.16816.F32"
     hmma = c.get(want, 0)
     other_hmma = total(c, lambda k: k.startswith("HMMA") and k != want)
     ldsm = total(c, lambda k: k.startswith("LDSM"))
     ldgsts = total(c, lambda k: k.startswith("LDGSTS"))
     local = total(c, lambda k: k.startswith("LDL") or k.startswith("STL"))
-    short = re.sub(r"tpfuse::gemm::", "", func.split("(")[0])
+    short = re.sub(r"tpfuse::(gemm::)?", "", func.replace("(anonymous namespace)::", "").split("(")[0])
     short = re.sub(r",\s*GemmEpilogue<[^>]*>\s*", "", short)
     rows.append((arch, short, want, hmma, ldsm, ldgsts, local))
     problems = []
@@ -97,7 +100,7 @@ for (arch, func), c in sorted(counts.items()):
         failures.append("%s %s: %s" % (arch, short, "; ".join(problems)))
 
 if not rows:
-    print("no gemm_sm80_kernel found")
+    print("no GEMM kernel found")
     sys.exit(1)
 print("%-8s %-58s %-20s %5s %5s %6s %5s" % ("arch", "kernel", "mma", "HMMA", "LDSM", "LDGSTS", "local"))
 for r in rows:
