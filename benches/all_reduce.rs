@@ -41,10 +41,9 @@
 
 #[path = "common/mod.rs"]
 mod common;
-use common::{human, random_device, time_rounds, KB, MB};
+use common::{check_all, human, random_device, time_rounds, KB, MB};
 
 use criterion::{BenchmarkGroup, BenchmarkId, Criterion, SamplingMode, Throughput};
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaContext, CudaGraph, CudaSlice, CudaStream, CudaView, CudaViewMut};
 use half::bf16;
 use std::sync::Arc;
@@ -152,41 +151,12 @@ fn median(mut f: impl FnMut() -> Duration) -> Duration {
     t[t.len() / 2]
 }
 
-/// Captures, per group, [`ROUNDS`] calls of `enqueue(rank)` on the group's stream into one
-/// graph (thread-local capture mode).
+/// Per-rank graphs of [`ROUNDS`] calls of `enqueue(rank)`.
 fn capture_rounds<R>(
     groups: &[TpGroup],
-    mut enqueue: impl FnMut(usize) -> tpfuse::Result<R>,
+    enqueue: impl FnMut(usize) -> tpfuse::Result<R>,
 ) -> Vec<CudaGraph> {
-    (0..groups.len())
-        .map(|r| {
-            let stream = groups[r].stream();
-            stream
-                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                .expect("beginning a capture");
-            let mut result = Ok(());
-            for _ in 0..ROUNDS {
-                if let Err(e) = enqueue(r) {
-                    result = Err(e);
-                    break;
-                }
-            }
-            let graph = stream.end_capture(CUgraphInstantiate_flags(0));
-            result.unwrap_or_else(|e| panic!("rank {r}: enqueue during the capture: {e}"));
-            let graph = graph
-                .expect("ending a capture")
-                .expect("the capture recorded work");
-            graph.upload().expect("uploading a graph");
-            graph
-        })
-        .collect()
-}
-
-fn check_all(groups: &[TpGroup], what: &str) {
-    for g in groups {
-        g.check()
-            .unwrap_or_else(|e| panic!("{what}: check() on rank {}: {e}", g.rank()));
-    }
+    common::capture_rounds(groups, ROUNDS, enqueue)
 }
 
 // ---------------------------------------------------------------------------------------

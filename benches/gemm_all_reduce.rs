@@ -23,10 +23,9 @@
 
 #[path = "common/mod.rs"]
 mod common;
-use common::{random_device, time_rounds};
+use common::{capture_rounds, check_all, random_device, time_rounds};
 
 use criterion::{BenchmarkId, Criterion};
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
 use half::bf16;
 use std::sync::Arc;
@@ -118,32 +117,7 @@ fn graphs(groups: &[TpGroup], b: &mut Buffers, way: Way, shape: GemmShape) -> Ve
         enqueue(groups, b, r, way, shape).unwrap_or_else(|e| panic!("{way:?} rank {r}: {e}"));
     }
     check_all(groups, "warm-up");
-    (0..groups.len())
-        .map(|r| {
-            let stream = groups[r].stream();
-            stream
-                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                .expect("beginning a capture");
-            let mut result = Ok(());
-            for _ in 0..ROUNDS {
-                result = result.and_then(|()| enqueue(groups, b, r, way, shape));
-            }
-            let graph = stream.end_capture(CUgraphInstantiate_flags(0));
-            result.unwrap_or_else(|e| panic!("{way:?} rank {r} during the capture: {e}"));
-            let graph = graph
-                .expect("ending a capture")
-                .expect("the capture recorded work");
-            graph.upload().expect("uploading a graph");
-            graph
-        })
-        .collect()
-}
-
-fn check_all(groups: &[TpGroup], what: &str) {
-    for g in groups {
-        g.check()
-            .unwrap_or_else(|e| panic!("{what}: rank {}: {e}", g.rank()));
-    }
+    capture_rounds(groups, ROUNDS, |r| enqueue(groups, b, r, way, shape))
 }
 
 /// GPU time of `iters` launches of every rank's graph (ROUNDS calls each).

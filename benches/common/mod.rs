@@ -3,13 +3,13 @@
 //! `#[path = "common/mod.rs"] mod common;`.
 #![allow(dead_code)]
 
-use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::{CudaSlice, CudaStream, ValidAsZeroBits};
+use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, ValidAsZeroBits};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::sync::Arc;
 use std::time::Duration;
-use tpfuse::Element;
+use tpfuse::{Element, TpGroup};
 
 pub const KB: usize = 1 << 10;
 pub const MB: usize = 1 << 20;
@@ -104,5 +104,44 @@ pub fn human(bytes: usize) -> String {
         format!("{}MB", bytes / MB)
     } else {
         format!("{}KB", bytes / KB)
+    }
+}
+
+/// Captures, per group, `rounds` calls of `enqueue(rank)` on the group's stream into one
+/// uploaded graph (thread-local capture mode).
+pub fn capture_rounds<R>(
+    groups: &[TpGroup],
+    rounds: u64,
+    mut enqueue: impl FnMut(usize) -> tpfuse::Result<R>,
+) -> Vec<CudaGraph> {
+    (0..groups.len())
+        .map(|r| {
+            let stream = groups[r].stream();
+            stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .expect("beginning a capture");
+            let mut result = Ok(());
+            for _ in 0..rounds {
+                if let Err(e) = enqueue(r) {
+                    result = Err(e);
+                    break;
+                }
+            }
+            let graph = stream.end_capture(CUgraphInstantiate_flags(0));
+            result.unwrap_or_else(|e| panic!("rank {r}: enqueue during the capture: {e}"));
+            let graph = graph
+                .expect("ending a capture")
+                .expect("the capture recorded work");
+            graph.upload().expect("uploading a graph");
+            graph
+        })
+        .collect()
+}
+
+/// `check()` on every rank; panics naming `what` and the rank.
+pub fn check_all(groups: &[TpGroup], what: &str) {
+    for g in groups {
+        g.check()
+            .unwrap_or_else(|e| panic!("{what}: check() on rank {}: {e}", g.rank()));
     }
 }

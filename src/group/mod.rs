@@ -218,6 +218,8 @@ pub struct TpGroup {
     blocks: usize,
     /// The fused GEMM + all-reduce's persistent grid bound ([`TpGroup::fused_blocks`]).
     fused_blocks: usize,
+    /// The rank's device, for the fused kernels' plans.
+    device_facts: DeviceFacts,
     timeout: Duration,
     poison: Arc<Poison>,
     /// This rank's host-mapped error word; `None` without symmetric memory.
@@ -241,6 +243,31 @@ impl std::fmt::Debug for TpGroup {
             .field("poisoned", &self.poison.reason())
             .finish()
     }
+}
+
+/// What the fused GEMM kernels' planning needs of a rank's device, read once when the group
+/// is built (no driver query on an op's path).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct DeviceFacts {
+    /// (major, minor).
+    pub(crate) compute_capability: (u32, u32),
+    pub(crate) sms: usize,
+}
+
+fn device_facts(ctx: &CudaContext) -> Result<DeviceFacts> {
+    let attr = |a| {
+        ctx.attribute(a)
+            .map(|v| v.max(0) as u32)
+            .map_err(cuda("reading the compute capability"))
+    };
+    use sys::CUdevice_attribute::*;
+    Ok(DeviceFacts {
+        compute_capability: (
+            attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        ),
+        sms: sm_count(ctx)?,
+    })
 }
 
 pub(crate) fn sm_count(ctx: &CudaContext) -> Result<usize> {
@@ -343,6 +370,7 @@ impl TpGroup {
                 timeout: options.timeout,
                 poison: poison.clone(),
                 clock_khz: peak_clock_khz(ctx),
+                device_facts: device_facts(ctx)?,
                 comm: None,
             });
         }
@@ -434,6 +462,7 @@ impl TpGroup {
                     timeout: options.timeout,
                     poison: poison.clone(),
                     clock_khz: peak_clock_khz(&ctx),
+                    device_facts: device_facts(&ctx)?,
                     comm: Some(comm),
                 })
             })
@@ -504,6 +533,7 @@ impl TpGroup {
             stream,
             host_error: host_error_word(&ctx, workspace.as_ref())?,
             clock_khz: peak_clock_khz(&ctx),
+            device_facts: device_facts(&ctx)?,
             workspace,
             unavailable,
             verdict,
@@ -573,6 +603,11 @@ impl TpGroup {
     /// among the ranks.
     pub fn fused_blocks(&self) -> usize {
         self.fused_blocks
+    }
+
+    /// The rank's device: compute capability and SM count, read when the group was built.
+    pub(crate) fn device_facts(&self) -> DeviceFacts {
+        self.device_facts
     }
 
     /// Thread blocks per custom kernel launch (the CTA budget), the same on every rank.

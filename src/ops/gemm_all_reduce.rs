@@ -18,7 +18,7 @@
 //! `out` and the residual failed ([`Element::failed_output`](crate::dtype::Element::failed_output)),
 //! and the call is CUDA-graph capturable.
 
-use crate::device::{bind, cuda};
+use crate::device::bind;
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
 use crate::ffi::kernels;
@@ -28,7 +28,7 @@ use crate::ops::gemm::{
     check_gemm, check_gemm_shapes, select_config, GemmBuffers, GemmConfig, GemmElement, GemmShape,
 };
 use crate::validate::{check_disjoint, owner, BufferInfo};
-use cudarc::driver::{sys, DevicePtr, DevicePtrMut};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
 use std::ffi::c_void;
 
 /// The most output tiles one fused launch takes (`TPFUSE_MAX_FUSED_TILES`).
@@ -202,26 +202,18 @@ pub fn plan<T: GemmElement>(
     planned(shape, facts)
 }
 
-/// The facts of `group`: its device's compute capability and SM count come from the driver.
-pub fn facts_of(group: &TpGroup) -> Result<FusedFacts> {
-    let ctx = group.stream().context();
-    let attr = |a| {
-        ctx.attribute(a)
-            .map(|v| v.max(0) as u32)
-            .map_err(cuda("reading a device attribute for the fused GEMM"))
-    };
-    use sys::CUdevice_attribute::*;
-    Ok(FusedFacts {
+/// The facts of `group` (its device's compute capability and SM count were read when the
+/// group was built: no driver query per call).
+pub fn facts_of(group: &TpGroup) -> FusedFacts {
+    let device = group.device_facts();
+    FusedFacts {
         device: group.device(),
         world: group.world(),
         capacity: group.capacity(),
-        compute_capability: (
-            attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
-            attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
-        ),
-        sms: attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize,
+        compute_capability: device.compute_capability,
+        sms: device.sms,
         blocks: group.fused_blocks(),
-    })
+    }
 }
 
 /// `out` `[m, n]` = `epilogue(Σ_r x_r · W_rᵀ)` on every rank, one kernel launch on the
@@ -245,7 +237,7 @@ pub fn gemm_all_reduce<T: GemmElement + NcclType>(
     out: &mut impl DevicePtrMut<T>,
     shape: GemmShape,
 ) -> Result<FusedPlan> {
-    let facts = facts_of(group)?;
+    let facts = facts_of(group);
     let stream = group.stream();
     let info = |b: &dyn DevicePtr<T>| BufferInfo::new(0, b.len(), owner(b));
     // Lengths and devices first, before any pointer is taken (a buffer of another device
@@ -396,7 +388,7 @@ pub fn gemm_reduce_scatter<T: GemmElement + NcclType>(
     out: &mut impl DevicePtrMut<T>,
     shape: GemmShape,
 ) -> Result<FusedPlan> {
-    let facts = facts_of(group)?;
+    let facts = facts_of(group);
     let stream = group.stream();
     let mut xi = BufferInfo::new(0, x.len(), owner(x));
     let mut wi = BufferInfo::new(0, weight.len(), owner(weight));

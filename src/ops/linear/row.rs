@@ -149,7 +149,7 @@ impl<T: GemmElement + NcclType> RowParallelLinear<T> {
             if let Some(reason) = group.custom_kernels_refused() {
                 return Ok(Some(format!("the group has no custom kernels: {reason}")));
             }
-            Ok(unfusable::<T>(shape, &facts_of(group)?))
+            Ok(unfusable::<T>(shape, &facts_of(group)))
         };
         match self.fusion {
             Fusion::Unfused => Ok(false),
