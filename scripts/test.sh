@@ -8,7 +8,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 eval "$(scripts/setup.sh)"
+started=$(date +%s)
 cargo test "$@"
+echo "== cargo test in $(($(date +%s) - started)) s"
 case " $* " in
 *gpu-tests*) exit 0 ;;
 esac
