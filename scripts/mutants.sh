@@ -285,6 +285,10 @@ mutant no-swizzle emu_counters "the GEMM's shared memory unswizzled (bank confli
 mutant extra-barrier emu_counters "one-shot passes a third barrier" \
   all_reduce.cu $'  if (!barrier.arrive_and_wait()) return give_up(barrier, out, residual, r);\n  barrier.commit();\n  if (gamma' \
   $'  if (!barrier.arrive_and_wait()) return give_up(barrier, out, residual, r);\n  if (!barrier.arrive_and_wait()) return give_up(barrier, out, residual, r);\n  barrier.commit();\n  if (gamma'
+mutant embedding-positive-zero-mask emu_vocab_embedding "another rank's tokens written as +0.0 (the sum loses -0.0)" \
+  vocab_embedding.cu 'id < vocab ? uint16_t{0x8000} : nan_bits' 'id < vocab ? uint16_t{0x0000} : nan_bits'
+mutant embedding-padding-row-looked-up emu_vocab_embedding "an id past the vocabulary reads the rank's padding row" \
+  vocab_embedding.cu 'if (id < vocab && offset < rows) {' 'if (offset < rows) {'
 # The emulator's own twins: a wrong emulation must fail its own tests.
 mutant emu-cp-async-lands-early emu_ops "the emulator lands every cp.async group at any wait" \
   emu/device_ops.cpp 'while (f.committed.size() > static_cast<size_t>(pending)) {' 'while (!f.committed.empty()) {'

@@ -18,7 +18,7 @@ use tpfuse::reference::{
 };
 use tpfuse::shard::{
     describe, qkv_bias_from_megatron, qkv_from_megatron, ColumnParallelSpec, HostWeight, LayerKind,
-    MergedColumnSpec, RowParallelSpec, Section,
+    MergedColumnSpec, RowParallelSpec, Section, VocabParallelSpec, VOCAB_PADDING,
 };
 use tpfuse::{Element, Error};
 
@@ -1158,4 +1158,118 @@ fn general_sections_are_checked() {
     assert_eq!(spec.rows(3).unwrap(), vec![12..16, 16..20]);
     assert!(spec.qkv_split().is_none() && spec.gate_up_split().is_none());
     assert_eq!(spec.replicas(1), 4);
+}
+
+/// vLLM's split where it has one: the vocabulary padded to a multiple of 64, divided by the
+/// world size when that divides it (`None` otherwise: vLLM refuses).
+fn vllm_rows_per_rank(vocab: usize, world: usize) -> Option<usize> {
+    let padded = vocab.div_ceil(64) * 64;
+    (padded % world == 0).then_some(padded / world)
+}
+
+#[test]
+fn vocab_padding_rule_and_the_ranks_rows() {
+    // Real vocabularies: Llama 2 and 3, Qwen2, Gemma, Mistral, GPT-2; and small ones.
+    let vocabs = [
+        32_000, 128_256, 151_936, 256_000, 32_768, 50_257, 1, 63, 64, 65, 1000,
+    ];
+    for vocab in vocabs {
+        for world in WORLDS {
+            let spec = VocabParallelSpec::new("embed", vocab, 64, world).unwrap();
+            let (padded, p) = (spec.padded_vocab(), spec.rows_per_rank());
+            let label = format!("vocab {vocab} world {world}");
+            assert_eq!(padded % (VOCAB_PADDING * world), 0, "{label}");
+            assert!(
+                padded >= vocab && padded - vocab < VOCAB_PADDING * world,
+                "{label}"
+            );
+            assert_eq!(p * world, padded, "{label}");
+            // The same split as vLLM's wherever vLLM's pads to a multiple of 64·W.
+            if vocab.div_ceil(64) % world == 0 {
+                assert_eq!(vllm_rows_per_rank(vocab, world), Some(p), "{label}");
+            }
+            // The ranks' rows tile the padded table; the real ones tile the vocabulary, and a
+            // shard is its real rows then zeros.
+            let spec8 = VocabParallelSpec::new("embed", vocab, 8, world).unwrap();
+            let full8: Vec<u32> = (1..=(vocab as u32 * 8)).collect(); // [vocab, 8], no zero
+            let mut next = 0;
+            for r in 0..world {
+                let rows = spec.rows(r).unwrap();
+                let valid = spec.valid_rows(r).unwrap();
+                assert_eq!(rows, r * p..(r + 1) * p, "{label} rank {r}");
+                assert_eq!(valid.start, next.min(vocab), "{label} rank {r}");
+                assert!(
+                    valid.end <= vocab && valid.end <= rows.end,
+                    "{label} rank {r}"
+                );
+                next = rows.end;
+                let shard = spec8
+                    .shard_table(r, HostWeight::new(&full8, vocab, 8))
+                    .unwrap();
+                assert_eq!(shard.len(), p * 8, "{label} rank {r}");
+                let real = valid.len() * 8;
+                assert_eq!(
+                    shard[..real],
+                    full8[valid.start * 8..valid.end * 8],
+                    "{label} rank {r}"
+                );
+                assert!(
+                    shard[real..].iter().all(|&x| x == 0),
+                    "{label} rank {r}: padding"
+                );
+            }
+            assert_eq!(spec.valid_rows(world - 1).unwrap().end, vocab, "{label}");
+        }
+    }
+    // Llama 3 on 8 ranks, as the docs state it.
+    let llama3 = VocabParallelSpec::new("lm_head", 128_256, 4096, 8).unwrap();
+    assert_eq!(
+        (llama3.padded_vocab(), llama3.rows_per_rank()),
+        (128_512, 16_064)
+    );
+    assert_eq!(vllm_rows_per_rank(128_256, 8), Some(16_032));
+}
+
+#[test]
+fn vocab_spec_errors_name_the_layer() {
+    let label = "vocab-parallel 'embed'";
+    assert_eq!(describe(LayerKind::VocabParallel, "embed"), label);
+    expect_error(
+        VocabParallelSpec::new("embed", 0, 64, 2),
+        label,
+        &["vocab is 0"],
+    );
+    expect_error(
+        VocabParallelSpec::new("embed", 100, 0, 2),
+        label,
+        &["hidden is 0"],
+    );
+    expect_error(
+        VocabParallelSpec::new("embed", 100, 64, 0),
+        label,
+        &["world 0"],
+    );
+    expect_error(
+        VocabParallelSpec::new("embed", 100, 60, 2),
+        label,
+        &["hidden 60", "multiple of 8"],
+    );
+    expect_error(
+        VocabParallelSpec::new("embed", (1 << 32) + 1, 8, 2),
+        label,
+        &["2^32 rows"],
+    );
+    let spec = VocabParallelSpec::new("embed", 100, 8, 2).unwrap();
+    expect_error(spec.rows(2), label, &["rank 2", "world 2"]);
+    let table = vec![0u8; 100 * 8];
+    expect_error(
+        spec.shard_table(0, HostWeight::new(&table, 8, 100)),
+        label,
+        &["transposed?"],
+    );
+    expect_error(
+        spec.shard_table(0, HostWeight::new(&table[1..], 100, 8)),
+        label,
+        &["holds 799"],
+    );
 }

@@ -61,12 +61,14 @@ mod host;
 mod megatron;
 mod merged;
 mod row;
+mod vocab;
 
 pub use column::ColumnParallelSpec;
 pub use host::HostWeight;
 pub use megatron::{qkv_bias_from_megatron, qkv_from_megatron};
 pub use merged::{GateUpSplit, MergedColumnSpec, QkvSplit, Section};
 pub use row::RowParallelSpec;
+pub use vocab::{VocabParallelSpec, VOCAB_PADDING};
 
 /// The largest `m`, `n` or `k` the GEMM takes (2^30), checked by the `check_gemm_dims`
 /// methods.
@@ -81,16 +83,20 @@ pub enum LayerKind {
     RowParallel,
     /// Several column-parallel sections in one weight (QKV, gate_up).
     MergedColumnParallel,
+    /// A `[vocab, hidden]` table split by rows, the vocabulary padded (token embedding, LM
+    /// head).
+    VocabParallel,
 }
 
 impl LayerKind {
-    /// The kind as errors name it: `"column-parallel"`, `"row-parallel"` or
-    /// `"merged-column-parallel"`.
+    /// The kind as errors name it: `"column-parallel"`, `"row-parallel"`,
+    /// `"merged-column-parallel"` or `"vocab-parallel"`.
     pub fn name(self) -> &'static str {
         match self {
             LayerKind::ColumnParallel => "column-parallel",
             LayerKind::RowParallel => "row-parallel",
             LayerKind::MergedColumnParallel => "merged-column-parallel",
+            LayerKind::VocabParallel => "vocab-parallel",
         }
     }
 }

@@ -1,8 +1,8 @@
 //! Column-parallel: a rank holds rows of the weight and computes columns of the output,
 //! optionally gathered.
 
+use super::gather::rank_major_to_rows;
 use super::{check_device, check_len, host_shard, in_layer, Shard};
-use crate::device::{bind, cuda};
 use crate::dtype::NcclType;
 use crate::error::Result;
 use crate::group::TpGroup;
@@ -10,7 +10,7 @@ use crate::ops::collectives::all_gather;
 use crate::ops::gemm::GemmElement;
 use crate::shard::{ColumnParallelSpec, HostWeight};
 use crate::validate::owner;
-use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
 /// A column-parallel linear layer, one rank of it: `y[:, r·out/W .. (r+1)·out/W] = x · W_rᵀ
 /// (+ b_r)`, where `W_r` `[out/W, in]` are rows `r·out/W .. (r+1)·out/W` of the full weight
@@ -126,51 +126,14 @@ impl<T: GemmElement + NcclType> ColumnParallelLinear<T> {
         }
         let names = [("input", "local"), ("out", "gathered")];
         all_gather(group, &*local, gathered).map_err(in_layer(label, &names))?;
-        rank_major_to_rows(group.stream(), &*gathered, out, world, m, n)
+        rank_major_to_rows(
+            group.stream(),
+            &*gathered,
+            out,
+            m,
+            n,
+            world * n,
+            &vec![n; world],
+        )
     }
-}
-
-/// `out[i, r·n .. (r+1)·n] = gathered[r, i, ..]` for every rank `r` and row `i`: one
-/// `cuMemcpy2DAsync` per rank (`m` rows of `n` elements, source pitch `n`, destination pitch
-/// `world·n`), enqueued on `stream`.
-fn rank_major_to_rows<T>(
-    stream: &CudaStream,
-    gathered: &impl DevicePtr<T>,
-    out: &mut impl DevicePtrMut<T>,
-    world: usize,
-    m: usize,
-    n: usize,
-) -> Result<()> {
-    let size = std::mem::size_of::<T>();
-    let (src, _src_guard) = gathered.device_ptr(stream);
-    let (dst, _dst_guard) = out.device_ptr_mut(stream);
-    bind(stream)?;
-    for r in 0..world {
-        let copy = sys::CUDA_MEMCPY2D {
-            srcXInBytes: 0,
-            srcY: 0,
-            srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-            srcHost: std::ptr::null(),
-            srcDevice: src + (r * m * n * size) as u64,
-            srcArray: std::ptr::null_mut(),
-            srcPitch: n * size,
-            dstXInBytes: 0,
-            dstY: 0,
-            dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
-            dstHost: std::ptr::null_mut(),
-            dstDevice: dst + (r * n * size) as u64,
-            dstArray: std::ptr::null_mut(),
-            dstPitch: world * n * size,
-            WidthInBytes: n * size,
-            Height: m,
-        };
-        // SAFETY: the caller checked that `gathered` holds world·m·n and `out` m·world·n
-        // elements on the stream's device: every source row r·m·n + i·n .. + n and every
-        // destination row i·world·n + r·n .. + n lies inside them; the guards keep cudarc's
-        // stream ordering until the copies are enqueued.
-        unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream.cu_stream()) }
-            .result()
-            .map_err(cuda("rearranging the gathered output (cuMemcpy2DAsync)"))?;
-    }
-    Ok(())
 }

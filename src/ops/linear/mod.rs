@@ -6,6 +6,8 @@
 //! | [`ColumnParallelLinear`] | weight rows `r·out/W .. (r+1)·out/W` (and that bias slice) | `[m, in] -> [m, out/W]` | optionally [`all_gather`](crate::ops::all_gather) to `[m, out]` ([`forward_gather`](ColumnParallelLinear::forward_gather)) |
 //! | [`MergedColumnParallelLinear`] | its heads of q, k, v (or its part of gate and up) | `[m, in] -> [m, out_per_rank]` | the caller reads the sections ([`QkvSplit`](crate::shard::QkvSplit), [`GateUpSplit`](crate::shard::GateUpSplit)) |
 //! | [`RowParallelLinear`] | weight columns `r·in/W .. (r+1)·in/W`, and the whole bias | `[m, in/W] -> partial [m, out]` | [`all_reduce_fused`](crate::ops::all_reduce_fused): `out = Σ partials + bias`, bias added once, in f32; or with residual add and RMSNorm ([`forward_residual_rmsnorm`](RowParallelLinear::forward_residual_rmsnorm)) |
+//! | [`VocabParallelEmbedding`] | rows `r·P .. (r+1)·P` of the `[vocab, hidden]` table, the vocabulary padded ([`VocabParallelSpec`](crate::shard::VocabParallelSpec)) | token ids `[m] -> [m, hidden]`: the rank's rows, -0.0 for other ranks' tokens | [`all_reduce`](crate::ops::all_reduce()) in place: the table's rows on every rank, bit for bit |
+//! | [`ParallelLMHead`] | the same rows of the LM head's weight (or the embedding's table, [`tied`](ParallelLMHead::tied)) | `[m, hidden] -> [m, P]` logits, padding columns zero | optionally [`all_gather`](crate::ops::all_gather) to `[m, vocab]`, padding dropped ([`forward_gather`](ParallelLMHead::forward_gather)) |
 //!
 //! The shard math (which rows, columns and heads a rank takes, and the checks that name the
 //! layer) is host-only, in [`crate::shard`]; a layer is built from a spec of that module and
@@ -83,11 +85,16 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use std::borrow::Cow;
 
 mod column;
+mod embedding;
+mod gather;
+mod lm_head;
 mod loader;
 mod merged;
 mod row;
 
 pub use column::ColumnParallelLinear;
+pub use embedding::VocabParallelEmbedding;
+pub use lm_head::ParallelLMHead;
 pub use loader::SectionLoader;
 pub use merged::MergedColumnParallelLinear;
 pub use row::{Fusion, RowParallelLinear, RowParallelPath};
