@@ -196,7 +196,7 @@ int tpfuse_bias_residual(tpfuse_dtype dtype, const void *x, const void *bias, vo
 /* One rank's masked lookup of the vocabulary-parallel embedding (f16, bf16): for each of the
  * m tokens, out[i, :] = table[ids[i] - row_begin, :] when ids[i] < vocab and row_begin <=
  * ids[i] < row_begin + rows; -0.0 (the additive identity, so the ranks' sum is the owner's
- * row bit for bit) when ids[i] < vocab is another rank's; NaN when ids[i] >= vocab.
+ * row bit for bit, NaN entries aside) when ids[i] < vocab is another rank's; NaN when ids[i] >= vocab.
  * table [rows, hidden], ids [m], out [m, hidden]; hidden a multiple of 8, table and out
  * 16-byte aligned, ids 4-byte aligned (cudaErrorInvalidValue otherwise, and for f32). */
 int tpfuse_vocab_embedding(tpfuse_dtype dtype, const void *table, const uint32_t *ids, void *out,

@@ -7,8 +7,10 @@
 //             = NaN                           when ids[i] >= vocab (no rank holds it)
 //
 // -0.0, not +0.0, for the tokens of other ranks: it is the additive identity of IEEE
-// arithmetic (x + -0.0 == x for every x, -0.0 included), so the all-reduce's rank-order sum
-// (or NCCL's, in any order) returns the owner's row bit for bit, signs of zero included. An
+// arithmetic (x + -0.0 == x under round-to-nearest for every x but NaN, -0.0, infinities and
+// subnormals included; the build does not flush subnormals), so the all-reduce's rank-order
+// sum (or NCCL's, in any order) returns the owner's row bit for bit, signs of zero included.
+// A NaN entry stays a NaN, its payload not kept (GPU arithmetic returns the canonical NaN). An
 // id past the vocabulary gives NaN on every rank, so its row sums to NaN, never to a
 // plausible embedding (the Rust layer refuses such ids on the host before launching; this
 // is the device-side answer for ids that never passed through the host).

@@ -13,7 +13,8 @@
 //!   them, and each rank's padding columns zero.
 //! - A tied LM head shares the embedding's device table and gives the bits of an untied head
 //!   loaded from the same tensor.
-//! - Wrong shapes and calls are refused naming the layer.
+//! - Wrong shapes and calls are refused naming the layer; a collective over the group's
+//!   capacity is refused before anything is copied or launched (outputs keep their poison).
 
 mod common;
 use common::assert_same_bits;
@@ -417,6 +418,61 @@ fn bad_shapes_and_calls() {
     check_all(&groups, "after refused calls");
 }
 
+/// A group whose symmetric memory is too small for the collective (no NCCL to fall back on):
+/// refused before the ids are copied, the lookup runs or the GEMM runs.
+fn over_capacity() {
+    let gpu = gpu();
+    let (world, vocab, hidden) = SHAPES[0];
+    let options = GroupOptions {
+        capacity_bytes: 4096,
+        ..GroupOptions::default()
+    };
+    let groups = virtual_group(&gpu.ctx, world, options);
+    let spec = spec(world, vocab, hidden);
+    let t = table::<bf16>(seed_of::<bf16>(&[7]), vocab, hidden);
+    let layers = embeddings(&groups, &spec, &t);
+    let head =
+        ParallelLMHead::from_host(&groups[2], spec.clone(), HostWeight::new(&t, vocab, hidden))
+            .expect("head");
+    let g = &groups[2];
+    let m = 64; // 64 rows of 64 bf16: 8 KiB
+    let ids: Vec<u32> = (0..m as u32).collect();
+    let mut ids_dev = g.stream().alloc_zeros::<u32>(m).expect("alloc");
+    let mut out: CudaSlice<bf16> = common::ranks::poisoned(g, m * hidden);
+    expect_invalid_saying(
+        "embedding over capacity",
+        layers[2].forward(g, &ids, &mut ids_dev, &mut out),
+        "vocab-parallel 'model.embed_tokens'",
+        &["out", "capacity"],
+    );
+    expect_invalid_saying(
+        "embedding over capacity, device ids",
+        layers[2].forward_device_ids(g, &ids_dev, &mut out),
+        "vocab-parallel 'model.embed_tokens'",
+        &["out", "capacity"],
+    );
+    assert_poisoned("embedding out after refused calls", &download(g, &out));
+    assert_eq!(
+        download(g, &ids_dev),
+        vec![0; m],
+        "ids_dev written by a refused call"
+    );
+    let m = 16; // local: 16 rows of 256 bf16, 8 KiB
+    let x = upload(g, &vec![bf16::ONE; m * hidden]);
+    let p = spec.rows_per_rank();
+    let mut local: CudaSlice<bf16> = common::ranks::poisoned(g, m * p);
+    let mut gathered: CudaSlice<bf16> = common::ranks::poisoned(g, world * m * p);
+    let mut logits: CudaSlice<bf16> = common::ranks::poisoned(g, m * vocab);
+    expect_invalid_saying(
+        "LM head over capacity",
+        head.forward_gather(g, &x, &mut local, &mut gathered, &mut logits),
+        "vocab-parallel 'model.embed_tokens'",
+        &["local", "capacity"],
+    );
+    assert_poisoned("LM head local after a refused call", &download(g, &local));
+    check_all(&groups, "after refused calls");
+}
+
 gpu_tests! {
     embedding_rows_bitwise_on_every_rank_bf16 => embedding_matrix::<bf16>();
     embedding_rows_bitwise_on_every_rank_f16 => embedding_matrix::<f16>();
@@ -425,4 +481,5 @@ gpu_tests! {
     lm_head_gathers_the_logits_without_padding_f16 => lm_head_matrix::<f16>();
     tied_lm_head_shares_the_embedding_table => tied_lm_head();
     wrong_shapes_and_calls_name_the_layer => bad_shapes_and_calls();
+    over_capacity_is_refused_before_anything_runs => over_capacity();
 }

@@ -84,21 +84,34 @@ pub fn all_reduce_in_place<T: Element + NcclType>(
     buf: &mut impl DevicePtrMut<T>,
     algorithm: Algorithm,
 ) -> Result<AllReduceAlgo> {
-    let facts = GroupFacts::of(group);
-    let stream = group.stream();
-    let len = buf.len();
-    let device = owner(&*buf);
-    let (ptr, _guard) = buf.device_ptr_mut(stream);
+    let (len, device) = (buf.len(), owner(&*buf));
+    let (ptr, _guard) = buf.device_ptr_mut(group.stream());
+    let (desc, plan) = plan_in_place::<T>(group, BufferInfo::new(ptr, len, device), algorithm)?;
+    execute::<T>(group, &desc, &plan)
+}
+
+/// Everything [`all_reduce_in_place`] of `buf` checks before it launches (shapes, alignment,
+/// capacity, the algorithm, and for tpfuse's kernels a usable, unpoisoned group), for a
+/// caller that must refuse before launching work of its own; then
+/// [`execute`] runs it (the caller holds the buffer's stream-ordering guard across both).
+pub(crate) fn plan_in_place<T: Element>(
+    group: &TpGroup,
+    buf: BufferInfo,
+    algorithm: Algorithm,
+) -> Result<(Desc, Plan)> {
     let desc = Desc {
-        input: BufferInfo::new(ptr, len, device),
-        out: BufferInfo::new(ptr, len, device),
+        input: buf,
+        out: buf,
         bias: None,
         residual: None,
         gamma: None,
         eps: 0.0,
     };
-    let plan = plan::<T>(&desc, &facts, algorithm)?;
-    execute::<T>(group, &desc, &plan)
+    let plan = plan::<T>(&desc, &GroupFacts::of(group), algorithm)?;
+    if plan.algo != AllReduceAlgo::Nccl && buf.len > 0 {
+        group.kernel_args()?;
+    }
+    Ok((desc, plan))
 }
 
 /// The decode hot path of a transformer layer: `h = sum over ranks of partial + residual`,
@@ -412,7 +425,7 @@ fn ptr(b: Option<BufferInfo>) -> *const c_void {
     b.map_or(std::ptr::null(), |b| b.addr as *const c_void)
 }
 
-fn execute<T: Element + NcclType>(
+pub(crate) fn execute<T: Element + NcclType>(
     group: &TpGroup,
     desc: &Desc,
     plan: &Plan,

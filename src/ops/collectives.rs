@@ -50,35 +50,17 @@ pub fn all_gather<T: Element + NcclType>(
     out: &mut impl DevicePtrMut<T>,
 ) -> Result<()> {
     let n = input.len();
-    let world = group.world();
-    if out.len() != n * world {
-        return Err(Error::invalid(
-            "out",
-            format!(
-                "holds {} elements, must hold world ({world}) x {n}",
-                out.len()
-            ),
-        ));
-    }
-    let bytes = n * std::mem::size_of::<T>();
-    if bytes % 16 != 0 {
-        return Err(Error::invalid(
-            "input",
-            format!("{bytes} bytes is not a multiple of 16"),
-        ));
-    }
-    let (in_dev, out_dev, out_len) = (owner(input), owner(&*out), out.len());
-    BufferInfo::new(0, n, in_dev).check_device("input", group.device())?;
-    BufferInfo::new(0, out_len, out_dev).check_device("out", group.device())?;
+    let custom = check_all_gather::<T>(group, (n, owner(input)), (out.len(), owner(&*out)))?;
     if n == 0 {
         return Ok(());
     }
-    if !use_custom(group, bytes)? {
+    if !custom {
         let comm = group
             .comm()
             .ok_or_else(|| Error::invalid("group", "no communicator"))?;
         return comm.all_gather(input, out);
     }
+    let bytes = n * std::mem::size_of::<T>();
     // SAFETY (closure): lengths, devices and capacity checked above, alignment and aliasing
     // by launch_custom.
     launch_custom(
@@ -90,6 +72,41 @@ pub fn all_gather<T: Element + NcclType>(
             kernels::tpfuse_all_gather(peers, args, ip, op, bytes, stream)
         },
     )
+}
+
+/// What [`all_gather`] checks of an `input` (length, device) and an `out` before it launches
+/// (lengths, devices, capacity, and for tpfuse's kernel a usable, unpoisoned group), for a
+/// layer that must refuse before launching its own work; whether tpfuse's kernel runs (else
+/// NCCL). Alignment and aliasing are checked at the launch.
+pub(crate) fn check_all_gather<T: Element>(
+    group: &TpGroup,
+    (n, in_dev): (usize, usize),
+    (out_len, out_dev): (usize, usize),
+) -> Result<bool> {
+    let world = group.world();
+    if out_len != n * world {
+        return Err(Error::invalid(
+            "out",
+            format!("holds {out_len} elements, must hold world ({world}) x {n}"),
+        ));
+    }
+    let bytes = n * std::mem::size_of::<T>();
+    if bytes % 16 != 0 {
+        return Err(Error::invalid(
+            "input",
+            format!("{bytes} bytes is not a multiple of 16"),
+        ));
+    }
+    BufferInfo::new(0, n, in_dev).check_device("input", group.device())?;
+    BufferInfo::new(0, out_len, out_dev).check_device("out", group.device())?;
+    if n == 0 {
+        return Ok(true);
+    }
+    let custom = use_custom(group, bytes)?;
+    if custom {
+        group.kernel_args()?;
+    }
+    Ok(custom)
 }
 
 /// `out = (sum over ranks of input)[rank * n .. (rank + 1) * n]`, n = `out.len()`; `input`

@@ -6,7 +6,7 @@ use super::{check_device, check_len, host_shard, in_layer, Shard};
 use crate::dtype::NcclType;
 use crate::error::Result;
 use crate::group::TpGroup;
-use crate::ops::collectives::all_gather;
+use crate::ops::collectives::{all_gather, check_all_gather};
 use crate::ops::gemm::GemmElement;
 use crate::shard::{ColumnParallelSpec, HostWeight};
 use crate::validate::owner;
@@ -116,15 +116,25 @@ impl<T: GemmElement + NcclType> ColumnParallelLinear<T> {
         check_len(label, "gathered", gathered.len(), world * m, n)?;
         check_len(label, "out", out.len(), m, self.spec.out_features())?;
         check_device(label, "out", owner(&*out), group)?;
+        // Every check of the gather before the GEMM runs (m = 1 gathers straight into out).
+        let names = [
+            ("input", "local"),
+            ("out", if m == 1 { "out" } else { "gathered" }),
+        ];
+        let target = if m == 1 {
+            (out.len(), owner(&*out))
+        } else {
+            (gathered.len(), owner(&*gathered))
+        };
+        check_all_gather::<T>(group, (local.len(), owner(&*local)), target)
+            .map_err(in_layer(label, &names))?;
         self.shard.forward(group, x, local)?;
         if m == 0 {
             return Ok(());
         }
         if m == 1 {
-            let names = [("input", "local"), ("out", "out")];
             return all_gather(group, &*local, out).map_err(in_layer(label, &names));
         }
-        let names = [("input", "local"), ("out", "gathered")];
         all_gather(group, &*local, gathered).map_err(in_layer(label, &names))?;
         rank_major_to_rows(
             group.stream(),

@@ -7,7 +7,7 @@ use crate::dtype::NcclType;
 use crate::error::{Error, Result};
 use crate::ffi::kernels;
 use crate::group::TpGroup;
-use crate::ops::all_reduce::{all_reduce_in_place, Algorithm};
+use crate::ops::all_reduce::{execute, plan_in_place, Algorithm, Desc, Plan};
 use crate::ops::gemm::GemmElement;
 use crate::shard::{HostWeight, VocabParallelSpec};
 use crate::topology::AllReduceAlgo;
@@ -21,7 +21,8 @@ use std::sync::Arc;
 /// padded to a multiple of `64 · W`; rank `r` holds the rows `r·P .. (r+1)·P`, zeros past
 /// `vocab`). Each rank writes the rows of the tokens it holds and -0.0 for the others, then
 /// the group's all-reduce sums them: the result is the table's row bit for bit on every rank
-/// (-0.0 is the additive identity, so the sum changes no bit, zeros' signs included).
+/// (-0.0 is the additive identity, so the sum changes no bit, zeros' signs included), except
+/// that a NaN in the table comes out as a NaN with another payload.
 ///
 /// The table may be shared with the LM head ([`ParallelLMHead::tied`]), as in models with tied
 /// embeddings.
@@ -116,10 +117,10 @@ impl<T: GemmElement + NcclType> VocabParallelEmbedding<T> {
     /// buffer) on the group's stream; the lookup and the all-reduce follow on it. Returns the
     /// all-reduce that ran. A collective: every rank calls it with the same ids.
     ///
-    /// Errors, before anything is launched (naming the layer): an id at or past `vocab` (with
-    /// its position), `ids_dev` or `out` of the wrong length or on another device, `out`
-    /// not 16-byte aligned; the all-reduce's own (capacity, ...). The copy from pageable
-    /// host memory cannot be captured into a CUDA graph: a graph uses
+    /// Errors, before anything is copied or launched (naming the layer): an id at or past
+    /// `vocab` (with its position), `ids_dev` or `out` of the wrong length or on another
+    /// device, `out` not 16-byte aligned, the all-reduce's own (capacity, a poisoned group).
+    /// The copy from pageable host memory cannot be captured into a CUDA graph: a graph uses
     /// [`forward_device_ids`](Self::forward_device_ids).
     pub fn forward(
         &self,
@@ -128,24 +129,27 @@ impl<T: GemmElement + NcclType> VocabParallelEmbedding<T> {
         ids_dev: &mut (impl DevicePtr<u32> + DevicePtrMut<u32>),
         out: &mut impl DevicePtrMut<T>,
     ) -> Result<AllReduceAlgo> {
-        check_group(&self.label, group, self.rank, self.spec.world())?;
+        self.check_call(group)?;
         let vocab = self.spec.vocab();
         if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
             return Err(Error::invalid(
                 &self.label,
-                format!("token id {id} at position {i} is out of range: the vocabulary has {vocab} tokens"),
+                format!(
+                    "token id {id} at position {i} is out of range: the vocabulary has {vocab} \
+                     tokens"
+                ),
             ));
         }
         check_len(&self.label, "ids_dev", ids_dev.len(), ids.len(), 1)?;
         check_device(&self.label, "ids_dev", owner(&*ids_dev), group)?;
-        self.check_out(group, ids.len(), out)?;
+        let planned = self.plan(group, ids.len(), out)?;
         if !ids.is_empty() {
             group
                 .stream()
                 .memcpy_htod(ids, ids_dev)
                 .map_err(cuda("copying the token ids to the device"))?;
         }
-        self.lookup_and_reduce(group, &*ids_dev, out)
+        self.lookup_and_reduce(group, &*ids_dev, out, planned)
     }
 
     /// [`forward`](Self::forward) with the ids already on the device (`ids` `[m]`, e.g. the
@@ -158,55 +162,72 @@ impl<T: GemmElement + NcclType> VocabParallelEmbedding<T> {
         ids: &impl DevicePtr<u32>,
         out: &mut impl DevicePtrMut<T>,
     ) -> Result<AllReduceAlgo> {
-        check_group(&self.label, group, self.rank, self.spec.world())?;
+        self.check_call(group)?;
         check_device(&self.label, "ids", owner(ids), group)?;
-        self.check_out(group, ids.len(), out)?;
-        self.lookup_and_reduce(group, ids, out)
+        let planned = self.plan(group, ids.len(), out)?;
+        self.lookup_and_reduce(group, ids, out, planned)
     }
 
-    fn check_out(&self, group: &TpGroup, m: usize, out: &impl DevicePtrMut<T>) -> Result<()> {
+    /// Errors unless `group` is the layer's rank and world, on the device of its table.
+    fn check_call(&self, group: &TpGroup) -> Result<()> {
+        check_group(&self.label, group, self.rank, self.spec.world())?;
+        check_device(&self.label, "the table shard", owner(&*self.table), group)
+    }
+
+    /// What is checked of `out` `[m, hidden]` before anything runs, with the all-reduce's own
+    /// checks and plan.
+    fn plan(
+        &self,
+        group: &TpGroup,
+        m: usize,
+        out: &mut impl DevicePtrMut<T>,
+    ) -> Result<(Desc, Plan)> {
         check_len(&self.label, "out", out.len(), m, self.spec.hidden())?;
-        check_device(&self.label, "out", owner(out), group)
+        check_device(&self.label, "out", owner(&*out), group)?;
+        let len = out.len();
+        let (op, _guard) = out.device_ptr_mut(group.stream());
+        let buf = BufferInfo::new(op, len, group.device());
+        plan_in_place::<T>(group, buf, Algorithm::Auto)
+            .map_err(in_layer(&self.label, &[("partial", "out")]))
     }
 
-    /// The masked lookup into `out`, then the all-reduce of `out` in place.
+    /// The masked lookup into `out`, then the all-reduce `planned` of `out` in place.
     fn lookup_and_reduce(
         &self,
         group: &TpGroup,
         ids: &impl DevicePtr<u32>,
         out: &mut impl DevicePtrMut<T>,
+        (desc, plan): (Desc, Plan),
     ) -> Result<AllReduceAlgo> {
         let stream = group.stream();
         let (m, hidden) = (ids.len(), self.spec.hidden());
-        {
-            let (tp, _g1) = self.table.device_ptr(stream);
-            let (ip, _g2) = ids.device_ptr(stream);
-            let (op, _g3) = out.device_ptr_mut(stream);
-            BufferInfo::new(op, m * hidden, group.device())
-                .check_aligned16("out")
-                .map_err(in_layer(&self.label, &[]))?;
-            let rows = self.spec.rows(self.rank)?;
-            bind(stream)?;
-            // SAFETY: the table holds [P, hidden] (checked when built), ids m and out m·hidden
-            // elements, on the group's device; out is 16-byte aligned (above), the table is a
-            // whole allocation, ids are u32 (4-byte aligned).
-            let code = unsafe {
-                kernels::tpfuse_vocab_embedding(
-                    T::DTYPE,
-                    tp as *const c_void,
-                    ip as *const u32,
-                    op as *mut c_void,
-                    m,
-                    hidden,
-                    rows.start as u64,
-                    rows.len() as u64,
-                    self.spec.vocab() as u64,
-                    stream.cu_stream() as *mut c_void,
-                )
-            };
-            launched("tpfuse_vocab_embedding", code)?;
-        }
-        all_reduce_in_place(group, out, Algorithm::Auto)
-            .map_err(in_layer(&self.label, &[("buf", "out")]))
+        let rows = self.spec.rows(self.rank)?;
+        let (tp, _g1) = self.table.device_ptr(stream);
+        let (ip, _g2) = ids.device_ptr(stream);
+        let (op, _g3) = out.device_ptr_mut(stream);
+        debug_assert_eq!(
+            op, desc.out.addr,
+            "the buffer planned is the buffer written"
+        );
+        bind(stream)?;
+        // SAFETY: the table holds [P, hidden] (checked when built), ids m and out m·hidden
+        // elements, on the group's device; out is 16-byte aligned (planned), the table is a
+        // whole allocation, ids are u32 (4-byte aligned).
+        let code = unsafe {
+            kernels::tpfuse_vocab_embedding(
+                T::DTYPE,
+                tp as *const c_void,
+                ip as *const u32,
+                op as *mut c_void,
+                m,
+                hidden,
+                rows.start as u64,
+                rows.len() as u64,
+                self.spec.vocab() as u64,
+                stream.cu_stream() as *mut c_void,
+            )
+        };
+        launched("tpfuse_vocab_embedding", code)?;
+        execute::<T>(group, &desc, &plan).map_err(in_layer(&self.label, &[("partial", "out")]))
     }
 }

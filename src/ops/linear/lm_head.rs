@@ -7,7 +7,7 @@ use super::{check_device, check_group, check_len, check_shard, in_layer, rows_of
 use crate::dtype::NcclType;
 use crate::error::Result;
 use crate::group::TpGroup;
-use crate::ops::collectives::all_gather;
+use crate::ops::collectives::{all_gather, check_all_gather};
 use crate::ops::gemm::{gemm, GemmElement};
 use crate::shard::{HostWeight, VocabParallelSpec};
 use crate::validate::owner;
@@ -163,8 +163,9 @@ impl<T: GemmElement + NcclType> ParallelLMHead<T> {
     /// (rank-major), then `out` `[m, vocab]` from the real columns of each rank (strided
     /// device-to-device copies, no kernel): `out[i, t]` is token `t`'s logit, and no padding
     /// column reaches `out`. A collective: every rank calls it with the same `m`.
-    /// Errors (naming the layer): `local`, `gathered` or `out` of the wrong length, `out` on
-    /// another device, the GEMM's and the all-gather's own (capacity, ...).
+    /// Errors, before anything is launched (naming the layer): `local`, `gathered` or `out` of
+    /// the wrong length or on another device, the GEMM's and the all-gather's own (capacity,
+    /// a poisoned group, ...).
     pub fn forward_gather(
         &self,
         group: &TpGroup,
@@ -182,11 +183,14 @@ impl<T: GemmElement + NcclType> ParallelLMHead<T> {
         check_len(&self.label, "gathered", gathered.len(), world * m, p)?;
         check_len(&self.label, "out", out.len(), m, vocab)?;
         check_device(&self.label, "out", owner(&*out), group)?;
+        let names = [("input", "local"), ("out", "gathered")];
+        let staged = (local.len(), owner(&*local));
+        check_all_gather::<T>(group, staged, (gathered.len(), owner(&*gathered)))
+            .map_err(in_layer(&self.label, &names))?;
         self.forward(group, x, local)?;
         if m == 0 {
             return Ok(());
         }
-        let names = [("input", "local"), ("out", "gathered")];
         all_gather(group, &*local, gathered).map_err(in_layer(&self.label, &names))?;
         let widths = (0..world)
             .map(|r| self.spec.valid_rows(r).map(|v| v.len()))
@@ -194,9 +198,11 @@ impl<T: GemmElement + NcclType> ParallelLMHead<T> {
         rank_major_to_rows(group.stream(), &*gathered, out, m, p, vocab, &widths)
     }
 
-    /// Errors unless `group` is the layer's; `m` from the length of `x`, `[m, hidden]`.
+    /// Errors unless `group` is the layer's rank and world, on the device of its weight; `m`
+    /// from the length of `x`, `[m, hidden]`.
     fn rows(&self, group: &TpGroup, x: usize) -> Result<usize> {
         check_group(&self.label, group, self.rank, self.spec.world())?;
+        check_device(&self.label, "the weight shard", owner(&*self.weight), group)?;
         rows_of(&self.label, "x", x, self.spec.hidden())
     }
 }
