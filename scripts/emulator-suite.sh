@@ -41,6 +41,10 @@ echo "== the GPU suite on the emulator: the crate's unit tests, ${gpu[*]}"
 TPFUSE_EMU_REPORT=$report TPFUSE_EMU_SMS=16 cargo test --features emulator "${gpu[@]}"
 echo "== the GPU suite on the emulator in $(($(date +%s) - gpu_started)) s"
 
+# The TP-4 decoder MLP example against its f64 reference (fails on a mismatch); the test profile reuses the GPU suite's build.
+echo "== examples/tp_decoder_mlp on the emulator"
+TPFUSE_EMU_SMS=16 cargo run --profile test --features emulator --example tp_decoder_mlp
+
 # The report: launches and blocks per kernel instantiation, summed over every test process.
 echo "== kernel instantiations executed on the emulator (launches, blocks, kernel)"
 awk -F'\t' '{ l[$3] += $1; b[$3] += $2 } END { for (k in l) printf "%8d %9d  %s\n", l[k], b[k], k }' "$report" |
