@@ -41,7 +41,8 @@ echo "== the GPU suite on the emulator: the crate's unit tests, ${gpu[*]}"
 TPFUSE_EMU_REPORT=$report TPFUSE_EMU_SMS=16 cargo test --features emulator "${gpu[@]}"
 echo "== the GPU suite on the emulator in $(($(date +%s) - gpu_started)) s"
 
-# The TP-4 decoder MLP example against its f64 reference (fails on a mismatch); the test profile reuses the GPU suite's build.
+# The TP-4 decoder MLP example against its f64 reference (fails on a mismatch); the test
+# profile reuses the GPU suite's build.
 echo "== examples/tp_decoder_mlp on the emulator"
 TPFUSE_EMU_SMS=16 cargo run --profile test --features emulator --example tp_decoder_mlp
 
