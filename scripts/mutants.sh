@@ -115,11 +115,18 @@ run_tests() {
     return 2
   fi
   # Under each schedule the suite runs, until one fails (the random ones with fixed seeds).
-  local schedule
+  # One process per test, stopping at the first that fails: a caught mutant costs the tests
+  # up to the one that catches it, not the whole binary (whose other tests may each wait out
+  # a deadlock horizon).
+  local schedule tests t
+  tests=$("$bin" --list 2>/dev/null | sed -n 's/: test$//p')
+  [ -n "$tests" ] || { echo "mutants: $test lists no tests" >&2; return 2; }
   for schedule in forward reverse random:1 random:2; do
-    LD_PRELOAD="$work/$name/out/libtpfuse_emu.so" TPFUSE_EMU_SCHEDULE=${schedule%%:*} \
-      TPFUSE_EMU_SEED=${schedule#*:} timeout 600 "$bin" --test-threads=1 >"$work/$name/test.log" 2>&1 ||
-      { echo "$schedule" >"$work/$name/schedule"; return 1; }
+    for t in $tests; do
+      LD_PRELOAD="$work/$name/out/libtpfuse_emu.so" TPFUSE_EMU_SCHEDULE=${schedule%%:*} \
+        TPFUSE_EMU_SEED=${schedule#*:} timeout 600 "$bin" --exact "$t" >"$work/$name/test.log" 2>&1 ||
+        { echo "$schedule" >"$work/$name/schedule"; return 1; }
+    done
   done
   return 0
 }
@@ -182,12 +189,23 @@ report() {
 }
 
 # The unmutated copy must pass, or every "caught" below would mean nothing.
+# Every binary a mutant below names, under the same four schedules, two at a time.
 if wanted baseline; then
   apply baseline
-  for t in emu_ops emu_reduce_ranks emu_all_reduce emu_gemm emu_gemm_all_reduce emu_counters; do
-    run_tests baseline "$t" || { echo "mutants: the unmutated cuda/ fails $t; see $work/baseline/test.log" >&2; cat "$work/baseline/test.log" >&2; exit 1; }
+  build_library baseline >"$work/baseline/build.log" 2>&1 ||
+    { echo "mutants: the unmutated cuda/ does not compile" >&2; tail -n 20 "$work/baseline/build.log" >&2; exit 1; }
+  binaries=$(sed -n 's/^mutant [^ ]* \(emu_[a-z_]*\) .*/\1/p' scripts/mutants.sh | sort -u)
+  for t in $binaries; do
+    while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n || true; done
+    mkdir -p "$work/baseline-$t"
+    ln -sfn "$work/baseline/out" "$work/baseline-$t/out"
+    (run_tests "baseline-$t" "$t" && touch "$work/baseline-$t/passed") &
   done
-  echo "baseline  unmutated cuda/ passes emu_ops, emu_reduce_ranks, emu_all_reduce, emu_gemm, emu_gemm_all_reduce, emu_counters"
+  wait
+  for t in $binaries; do
+    [ -f "$work/baseline-$t/passed" ] || { echo "mutants: the unmutated cuda/ fails $t:" >&2; cat "$work/baseline-$t/test.log" >&2; exit 1; }
+  done
+  echo "baseline  unmutated cuda/ passes" $binaries
 fi
 
 mutant closing-barrier emu_all_reduce "one-shot without its closing barrier" \
