@@ -1,18 +1,30 @@
-//! The counters table of docs/fused-gemm.md, from the CPU emulator: the row-parallel o_proj of
-//! Llama-3-70B at TP 8 (n = hidden = 8192, k = 8192 / 8 = 1024), bf16, W = 8 virtual ranks
-//! with 128 SMs each (about an H100's 132), with the residual + RMSNorm epilogue, for m = 1 and 64 (or
-//! the m given as arguments): the GEMM alone, the unfused sequence (GEMM into a workspace,
-//! then the one-shot all-reduce) and the fused kernel.
+//! The counters tables of docs/fused-gemm.md, from the CPU emulator, bf16, W = 8 virtual ranks
+//! with 128 SMs each (about an H100's 132), for m = 1 and 64 (or the m given as arguments):
+//! the GEMM alone, the unfused sequence and the fused kernel, for one of
+//!
+//! - `all-reduce` (the default): the row-parallel o_proj of Llama-3-70B at TP 8 (n = hidden =
+//!   8192, k = 8192 / 8 = 1024) with the residual + RMSNorm epilogue; unfused: the GEMM into a
+//!   workspace, then the one-shot all-reduce;
+//! - `reduce-scatter`: the same GEMM, each rank keeping its m / W rows of the sum; unfused: the
+//!   GEMM, then `reduce_scatter`;
+//! - `all-gather`: Llama-3-70B's QKV projection at TP 8 (n = (64 + 2·8)·128 / 8 = 1280,
+//!   k = 8192) on the rows gathered from every rank (m / W each); unfused: `all_gather`, then
+//!   the GEMM.
+//!
+//! m must be a multiple of W for the last two.
 //!
 //! ```sh
-//! eval "$(scripts/setup.sh)" && cargo run --features emulator --example gemm_all_reduce_counters [m ...]
+//! eval "$(scripts/setup.sh)" && cargo run --features emulator --example gemm_all_reduce_counters [all-reduce|reduce-scatter|all-gather] [m ...]
 //! ```
 //!
 //! Per rank (the worst one): kernel launches, blocks per launch, cross-rank synchronisation
 //! rounds of the busiest block (barriers; for the fused kernel, tile-flag waits), global bytes
 //! read and written, of which peer bytes. The minimum a rank must move: its weight shard
-//! (n·k), its input (m·k), the other ranks' partials ((W-1)·m·n, one-shot), the residual read
-//! and written and out written (3·m·n). The last column is a model, not a measurement: local
+//! (n·k) and its input (m·k), then for the all-reduce the other ranks' partials ((W-1)·m·n,
+//! one-shot), the residual read and written and out written (3·m·n); for the reduce-scatter
+//! the other ranks' partials of its rows ((W-1)·(m/W)·n) and its rows written ((m/W)·n); for
+//! the all-gather (input m·k counted as its own m/W rows and the others' (W-1)·(m/W) rows)
+//! out written (m·n); for the GEMM alone out written (m·n). The last column is a model, not a measurement: local
 //! bytes over 3.0 TB/s (HBM copy bandwidth measured on an H100) scaled by the share of the
 //! 132 SMs the launch's blocks occupy (an assumption: an SM streams no more than its share),
 //! plus peer bytes over 450 GB/s (NVLink, one direction), plus 2 µs per synchronisation round
@@ -21,19 +33,38 @@
 
 use half::bf16;
 use tpfuse::emulator::counters::{self, LaunchCounters};
-use tpfuse::ops::{self, gemm, gemm_all_reduce, Algorithm, Epilogue, GemmShape, RmsNorm};
+use tpfuse::ops::{
+    self, all_gather_gemm, gemm, gemm_all_reduce, gemm_reduce_scatter, Algorithm, Epilogue,
+    GemmShape, RmsNorm,
+};
 use tpfuse::{GroupOptions, TpGroup};
 
 type T = bf16;
 const WORLD: usize = 8;
-const N: usize = 8192;
-const K: usize = 1024;
 const SIZE: u64 = 2;
 const HBM_BYTES_PER_S: f64 = 3.0e12;
 const LINK_BYTES_PER_S: f64 = 450e9;
 const ROUND_S: f64 = 2e-6;
 const LAUNCH_S: f64 = 4e-6;
 const SMS_PER_RANK: usize = 128;
+
+/// Which collective follows (or precedes) the GEMM.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Op {
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+}
+
+impl Op {
+    /// The GEMM's (n, k).
+    fn nk(self) -> (usize, usize) {
+        match self {
+            Op::AllReduce | Op::ReduceScatter => (8192, 1024),
+            Op::AllGather => (1280, 8192),
+        }
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Way {
@@ -43,11 +74,16 @@ enum Way {
 }
 
 fn main() -> tpfuse::Result<()> {
-    let ms: Vec<usize> = std::env::args()
-        .skip(1)
-        .filter_map(|a| a.parse().ok())
-        .collect();
-    let ms = if ms.is_empty() { vec![1, 64] } else { ms };
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let op = match args.first().map(String::as_str) {
+        Some("reduce-scatter") => Op::ReduceScatter,
+        Some("all-gather") => Op::AllGather,
+        _ => Op::AllReduce,
+    };
+    let ms: Vec<usize> = args.iter().filter_map(|a| a.parse().ok()).collect();
+    let default = if op == Op::AllReduce { 1 } else { WORLD };
+    let ms = if ms.is_empty() { vec![default, 64] } else { ms };
+    let (n, k) = op.nk();
     // Every virtual rank gets 128 SMs (the emulator holds 1024 at most; an H100 has 132), so
     // its persistent grid is about a real TP-8 group's (TpGroup::fused_blocks).
     let mut config = tpfuse::emulator::config();
@@ -56,22 +92,25 @@ fn main() -> tpfuse::Result<()> {
     let ctx = tpfuse::device::open(0)?;
     let groups = TpGroup::virtual_ranks(&ctx, WORLD, GroupOptions::default())?;
     println!(
-        "W = {WORLD}, bf16, o_proj n = {N}, k = {K}, residual + RMSNorm, {SMS_PER_RANK} SMs per rank, fused grid bound {}\n",
+        "{op:?}: W = {WORLD}, bf16, n = {n}, k = {k}{}, {SMS_PER_RANK} SMs per rank, fused grid bound {}\n",
+        if op == Op::AllReduce { ", residual + RMSNorm" } else { "" },
         groups[0].fused_blocks()
     );
     println!("| m | way | launches/rank | blocks | sync rounds | global bytes/rank (x minimum) | of which peer | model µs |");
     println!("|---|---|---|---|---|---|---|---|");
     for m in ms {
         for way in [Way::GemmAlone, Way::Unfused, Way::Fused] {
-            let launches = run(&groups, m, way)?;
-            row(m, way, &launches);
+            let launches = run(&groups, op, m, way)?;
+            row(op, m, way, &launches);
         }
     }
     Ok(())
 }
 
 /// One round of the layer on every rank, counted; the launches of the round.
-fn run(groups: &[TpGroup], m: usize, way: Way) -> tpfuse::Result<Vec<LaunchCounters>> {
+fn run(groups: &[TpGroup], op: Op, m: usize, way: Way) -> tpfuse::Result<Vec<LaunchCounters>> {
+    let (n, k) = op.nk();
+    let rows = m / WORLD; // a rank's rows for the reduce-scatter and the all-gather
     let cuda = |e| tpfuse::Error::Cuda {
         context: "upload",
         source: e,
@@ -84,15 +123,19 @@ fn run(groups: &[TpGroup], m: usize, way: Way) -> tpfuse::Result<Vec<LaunchCount
     };
     let (mut xs, mut ws, mut parts, mut outs, mut residuals, mut gammas) =
         (vec![], vec![], vec![], vec![], vec![], vec![]);
+    let (mut own_rows, mut slices) = (vec![], vec![]);
     for (r, g) in groups.iter().enumerate() {
-        xs.push(fill(g, m * K, r)?);
-        ws.push(fill(g, N * K, r + 8)?);
-        parts.push(fill(g, m * N, 0)?);
-        outs.push(fill(g, m * N, 0)?);
-        residuals.push(fill(g, m * N, 1)?);
-        gammas.push(fill(g, N, 2)?);
+        xs.push(fill(g, m * k, r)?);
+        ws.push(fill(g, n * k, r + 8)?);
+        parts.push(fill(g, m * n, 0)?);
+        outs.push(fill(g, m * n, 0)?);
+        residuals.push(fill(g, m * n, 1)?);
+        gammas.push(fill(g, n, 2)?);
+        // (Unused by the all-reduce, whose m need not be a multiple of W: never empty.)
+        own_rows.push(fill(g, (rows * k).max(8), r)?);
+        slices.push(fill(g, (rows * n).max(8), 0)?);
     }
-    let shape = GemmShape { m, n: N, k: K };
+    let shape = GemmShape { m, n, k };
     let (result, launches) = counters::count(|| -> tpfuse::Result<()> {
         for r in 0..groups.len() {
             let g = &groups[r];
@@ -104,8 +147,8 @@ fn run(groups: &[TpGroup], m: usize, way: Way) -> tpfuse::Result<Vec<LaunchCount
                     eps: 1e-5,
                 }),
             };
-            match way {
-                Way::GemmAlone => gemm(
+            match (op, way) {
+                (_, Way::GemmAlone) => gemm(
                     g.stream(),
                     &xs[r],
                     &ws[r],
@@ -113,10 +156,10 @@ fn run(groups: &[TpGroup], m: usize, way: Way) -> tpfuse::Result<Vec<LaunchCount
                     None,
                     &mut outs[r],
                     m,
-                    N,
-                    K,
+                    n,
+                    k,
                 )?,
-                Way::Unfused => {
+                (Op::AllReduce, Way::Unfused) => {
                     gemm(
                         g.stream(),
                         &xs[r],
@@ -125,8 +168,8 @@ fn run(groups: &[TpGroup], m: usize, way: Way) -> tpfuse::Result<Vec<LaunchCount
                         None,
                         &mut parts[r],
                         m,
-                        N,
-                        K,
+                        n,
+                        k,
                     )?;
                     ops::all_reduce_fused(
                         g,
@@ -136,8 +179,42 @@ fn run(groups: &[TpGroup], m: usize, way: Way) -> tpfuse::Result<Vec<LaunchCount
                         Algorithm::OneShot,
                     )?;
                 }
-                Way::Fused => {
+                (Op::AllReduce, Way::Fused) => {
                     gemm_all_reduce(g, &xs[r], &ws[r], epilogue, &mut outs[r], shape)?;
+                }
+                (Op::ReduceScatter, Way::Unfused) => {
+                    gemm(
+                        g.stream(),
+                        &xs[r],
+                        &ws[r],
+                        None,
+                        None,
+                        &mut parts[r],
+                        m,
+                        n,
+                        k,
+                    )?;
+                    ops::reduce_scatter(g, &parts[r], &mut slices[r])?;
+                }
+                (Op::ReduceScatter, Way::Fused) => {
+                    gemm_reduce_scatter(g, &xs[r], &ws[r], &mut slices[r], shape)?;
+                }
+                (Op::AllGather, Way::Unfused) => {
+                    ops::all_gather(g, &own_rows[r], &mut xs[r])?;
+                    gemm(
+                        g.stream(),
+                        &xs[r],
+                        &ws[r],
+                        None,
+                        None,
+                        &mut outs[r],
+                        m,
+                        n,
+                        k,
+                    )?;
+                }
+                (Op::AllGather, Way::Fused) => {
+                    all_gather_gemm(g, &own_rows[r], &ws[r], None, &mut outs[r], shape)?;
                 }
             }
         }
@@ -147,8 +224,9 @@ fn run(groups: &[TpGroup], m: usize, way: Way) -> tpfuse::Result<Vec<LaunchCount
     Ok(launches)
 }
 
-fn row(m: usize, way: Way, launches: &[LaunchCounters]) {
-    let (m64, n, k, w) = (m as u64, N as u64, K as u64, WORLD as u64);
+fn row(op: Op, m: usize, way: Way, launches: &[LaunchCounters]) {
+    let (n, k) = op.nk();
+    let (m64, n, k, w) = (m as u64, n as u64, k as u64, WORLD as u64);
     let mut worst = (0usize, 0usize, 0u64, 0u64, 0u64); // launches, blocks, rounds, global, peer
     for r in 0..WORLD {
         let mine: Vec<&LaunchCounters> = launches.iter().filter(|l| l.rank == Some(r)).collect();
@@ -171,9 +249,11 @@ fn row(m: usize, way: Way, launches: &[LaunchCounters]) {
         );
     }
     let (count, blocks, rounds, global, peer) = worst;
-    let minimum = match way {
-        Way::GemmAlone => (n * k + m64 * k + m64 * n) * SIZE,
-        _ => (n * k + m64 * k + (w - 1) * m64 * n + 3 * m64 * n) * SIZE,
+    let rows = m64 / w;
+    let minimum = match (op, way) {
+        (_, Way::GemmAlone) | (Op::AllGather, _) => (n * k + m64 * k + m64 * n) * SIZE,
+        (Op::AllReduce, _) => (n * k + m64 * k + (w - 1) * m64 * n + 3 * m64 * n) * SIZE,
+        (Op::ReduceScatter, _) => (n * k + m64 * k + (w - 1) * rows * n + rows * n) * SIZE,
     };
     let critical_rounds = match way {
         Way::Fused => rounds.min(1),

@@ -148,11 +148,12 @@ fn embedding_case<T: TestElement>(
     }
 }
 
-fn embedding_matrix<T: TestElement>() {
+/// `case` for every shape of [`SHAPES`] and every m of `ms`.
+fn matrix(ms: [usize; 3], case: impl Fn(&Arc<CudaContext>, (usize, usize, usize), usize)) {
     let gpu = gpu();
     for shape in SHAPES {
-        for m in [1, 5, 33] {
-            embedding_case::<T>(&gpu.ctx, shape, m);
+        for m in ms {
+            case(&gpu.ctx, shape, m);
         }
     }
 }
@@ -280,15 +281,6 @@ fn lm_head_case<T: TestElement>(
             &got,
             &side_by_side,
         );
-    }
-}
-
-fn lm_head_matrix<T: TestElement>() {
-    let gpu = gpu();
-    for shape in SHAPES {
-        for m in [1, 3, 17] {
-            lm_head_case::<T>(&gpu.ctx, shape, m);
-        }
     }
 }
 
@@ -474,11 +466,11 @@ fn over_capacity() {
 }
 
 gpu_tests! {
-    embedding_rows_bitwise_on_every_rank_bf16 => embedding_matrix::<bf16>();
-    embedding_rows_bitwise_on_every_rank_f16 => embedding_matrix::<f16>();
+    embedding_rows_bitwise_on_every_rank_bf16 => matrix([1, 5, 33], embedding_case::<bf16>);
+    embedding_rows_bitwise_on_every_rank_f16 => matrix([1, 5, 33], embedding_case::<f16>);
     ids_past_the_vocabulary_are_refused_or_nan => out_of_range_ids();
-    lm_head_gathers_the_logits_without_padding_bf16 => lm_head_matrix::<bf16>();
-    lm_head_gathers_the_logits_without_padding_f16 => lm_head_matrix::<f16>();
+    lm_head_gathers_the_logits_without_padding_bf16 => matrix([1, 3, 17], lm_head_case::<bf16>);
+    lm_head_gathers_the_logits_without_padding_f16 => matrix([1, 3, 17], lm_head_case::<f16>);
     tied_lm_head_shares_the_embedding_table => tied_lm_head();
     wrong_shapes_and_calls_name_the_layer => bad_shapes_and_calls();
     over_capacity_is_refused_before_anything_runs => over_capacity();

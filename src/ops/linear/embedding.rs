@@ -1,7 +1,8 @@
 //! Vocabulary-parallel token embedding: a rank holds its rows of the padded table, looks up
 //! the tokens it holds (the others give -0.0), and the all-reduce sums the ranks' rows.
 
-use super::{check_device, check_group, check_len, check_shard, in_layer, upload};
+use super::vocab_shard::VocabShard;
+use super::{check_device, check_len, in_layer};
 use crate::device::{bind, cuda};
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
@@ -14,7 +15,6 @@ use crate::topology::AllReduceAlgo;
 use crate::validate::{launched, owner, BufferInfo};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use std::ffi::c_void;
-use std::sync::Arc;
 
 /// A vocabulary-parallel token embedding, one rank of it: `out[i, :] = table[ids[i], :]` for
 /// a `[vocab, hidden]` table split by rows as [`VocabParallelSpec`] says (the vocabulary
@@ -29,21 +29,17 @@ use std::sync::Arc;
 ///
 /// [`ParallelLMHead::tied`]: super::ParallelLMHead::tied
 pub struct VocabParallelEmbedding<T> {
-    spec: VocabParallelSpec,
-    label: String,
-    rank: usize,
-    table: Arc<CudaSlice<T>>,
+    shard: VocabShard<T>,
 }
 
 impl<T> std::fmt::Debug for VocabParallelEmbedding<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("VocabParallelEmbedding")
-            .field("spec", &self.spec)
-            .field("rank", &self.rank)
-            .field("table_len", &self.table.len())
-            .finish()
+        self.shard.debug(f, "VocabParallelEmbedding")
     }
 }
+
+/// How the embedding's errors name its table.
+const TABLE: &str = "the table shard";
 
 impl<T: GemmElement + NcclType> VocabParallelEmbedding<T> {
     /// The layer from this rank's table `[P, hidden]` (its rows of the padded table, zeros
@@ -55,17 +51,8 @@ impl<T: GemmElement + NcclType> VocabParallelEmbedding<T> {
         spec: VocabParallelSpec,
         table: CudaSlice<T>,
     ) -> Result<Self> {
-        let label = spec.label();
-        check_group(&label, group, group.rank(), spec.world())?;
-        let (p, hidden) = (spec.rows_per_rank(), spec.hidden());
-        let shape = format!("[rows per rank, hidden] = [{p}, {hidden}]");
-        check_shard(&label, "the table shard", &table, p * hidden, &shape, group)?;
-        Ok(VocabParallelEmbedding {
-            spec,
-            label,
-            rank: group.rank(),
-            table: Arc::new(table),
-        })
+        let shard = VocabShard::new(group, spec, table, TABLE)?;
+        Ok(VocabParallelEmbedding { shard })
     }
 
     /// The layer from the full host table `[vocab, hidden]`, as the checkpoint stores it (e.g.
@@ -81,35 +68,33 @@ impl<T: GemmElement + NcclType> VocabParallelEmbedding<T> {
     where
         T: Default,
     {
-        check_group(&spec.label(), group, group.rank(), spec.world())?;
-        let shard = spec.shard_table(group.rank(), table)?;
-        let table = upload(group, &shard)?;
-        Self::from_shard(group, spec, table)
+        let shard = VocabShard::from_host(group, spec, table, TABLE)?;
+        Ok(VocabParallelEmbedding { shard })
     }
 
     /// The table's shape and split.
     pub fn spec(&self) -> &VocabParallelSpec {
-        &self.spec
+        &self.shard.spec
     }
 
     /// The layer's name.
     pub fn name(&self) -> &str {
-        self.spec.name()
+        self.shard.spec.name()
     }
 
     /// The rank whose rows the layer holds.
     pub fn rank(&self) -> usize {
-        self.rank
+        self.shard.rank
     }
 
     /// This rank's table, `[P, hidden]`.
     pub fn table(&self) -> &CudaSlice<T> {
-        &self.table
+        &self.shard.table
     }
 
-    /// The shared table (for [`ParallelLMHead::tied`](super::ParallelLMHead::tied)).
-    pub(super) fn shared_table(&self) -> Arc<CudaSlice<T>> {
-        Arc::clone(&self.table)
+    /// The rank's shard (for [`ParallelLMHead::tied`](super::ParallelLMHead::tied)).
+    pub(super) fn shard(&self) -> &VocabShard<T> {
+        &self.shard
     }
 
     /// `out` `[m, hidden]` = the rows of the `m` tokens `ids` (host), on every rank. The ids
@@ -129,19 +114,19 @@ impl<T: GemmElement + NcclType> VocabParallelEmbedding<T> {
         ids_dev: &mut (impl DevicePtr<u32> + DevicePtrMut<u32>),
         out: &mut impl DevicePtrMut<T>,
     ) -> Result<AllReduceAlgo> {
-        self.check_call(group)?;
-        let vocab = self.spec.vocab();
+        self.shard.check_call(group, TABLE)?;
+        let vocab = self.shard.spec.vocab();
         if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
             return Err(Error::invalid(
-                &self.label,
+                &self.shard.label,
                 format!(
                     "token id {id} at position {i} is out of range: the vocabulary has {vocab} \
                      tokens"
                 ),
             ));
         }
-        check_len(&self.label, "ids_dev", ids_dev.len(), ids.len(), 1)?;
-        check_device(&self.label, "ids_dev", owner(&*ids_dev), group)?;
+        check_len(&self.shard.label, "ids_dev", ids_dev.len(), ids.len(), 1)?;
+        check_device(&self.shard.label, "ids_dev", owner(&*ids_dev), group)?;
         let planned = self.plan(group, ids.len(), out)?;
         if !ids.is_empty() {
             group
@@ -162,16 +147,10 @@ impl<T: GemmElement + NcclType> VocabParallelEmbedding<T> {
         ids: &impl DevicePtr<u32>,
         out: &mut impl DevicePtrMut<T>,
     ) -> Result<AllReduceAlgo> {
-        self.check_call(group)?;
-        check_device(&self.label, "ids", owner(ids), group)?;
+        self.shard.check_call(group, TABLE)?;
+        check_device(&self.shard.label, "ids", owner(ids), group)?;
         let planned = self.plan(group, ids.len(), out)?;
         self.lookup_and_reduce(group, ids, out, planned)
-    }
-
-    /// Errors unless `group` is the layer's rank and world, on the device of its table.
-    fn check_call(&self, group: &TpGroup) -> Result<()> {
-        check_group(&self.label, group, self.rank, self.spec.world())?;
-        check_device(&self.label, "the table shard", owner(&*self.table), group)
     }
 
     /// What is checked of `out` `[m, hidden]` before anything runs, with the all-reduce's own
@@ -182,13 +161,19 @@ impl<T: GemmElement + NcclType> VocabParallelEmbedding<T> {
         m: usize,
         out: &mut impl DevicePtrMut<T>,
     ) -> Result<(Desc, Plan)> {
-        check_len(&self.label, "out", out.len(), m, self.spec.hidden())?;
-        check_device(&self.label, "out", owner(&*out), group)?;
+        check_len(
+            &self.shard.label,
+            "out",
+            out.len(),
+            m,
+            self.shard.spec.hidden(),
+        )?;
+        check_device(&self.shard.label, "out", owner(&*out), group)?;
         let len = out.len();
         let (op, _guard) = out.device_ptr_mut(group.stream());
         let buf = BufferInfo::new(op, len, group.device());
         plan_in_place::<T>(group, buf, Algorithm::Auto)
-            .map_err(in_layer(&self.label, &[("partial", "out")]))
+            .map_err(in_layer(&self.shard.label, &[("partial", "out")]))
     }
 
     /// The masked lookup into `out`, then the all-reduce `planned` of `out` in place.
@@ -200,9 +185,9 @@ impl<T: GemmElement + NcclType> VocabParallelEmbedding<T> {
         (desc, plan): (Desc, Plan),
     ) -> Result<AllReduceAlgo> {
         let stream = group.stream();
-        let (m, hidden) = (ids.len(), self.spec.hidden());
-        let rows = self.spec.rows(self.rank)?;
-        let (tp, _g1) = self.table.device_ptr(stream);
+        let (m, hidden) = (ids.len(), self.shard.spec.hidden());
+        let rows = self.shard.spec.rows(self.shard.rank)?;
+        let (tp, _g1) = self.shard.table.device_ptr(stream);
         let (ip, _g2) = ids.device_ptr(stream);
         let (op, _g3) = out.device_ptr_mut(stream);
         debug_assert_eq!(
@@ -223,11 +208,12 @@ impl<T: GemmElement + NcclType> VocabParallelEmbedding<T> {
                 hidden,
                 rows.start as u64,
                 rows.len() as u64,
-                self.spec.vocab() as u64,
+                self.shard.spec.vocab() as u64,
                 stream.cu_stream() as *mut c_void,
             )
         };
         launched("tpfuse_vocab_embedding", code)?;
-        execute::<T>(group, &desc, &plan).map_err(in_layer(&self.label, &[("partial", "out")]))
+        execute::<T>(group, &desc, &plan)
+            .map_err(in_layer(&self.shard.label, &[("partial", "out")]))
     }
 }

@@ -3,7 +3,8 @@
 
 use super::embedding::VocabParallelEmbedding;
 use super::gather::rank_major_to_rows;
-use super::{check_device, check_group, check_len, check_shard, in_layer, rows_of, upload};
+use super::vocab_shard::VocabShard;
+use super::{check_device, check_len, in_layer, rows_of};
 use crate::dtype::NcclType;
 use crate::error::Result;
 use crate::group::TpGroup;
@@ -26,21 +27,17 @@ const LM_HEAD_NAMES: [(&str, &str); 3] = [("a", "x"), ("b", "the weight shard"),
 /// from sharded logits must ignore them). [`forward_gather`](Self::forward_gather) gives every
 /// rank the logits `[m, vocab]`, with the padding dropped.
 pub struct ParallelLMHead<T> {
-    spec: VocabParallelSpec,
-    label: String,
-    rank: usize,
-    weight: Arc<CudaSlice<T>>,
+    shard: VocabShard<T>,
 }
 
 impl<T> std::fmt::Debug for ParallelLMHead<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ParallelLMHead")
-            .field("spec", &self.spec)
-            .field("rank", &self.rank)
-            .field("weight_len", &self.weight.len())
-            .finish()
+        self.shard.debug(f, "ParallelLMHead")
     }
 }
+
+/// How the LM head's errors name its weight.
+const WEIGHT: &str = "the weight shard";
 
 impl<T: GemmElement + NcclType> ParallelLMHead<T> {
     /// The layer from this rank's weight `[P, hidden]` (its rows of the padded weight, zeros
@@ -52,24 +49,8 @@ impl<T: GemmElement + NcclType> ParallelLMHead<T> {
         spec: VocabParallelSpec,
         weight: CudaSlice<T>,
     ) -> Result<Self> {
-        let label = spec.label();
-        check_group(&label, group, group.rank(), spec.world())?;
-        let (p, hidden) = (spec.rows_per_rank(), spec.hidden());
-        let shape = format!("[rows per rank, hidden] = [{p}, {hidden}]");
-        check_shard(
-            &label,
-            "the weight shard",
-            &weight,
-            p * hidden,
-            &shape,
-            group,
-        )?;
-        Ok(ParallelLMHead {
-            spec,
-            label,
-            rank: group.rank(),
-            weight: Arc::new(weight),
-        })
+        let shard = VocabShard::new(group, spec, weight, WEIGHT)?;
+        Ok(ParallelLMHead { shard })
     }
 
     /// The layer from the full host weight `[vocab, hidden]`, as the checkpoint stores it
@@ -85,44 +66,43 @@ impl<T: GemmElement + NcclType> ParallelLMHead<T> {
     where
         T: Default,
     {
-        check_group(&spec.label(), group, group.rank(), spec.world())?;
-        let shard = spec.shard_table(group.rank(), weight)?;
-        let weight = upload(group, &shard)?;
-        Self::from_shard(group, spec, weight)
+        let shard = VocabShard::from_host(group, spec, weight, WEIGHT)?;
+        Ok(ParallelLMHead { shard })
     }
 
     /// The LM head of a model with tied embeddings: it shares `embedding`'s device table (no
     /// copy, no second upload) under the name `name` (the `arg` of its errors), with the
     /// embedding's vocabulary, hidden size and split.
     pub fn tied(name: impl Into<String>, embedding: &VocabParallelEmbedding<T>) -> Result<Self> {
-        let e = embedding.spec();
-        let spec = VocabParallelSpec::new(name, e.vocab(), e.hidden(), e.world())?;
-        Ok(ParallelLMHead {
+        let e = embedding.shard();
+        let spec = VocabParallelSpec::new(name, e.spec.vocab(), e.spec.hidden(), e.spec.world())?;
+        let shard = VocabShard {
             label: spec.label(),
             spec,
-            rank: embedding.rank(),
-            weight: embedding.shared_table(),
-        })
+            rank: e.rank,
+            table: Arc::clone(&e.table),
+        };
+        Ok(ParallelLMHead { shard })
     }
 
     /// The weight's shape and split.
     pub fn spec(&self) -> &VocabParallelSpec {
-        &self.spec
+        &self.shard.spec
     }
 
     /// The layer's name.
     pub fn name(&self) -> &str {
-        self.spec.name()
+        self.shard.spec.name()
     }
 
     /// The rank whose rows the layer holds.
     pub fn rank(&self) -> usize {
-        self.rank
+        self.shard.rank
     }
 
     /// This rank's weight, `[P, hidden]` (the embedding's table when tied).
     pub fn weight(&self) -> &CudaSlice<T> {
-        &self.weight
+        &self.shard.table
     }
 
     /// This rank's logits: `local` `[m, P]` = `x` `[m, hidden]` · `W_rᵀ`, enqueued on the
@@ -137,17 +117,17 @@ impl<T: GemmElement + NcclType> ParallelLMHead<T> {
     ) -> Result<()> {
         let m = self.rows(group, x.len())?;
         check_len(
-            &self.label,
+            &self.shard.label,
             "local",
             local.len(),
             m,
-            self.spec.rows_per_rank(),
+            self.shard.spec.rows_per_rank(),
         )?;
-        let (p, hidden) = (self.spec.rows_per_rank(), self.spec.hidden());
+        let (p, hidden) = (self.shard.spec.rows_per_rank(), self.shard.spec.hidden());
         gemm(
             group.stream(),
             x,
-            &*self.weight,
+            &*self.shard.table,
             None,
             None,
             local,
@@ -155,7 +135,7 @@ impl<T: GemmElement + NcclType> ParallelLMHead<T> {
             p,
             hidden,
         )
-        .map_err(in_layer(&self.label, &LM_HEAD_NAMES))
+        .map_err(in_layer(&self.shard.label, &LM_HEAD_NAMES))
     }
 
     /// The logits of the whole vocabulary on every rank: [`forward`](Self::forward) into
@@ -176,24 +156,24 @@ impl<T: GemmElement + NcclType> ParallelLMHead<T> {
     ) -> Result<()> {
         let m = self.rows(group, x.len())?;
         let (p, world, vocab) = (
-            self.spec.rows_per_rank(),
-            self.spec.world(),
-            self.spec.vocab(),
+            self.shard.spec.rows_per_rank(),
+            self.shard.spec.world(),
+            self.shard.spec.vocab(),
         );
-        check_len(&self.label, "gathered", gathered.len(), world * m, p)?;
-        check_len(&self.label, "out", out.len(), m, vocab)?;
-        check_device(&self.label, "out", owner(&*out), group)?;
+        check_len(&self.shard.label, "gathered", gathered.len(), world * m, p)?;
+        check_len(&self.shard.label, "out", out.len(), m, vocab)?;
+        check_device(&self.shard.label, "out", owner(&*out), group)?;
         let names = [("input", "local"), ("out", "gathered")];
         let staged = (local.len(), owner(&*local));
         check_all_gather::<T>(group, staged, (gathered.len(), owner(&*gathered)))
-            .map_err(in_layer(&self.label, &names))?;
+            .map_err(in_layer(&self.shard.label, &names))?;
         self.forward(group, x, local)?;
         if m == 0 {
             return Ok(());
         }
-        all_gather(group, &*local, gathered).map_err(in_layer(&self.label, &names))?;
+        all_gather(group, &*local, gathered).map_err(in_layer(&self.shard.label, &names))?;
         let widths = (0..world)
-            .map(|r| self.spec.valid_rows(r).map(|v| v.len()))
+            .map(|r| self.shard.spec.valid_rows(r).map(|v| v.len()))
             .collect::<Result<Vec<_>>>()?;
         rank_major_to_rows(group.stream(), &*gathered, out, m, p, vocab, &widths)
     }
@@ -201,8 +181,7 @@ impl<T: GemmElement + NcclType> ParallelLMHead<T> {
     /// Errors unless `group` is the layer's rank and world, on the device of its weight; `m`
     /// from the length of `x`, `[m, hidden]`.
     fn rows(&self, group: &TpGroup, x: usize) -> Result<usize> {
-        check_group(&self.label, group, self.rank, self.spec.world())?;
-        check_device(&self.label, "the weight shard", owner(&*self.weight), group)?;
-        rows_of(&self.label, "x", x, self.spec.hidden())
+        self.shard.check_call(group, WEIGHT)?;
+        rows_of(&self.shard.label, "x", x, self.shard.spec.hidden())
     }
 }

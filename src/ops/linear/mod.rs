@@ -91,6 +91,7 @@ mod lm_head;
 mod loader;
 mod merged;
 mod row;
+mod vocab_shard;
 
 pub use column::ColumnParallelLinear;
 pub use embedding::VocabParallelEmbedding;
