@@ -77,7 +77,10 @@ fn poison_all(groups: &[TpGroup], bufs: &mut [CudaSlice<T>], n: usize) {
     ignore = "needs a CUDA GPU (gpu-tests) or the CPU emulator (emulator)"
 )]
 fn gemm_configurations_replay_in_a_cuda_graph() {
-    let ctx = common::gpu::open_gpu0();
+    // The GPU lock: a capture open while another test of this binary synchronises the context
+    // (building virtual ranks does) fails that test with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED.
+    let gpu = gpu();
+    let ctx = &gpu.ctx;
     // SAFETY: every buffer is used on this test's one stream (module docs).
     unsafe { ctx.disable_event_tracking() };
     let stream = ctx.new_stream().expect("a stream");
