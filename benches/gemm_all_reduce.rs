@@ -1,15 +1,25 @@
-//! The fused row-parallel GEMM + all-reduce against the unfused sequence and against the
-//! GEMM alone, in one run (bf16, residual + RMSNorm epilogue).
+//! The fused GEMM + collective kernels against their unfused sequences and against the GEMM
+//! alone, in one run (bf16).
 //!
-//! Criterion groups `gemm_all_reduce_bf16_{virtual,gpus}_w{W}_{o_proj,down}`: the DESIGN.md
-//! reference shapes of the row-parallel layers of Llama-3-70B at TP 8 (o_proj n 8192, k 1024;
-//! down n 8192, k 3584), m in {1, 16, 64, 256}, three ways per shape:
+//! Criterion groups `{op}_bf16_{virtual,gpus}_w{W}_{layer}`:
 //!
-//! - `gemm`: [`ops::gemm`] of every rank's partial alone (the floor the fusion aims at: the
+//! - `gemm_all_reduce`: the DESIGN.md reference shapes of the row-parallel layers of
+//!   Llama-3-70B at TP 8 (o_proj n 8192, k 1024; down n 8192, k 3584), residual + RMSNorm
+//!   epilogue, m in {1, 16, 64, 256};
+//! - `gemm_reduce_scatter` (sequence parallelism): o_proj, each rank keeping m / W rows of the
+//!   sum, m in {16, 64, 256};
+//! - `all_gather_gemm`: Llama-3-70B's QKV projection at TP 8 (n 1280, k 8192) on rows gathered
+//!   from every rank (m / W each), m in {16, 64, 256};
+//!
+//! three ways per shape:
+//!
+//! - `gemm`: [`ops::gemm`] of every rank's `[m, k]` alone (the floor the fusion aims at: the
 //!   goal is `fused` within 1.05x of it for m <= 64);
 //! - `unfused`: [`ops::gemm`] into a workspace, then [`ops::all_reduce_fused`] with the
-//!   epilogue (`Algorithm::Auto`);
-//! - `fused`: [`ops::gemm_all_reduce`], one kernel.
+//!   epilogue (`Algorithm::Auto`) or [`ops::reduce_scatter`]; or [`ops::all_gather`], then
+//!   [`ops::gemm`];
+//! - `fused`: [`ops::gemm_all_reduce`], [`ops::gemm_reduce_scatter`] or
+//!   [`ops::all_gather_gemm`], one kernel.
 //!
 //! `virtual`: W = 2 virtual ranks on GPU 0 (each rank's kernels share the GPU with the other's:
 //! a rehearsal, not a TP-2 machine). `gpus`: one GPU per rank ([`TpGroup::single_process`],
@@ -35,9 +45,24 @@ use tpfuse::{GroupOptions, TpGroup};
 
 type T = bf16;
 
-/// (name, n, k) of the reference row-parallel layers at TP 8.
-const LAYERS: [(&str, usize, usize); 2] = [("o_proj", 8192, 1024), ("down", 8192, 3584)];
-const MS: [usize; 4] = [1, 16, 64, 256];
+/// Which collective the GEMM is fused with.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Op {
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+}
+
+/// (op, layer, n, k, m values) of the reference layers at TP 8. The sequence-parallel ops
+/// take m a multiple of W (at most 8).
+const CASES: [(Op, &str, usize, usize, &[usize]); 4] = [
+    (Op::AllReduce, "o_proj", 8192, 1024, &[1, 16, 64, 256]),
+    (Op::AllReduce, "down", 8192, 3584, &[1, 16, 64, 256]),
+    (Op::ReduceScatter, "o_proj", 8192, 1024, &[16, 64, 256]),
+    (Op::AllGather, "qkv", 1280, 8192, &[16, 64, 256]),
+];
+/// The largest m of any case (the buffers' size).
+const MAX_M: usize = 256;
 const ROUNDS: u64 = 16;
 const SAMPLES: usize = 9;
 const EPS: f32 = 1e-5;
@@ -57,10 +82,13 @@ struct Buffers {
     out: Vec<CudaSlice<T>>,
     residual: Vec<CudaSlice<T>>,
     gamma: Vec<CudaSlice<T>>,
+    /// A rank's rows of the input (all-gather) and of the output (reduce-scatter).
+    own_x: Vec<CudaSlice<T>>,
+    own_out: Vec<CudaSlice<T>>,
 }
 
 fn buffers(groups: &[TpGroup], n: usize, k: usize) -> Buffers {
-    let m = MS[MS.len() - 1];
+    let m = MAX_M;
     let each = |len: usize, scale: f32, seed: u64| -> Vec<CudaSlice<T>> {
         groups
             .iter()
@@ -75,19 +103,49 @@ fn buffers(groups: &[TpGroup], n: usize, k: usize) -> Buffers {
         out: each(m * n, 1.0, 4),
         residual: each(m * n, 1.0, 5),
         gamma: each(n, 1.0, 6),
+        own_x: each(m * k / groups.len(), 1.0, 7),
+        own_out: each(m * n / groups.len(), 1.0, 8),
     }
 }
 
-/// Rank r's call of `way` at `m`.
+/// Rank r's call of `way` of `op` at `m`.
 fn enqueue(
     groups: &[TpGroup],
     b: &mut Buffers,
     r: usize,
-    way: Way,
+    (op, way): (Op, Way),
     shape: GemmShape,
 ) -> tpfuse::Result<()> {
     let GemmShape { m, n, k } = shape;
     let g = &groups[r];
+    let rows = m / groups.len();
+    match (op, way) {
+        (Op::AllReduce, _) | (_, Way::Gemm) => {}
+        (Op::ReduceScatter, Way::Unfused) => {
+            let mut partial = b.partial[r].slice_mut(0..m * n);
+            let x = b.x[r].slice(0..m * k);
+            ops::gemm(g.stream(), &x, &b.w[r], None, None, &mut partial, m, n, k)?;
+            let mut own = b.own_out[r].slice_mut(0..rows * n);
+            return ops::reduce_scatter(g, &partial, &mut own);
+        }
+        (Op::ReduceScatter, Way::Fused) => {
+            let x = b.x[r].slice(0..m * k);
+            let mut own = b.own_out[r].slice_mut(0..rows * n);
+            return ops::gemm_reduce_scatter(g, &x, &b.w[r], &mut own, shape).map(|_| ());
+        }
+        (Op::AllGather, Way::Unfused) => {
+            let own = b.own_x[r].slice(0..rows * k);
+            ops::all_gather(g, &own, &mut b.x[r].slice_mut(0..m * k))?;
+            let x = b.x[r].slice(0..m * k);
+            let mut out = b.out[r].slice_mut(0..m * n);
+            return ops::gemm(g.stream(), &x, &b.w[r], None, None, &mut out, m, n, k);
+        }
+        (Op::AllGather, Way::Fused) => {
+            let own = b.own_x[r].slice(0..rows * k);
+            let mut out = b.out[r].slice_mut(0..m * n);
+            return ops::all_gather_gemm(g, &own, &b.w[r], None, &mut out, shape).map(|_| ());
+        }
+    }
     let x = b.x[r].slice(0..m * k);
     let mut out = b.out[r].slice_mut(0..m * n);
     let mut partial = b.partial[r].slice_mut(0..m * n);
@@ -112,7 +170,7 @@ fn enqueue(
 
 /// Per-rank graphs of ROUNDS calls (after one eager round: validation and module loading
 /// stay outside the capture).
-fn graphs(groups: &[TpGroup], b: &mut Buffers, way: Way, shape: GemmShape) -> Vec<CudaGraph> {
+fn graphs(groups: &[TpGroup], b: &mut Buffers, way: (Op, Way), shape: GemmShape) -> Vec<CudaGraph> {
     for r in 0..groups.len() {
         enqueue(groups, b, r, way, shape).unwrap_or_else(|e| panic!("{way:?} rank {r}: {e}"));
     }
@@ -141,14 +199,19 @@ fn per_call(streams: &[Arc<CudaStream>], graphs: &[CudaGraph]) -> Duration {
 fn bench_groups(c: &mut Criterion, kind: &str, groups: &[TpGroup], summary: &mut Vec<String>) {
     let world = groups.len();
     let streams: Vec<Arc<CudaStream>> = groups.iter().map(|g| g.stream().clone()).collect();
-    for (layer, n, k) in LAYERS {
+    for (op, layer, n, k, ms) in CASES {
         let mut b = buffers(groups, n, k);
-        let mut group = c.benchmark_group(format!("gemm_all_reduce_bf16_{kind}_w{world}_{layer}"));
-        for m in MS {
+        let op_name = match op {
+            Op::AllReduce => "gemm_all_reduce",
+            Op::ReduceScatter => "gemm_reduce_scatter",
+            Op::AllGather => "all_gather_gemm",
+        };
+        let mut group = c.benchmark_group(format!("{op_name}_bf16_{kind}_w{world}_{layer}"));
+        for &m in ms {
             let shape = GemmShape { m, n, k };
             let mut medians = Vec::new();
             for way in [Way::Gemm, Way::Unfused, Way::Fused] {
-                let gs = graphs(groups, &mut b, way, shape);
+                let gs = graphs(groups, &mut b, (op, way), shape);
                 let name = format!("{way:?}").to_lowercase();
                 group.bench_function(BenchmarkId::new(name, format!("m{m}")), |bench| {
                     bench.iter_custom(|iters| time_graphs(&streams, &gs, iters))
@@ -158,7 +221,7 @@ fn bench_groups(c: &mut Criterion, kind: &str, groups: &[TpGroup], summary: &mut
             }
             let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64();
             summary.push(format!(
-                "{kind} W={world} {layer} m={m}: gemm {:?}, unfused {:?}, fused {:?}; fused/gemm {:.3}, fused/unfused {:.3}",
+                "{op_name} {kind} W={world} {layer} m={m}: gemm {:?}, unfused {:?}, fused {:?}; fused/gemm {:.3}, fused/unfused {:.3}",
                 medians[0],
                 medians[1],
                 medians[2],
