@@ -31,6 +31,7 @@
 //! on the critical path, plus 4 µs per extra kernel launch; the fused kernel's tile waits
 //! overlap the next tile's GEMM except the last one, so it is charged one round.
 
+use cudarc::driver::CudaSlice;
 use half::bf16;
 use tpfuse::emulator::counters::{self, LaunchCounters};
 use tpfuse::ops::{
@@ -148,29 +149,9 @@ fn run(groups: &[TpGroup], op: Op, m: usize, way: Way) -> tpfuse::Result<Vec<Lau
                 }),
             };
             match (op, way) {
-                (_, Way::GemmAlone) => gemm(
-                    g.stream(),
-                    &xs[r],
-                    &ws[r],
-                    None,
-                    None,
-                    &mut outs[r],
-                    m,
-                    n,
-                    k,
-                )?,
+                (_, Way::GemmAlone) => plain_gemm(g, &xs[r], &ws[r], &mut outs[r], shape)?,
                 (Op::AllReduce, Way::Unfused) => {
-                    gemm(
-                        g.stream(),
-                        &xs[r],
-                        &ws[r],
-                        None,
-                        None,
-                        &mut parts[r],
-                        m,
-                        n,
-                        k,
-                    )?;
+                    plain_gemm(g, &xs[r], &ws[r], &mut parts[r], shape)?;
                     ops::all_reduce_fused(
                         g,
                         &parts[r],
@@ -183,17 +164,7 @@ fn run(groups: &[TpGroup], op: Op, m: usize, way: Way) -> tpfuse::Result<Vec<Lau
                     gemm_all_reduce(g, &xs[r], &ws[r], epilogue, &mut outs[r], shape)?;
                 }
                 (Op::ReduceScatter, Way::Unfused) => {
-                    gemm(
-                        g.stream(),
-                        &xs[r],
-                        &ws[r],
-                        None,
-                        None,
-                        &mut parts[r],
-                        m,
-                        n,
-                        k,
-                    )?;
+                    plain_gemm(g, &xs[r], &ws[r], &mut parts[r], shape)?;
                     ops::reduce_scatter(g, &parts[r], &mut slices[r])?;
                 }
                 (Op::ReduceScatter, Way::Fused) => {
@@ -201,17 +172,7 @@ fn run(groups: &[TpGroup], op: Op, m: usize, way: Way) -> tpfuse::Result<Vec<Lau
                 }
                 (Op::AllGather, Way::Unfused) => {
                     ops::all_gather(g, &own_rows[r], &mut xs[r])?;
-                    gemm(
-                        g.stream(),
-                        &xs[r],
-                        &ws[r],
-                        None,
-                        None,
-                        &mut outs[r],
-                        m,
-                        n,
-                        k,
-                    )?;
+                    plain_gemm(g, &xs[r], &ws[r], &mut outs[r], shape)?;
                 }
                 (Op::AllGather, Way::Fused) => {
                     all_gather_gemm(g, &own_rows[r], &ws[r], None, &mut outs[r], shape)?;
@@ -222,6 +183,18 @@ fn run(groups: &[TpGroup], op: Op, m: usize, way: Way) -> tpfuse::Result<Vec<Lau
     });
     result?;
     Ok(launches)
+}
+
+/// `out` `[m, n]` = `x` `[m, k]` · `wᵀ` on the rank's stream: the GEMM alone, as the unfused
+/// sequences run it.
+fn plain_gemm(
+    g: &TpGroup,
+    x: &CudaSlice<T>,
+    w: &CudaSlice<T>,
+    out: &mut CudaSlice<T>,
+    GemmShape { m, n, k }: GemmShape,
+) -> tpfuse::Result<()> {
+    gemm(g.stream(), x, w, None, None, out, m, n, k)
 }
 
 fn row(op: Op, m: usize, way: Way, launches: &[LaunchCounters]) {
