@@ -6,23 +6,34 @@
 //
 // Protocol (the flags, epochs, exchange areas and failures are fused_flags.cuh's):
 //
-//   share    block b copies its part of x_r (an even share of its 16-byte vectors) into this
-//            rank's exchange area, __syncthreads, and publishes part flag b (slot b, source
-//            rank) to every rank;
+//   push     block b copies its part of x_r (an even share of its 16-byte vectors) into every
+//            rank's exchange area, at this rank's rows (so each rank's area gathers the whole
+//            input [m, k], each part crossing a link once), __syncthreads, and publishes part
+//            flag b (slot b, source rank) to every rank;
 //   compute  for each of its tiles t = b, b + G, ...: the threads wait for the part flags of
 //            every rank whose rows the tile needs (all G parts of each; ranks already complete
 //            for this block are skipped), __syncthreads, then gemm_tile reads A's rows from
-//            the ranks' exchange areas (GatheredRows) and the epilogue writes out (+ bias).
+//            this rank's own exchange area (local memory, however many column tiles read
+//            them) and the epilogue writes out (+ bias).
 //
 // Tile rows are visited from this rank's own rows on (a rotation of the tile order), so the
-// first tiles need only the local part and the peers' parts arrive meanwhile.
+// first tiles need only the local part and the peers' parts arrive meanwhile. (A first version
+// had the tiles read the peers' rows from the peers' areas: every column tile read them again
+// over the link, 80 times the gather's bytes for Llama-3-70B's QKV at TP 8, docs/fused-gemm.md.)
+//
+// Ordering: the part's weak stores into rank p's area, by every thread, then __syncthreads,
+// then thread p's st.release.sys of the flag into rank p's pad: the release is cumulative over
+// the block's stores ordered before it by the barrier (fused_flags.cuh), wherever they went;
+// rank p's ld.acquire.sys of the flag, then __syncthreads, orders its block's reads of the
+// rows after them.
 //
 // No deadlock: every block publishes its part before it waits for anything, so every wait
 // ends once the publishing blocks have run; a block waits for every block of the ranks it
 // needs, its own rank's included, so each rank's G blocks must be resident together, which
 // the grid bound gives (TpGroup::fused_blocks: one block per SM, or the SMs divided among
-// virtual ranks). Every rank reads every peer's part in every launch, as fused_flags.cuh's
-// exchange-area argument needs.
+// virtual ranks). Every rank awaits every peer's parts in every launch, as fused_flags.cuh's
+// exchange-area argument needs: it is also why a push of launch E+2 into a peer's area finds
+// that peer done with launch E.
 
 #include <climits>
 
@@ -34,20 +45,9 @@ namespace {
 
 using fused::BlockState;
 using gemm::GemmEpilogue;
+using gemm::DenseRows;
 using gemm::gemm_tile;
 using gemm::tile_of_block;
-
-// A's rows gathered from the ranks: row r is row r % rows_per_rank of rank r / rows_per_rank's
-// exchange area (element offset `exchange`, [rows_per_rank, k]).
-template <typename T> struct GatheredRows {
-  const tpfuse_peers &peers;
-  size_t exchange;
-  int rows_per_rank, k;
-  __device__ __forceinline__ const T *row(int r) const {
-    const T *area = static_cast<const T *>(peers.data[r / rows_per_rank]) + exchange;
-    return area + static_cast<size_t>(r % rows_per_rank) * static_cast<size_t>(k);
-  }
-};
 
 // The block's parts of x_r: an even share of its 16-byte vectors.
 __device__ __forceinline__ void share_of(size_t vectors, size_t b, size_t blocks, size_t &begin, size_t &end) {
@@ -70,19 +70,29 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const size_t exchange = exchange_bytes / sizeof(T);
   const int rows_per_rank = m / g.world;
 
-  // Share: this block's part of x_r into the exchange area, then its flag to every rank.
+  // Push: this block's part of x_r into every rank's area at this rank's rows, then its flag
+  // to every rank. The ranks are visited from the next one on, so the W pushes of a moment
+  // spread over the W destinations.
   if (st.failed == 0) {
     const uint4 *src = reinterpret_cast<const uint4 *>(x);
-    uint4 *dst = reinterpret_cast<uint4 *>(static_cast<char *>(peers.data[g.rank]) + exchange_bytes);
+    const size_t part_vectors = static_cast<size_t>(rows_per_rank) * k * sizeof(T) / 16;
+    const size_t at = exchange_bytes + static_cast<size_t>(g.rank) * part_vectors * 16; // this rank's rows, in bytes
     size_t begin, end;
-    share_of(static_cast<size_t>(rows_per_rank) * k * sizeof(T) / 16, blockIdx.x, gridDim.x, begin, end);
-    for (size_t i = begin + threadIdx.x; i < end; i += blockDim.x) st_global(dst + i, ld_global(src + i));
-    __syncthreads(); // the part's stores, before the flags
+    share_of(part_vectors, blockIdx.x, gridDim.x, begin, end);
+    for (size_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+      const uint4 v = ld_global(src + i);
+      for (int j = 1; j <= g.world; ++j) {
+        const int p = (g.rank + j) % g.world;
+        st_global(reinterpret_cast<uint4 *>(static_cast<char *>(peers.data[p]) + at) + i, v);
+      }
+    }
+    __syncthreads(); // every thread's stores, before the flags
     fused::publish(peers, g, blockIdx.x, fused::flag_of(st.epoch, descriptor));
   }
 
-  // Compute: the block's tiles, from this rank's rows on.
-  const GatheredRows<T> rows{peers, exchange, rows_per_rank, k};
+  // Compute: the block's tiles, from this rank's rows on, reading A [m, k] from this rank's
+  // area.
+  const DenseRows<T> rows{static_cast<const T *>(peers.data[g.rank]) + exchange, k};
   const GemmEpilogue<T> epi{out, bias, nullptr, n};
   const int shift = g.rank * rows_per_rank / Cfg::kBlockM;
 #pragma unroll 1
@@ -177,8 +187,9 @@ extern "C" int tpfuse_all_gather_gemm(tpfuse_dtype dtype, int32_t config, const 
     return cudaErrorInvalidValue;
   }
   if (x == nullptr || w == nullptr || out == nullptr) return cudaErrorInvalidValue;
-  // This rank's part in one of its two exchange areas (halves of the result half, 16-byte aligned).
-  if (group->capacity % 32 != 0 || m / group->world * k * dtype_size(dtype) > group->capacity / 2)
+  // The gathered input [m, k] in one of each rank's two exchange areas (halves of the result
+  // half, 16-byte aligned).
+  if (group->capacity % 32 != 0 || m * k * dtype_size(dtype) > group->capacity / 2)
     return cudaErrorInvalidValue;
   for (const void *p : {x, w, bias, static_cast<const void *>(out)})
     if (!is_aligned16(p)) return cudaErrorMisalignedAddress;

@@ -30,11 +30,12 @@
 // E, checked against its descriptor (a mismatch would have poisoned it before it made E+1
 // flags): it is accepted as is. 2^40 launches, at 10^4 a second, are three years.
 //
-// Exchange areas. Launch E writes the half (E & 1) of the result half of this rank's
-// symmetric buffer (offset capacity + (E & 1) * capacity / 2). When a rank starts launch E+2,
-// which rewrites that area, it has finished launch E+1, so it has seen flags of E+1 from every
-// peer, so every peer had finished launch E (stream order), its reads of the area included.
-// No closing barrier is needed. The other custom kernels stage in the staging half and write
+// Exchange areas. Launch E writes the half (E & 1) of the result half of the symmetric
+// buffers (offset capacity + (E & 1) * capacity / 2): its own rank's (GEMM + all-reduce, the
+// peers read it) or every rank's (all-gather + GEMM pushes its part into each, and each reads
+// only its own). When a rank starts launch E+2, which rewrites those areas, it has finished
+// launch E+1, so it has seen flags of E+1 from every peer, so every peer had finished launch E
+// (stream order), its reads of every area included. No closing barrier is needed. The other custom kernels stage in the staging half and write
 // their result half only after their first barrier (when every peer is in that launch, hence
 // done with this one), and end with a closing barrier, so they and the fused kernels never
 // overlap on an area either. (Both rest on the sticky error word: after a failure no launch of

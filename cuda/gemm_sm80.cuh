@@ -151,8 +151,8 @@ __device__ __forceinline__ void tile_of_block(int block, int tiles_m, int tiles_
 // call runs; the call's last accesses to it are the epilogue's reads, so a block that runs
 // another tile afterwards passes a __syncthreads first (the first thing a call does is write
 // `smem`). m, n, k < 2^30; n and k multiples of 8; every pointer 16-byte aligned.
-// Where the rows of A live: one [m, k] row-major matrix. (all_gather_gemm.cu gathers its A
-// from the ranks' exchange areas with another ARows: row(r) is all gemm_tile asks of it.)
+// Where the rows of A live: one [m, k] row-major matrix (row(r) is all gemm_tile asks of an
+// ARows; all_gather_gemm.cu's is the rank's exchange area, where the ranks pushed their rows).
 template <typename T> struct DenseRows {
   const T *a;
   int k;

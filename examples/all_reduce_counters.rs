@@ -103,7 +103,7 @@ fn row(m: usize, algo: Algorithm, fused: bool, launches: &[LaunchCounters]) {
     let mut balance: f64 = 0.0;
     for r in 0..WORLD {
         let mine: Vec<&LaunchCounters> = launches.iter().filter(|l| l.rank == Some(r)).collect();
-        let peer: u64 = mine.iter().map(|l| l.total().peer_read_bytes).sum();
+        let peer: u64 = mine.iter().map(|l| l.total().peer_bytes()).sum();
         let global: u64 = mine
             .iter()
             .map(|l| l.total().global_read_bytes + l.total().global_write_bytes)

@@ -19,7 +19,7 @@
 //!
 //! Per rank (the worst one): kernel launches, blocks per launch, cross-rank synchronisation
 //! rounds of the busiest block (barriers; for the fused kernel, tile-flag waits), global bytes
-//! read and written, of which peer bytes. The minimum a rank must move: its weight shard
+//! read and written, of which peer bytes (read from or written to another rank's memory). The minimum a rank must move: its weight shard
 //! (n·k) and its input (m·k), then for the all-reduce the other ranks' partials ((W-1)·m·n,
 //! one-shot), the residual read and written and out written (3·m·n); for the reduce-scatter
 //! the other ranks' partials of its rows ((W-1)·(m/W)·n) and its rows written ((m/W)·n); for
@@ -207,7 +207,7 @@ fn row(op: Op, m: usize, way: Way, launches: &[LaunchCounters]) {
             .iter()
             .map(|l| l.total().global_read_bytes + l.total().global_write_bytes)
             .sum();
-        let peer: u64 = mine.iter().map(|l| l.total().peer_read_bytes).sum();
+        let peer: u64 = mine.iter().map(|l| l.total().peer_bytes()).sum();
         let rounds: u64 = mine
             .iter()
             .map(|l| l.blocks.iter().map(|b| b.barriers).max().unwrap_or(0))

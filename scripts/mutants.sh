@@ -290,9 +290,16 @@ mutant scatter-rank-0-rows emu_gemm_all_reduce "GEMM + reduce-scatter gives ever
   gemm_all_reduce.cu 'const int row_begin = reduction.scatter ? g.rank * slice : 0;' 'const int row_begin = 0;'
 mutant gather-without-waiting emu_gemm_all_reduce "all-gather + GEMM reads the peers' rows without waiting for their flags" \
   all_gather_gemm.cu '    if (needed != 0) {' '    if (false) {'
-mutant gather-rows-of-rank-0 emu_gemm_all_reduce "all-gather + GEMM reads every row from rank 0's area" \
-  all_gather_gemm.cu 'static_cast<const T *>(peers.data[r / rows_per_rank]) + exchange;' 'static_cast<const T *>(peers.data[0]) + exchange;'
+mutant gather-push-own-area-only emu_gemm_all_reduce "all-gather + GEMM pushes a rank's rows into its own area only" \
+  all_gather_gemm.cu 'for (int j = 1; j <= g.world; ++j) {' 'for (int j = g.world; j <= g.world; ++j) {'
+mutant gather-push-at-rank-0-rows emu_gemm_all_reduce "all-gather + GEMM pushes every rank's rows to rank 0's rows" \
+  all_gather_gemm.cu 'static_cast<size_t>(g.rank) * part_vectors * 16;' 'static_cast<size_t>(0) * part_vectors * 16;'
+mutant gather-no-sync-before-flag emu_gemm_all_reduce "all-gather + GEMM publishes a part's flag before the whole block pushed it" \
+  all_gather_gemm.cu $'    __syncthreads(); // every thread\'s stores, before the flags\n' ''
 # Right results, wasted work: only the counters see these.
+mutant gather-tiles-read-a-peer emu_counters "all-gather + GEMM's tiles read the gathered rows from the next rank's area" \
+  all_gather_gemm.cu 'DenseRows<T> rows{static_cast<const T *>(peers.data[g.rank]) + exchange, k};' \
+  'DenseRows<T> rows{static_cast<const T *>(peers.data[(g.rank + 1) % g.world]) + exchange, k};'
 mutant double-peer-read emu_counters "the reduction loads every peer's vector twice" \
   reduce.cuh 'x[p] = load16_peer(static_cast<const T *>(peers.data[p]) + offset + i);' \
   $'{ x[p] = load16_peer(static_cast<const T *>(peers.data[p]) + offset + i);\n      x[p] = load16_peer(static_cast<const T *>(peers.data[p]) + offset + i); }'

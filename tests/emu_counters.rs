@@ -1,5 +1,6 @@
 //! The emulator's counters ([`tpfuse::emulator::counters`]) on the crate's ops, through
-//! cudarc and the emulated driver: bytes of global memory, bytes read from other ranks,
+//! cudarc and the emulated driver: bytes of global memory, bytes read from and written to
+//! other ranks,
 //! cross-rank barriers and ldmatrix bank conflicts, per launch and per block.
 //!
 //! Asserted where the kernels already do exactly what the op must do:
@@ -9,6 +10,9 @@
 //! - two-shot: 2·(W-1)/W·n peer bytes per rank (the lower bound of an all-reduce in which
 //!   every rank ends with the whole sum), with or without a residual, 3 barriers per block;
 //! - all-gather and reduce-scatter: (W-1)·len peer bytes per rank, 2 barriers per block;
+//! - all-gather + GEMM: each rank's rows cross to each peer once (pushed: (W-1)·(m/W)·k peer
+//!   bytes written, none read), and the tiles read the gathered rows locally, as the GEMM
+//!   alone reads its A;
 //! - GEMM: every configuration reads each A row once per column tile and each B row once
 //!   per row tile (no more), writes m·n elements once, and its ldmatrix loads have no bank
 //!   conflicts (the swizzled shared-memory layout);
@@ -27,6 +31,7 @@ use cudarc::driver::{CudaSlice, DevicePtrMut};
 use half::bf16;
 use tpfuse::emulator::counters::{self, LaunchCounters};
 use tpfuse::ops::gemm::{gemm_with_config, GemmConfig, GemmShape};
+use tpfuse::ops::gemm_all_reduce::FusedPlan;
 use tpfuse::ops::{self, Algorithm, Epilogue, RmsNorm};
 use tpfuse::{GroupOptions, TpGroup};
 
@@ -377,6 +382,87 @@ fn a_decode_message_launches_only_the_blocks_it_needs() {
                 balance < 1.01,
                 "{label}: the busiest block reads {balance}x the mean"
             );
+        }
+    }
+}
+
+#[test]
+fn all_gather_gemm_moves_each_rows_part_across_once() {
+    let _session = session_with(
+        FILE,
+        "all_gather_gemm_moves_each_rows_part_across_once",
+        SMS,
+        60_000_000_000,
+    );
+    let gpu = gpu();
+    for (world, m, n, k) in [
+        (2usize, 34usize, 136usize, 264usize),
+        (4, 16, 72, 136),
+        (8, 24, 264, 40),
+    ] {
+        let groups = virtual_group(&gpu.ctx, world, GroupOptions::default());
+        let rows = m / world;
+        let shape = GemmShape { m, n, k };
+        let label = format!("all-gather + GEMM W={world} (m, n, k)=({m}, {n}, {k})");
+        let xs: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0x7e, world, rows * k));
+        let ws: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0x8e, world, n * k));
+        let mut outs: Vec<CudaSlice<bf16>> = poisoned_ranks(&groups, m * n);
+        let mut plans: Vec<Option<FusedPlan>> = vec![None; world];
+        let ((), recs) = counters::count(|| {
+            round(&groups, &label, |r| {
+                plans[r] = Some(ops::all_gather_gemm(
+                    &groups[r],
+                    &xs[r],
+                    &ws[r],
+                    None,
+                    &mut outs[r],
+                    shape,
+                )?);
+                Ok(())
+            });
+        });
+        assert_eq!(recs.len(), world, "{label}: launches {recs:#?}");
+        for rec in &recs {
+            let r = rec.rank.expect("a rank tag");
+            let l = format!("{label} rank {r}");
+            let plan = plans[r].expect("planned");
+            assert!(
+                rec.kernel.contains("all_gather_gemm"),
+                "{l}: ran {}",
+                rec.kernel
+            );
+            assert_eq!(rec.blocks.len(), plan.grid, "{l}: blocks");
+            let info = plan.config.info();
+            let t = rec.total();
+            let (tiles_m, tiles_n) = (
+                m.div_ceil(info.block_m) as u64,
+                n.div_ceil(info.block_n) as u64,
+            );
+            let (w, m, n, k, rows) = (world as u64, m as u64, n as u64, k as u64, rows as u64);
+            let part = rows * k * S;
+            assert_eq!(t.peer_read_bytes, 0, "{l}: the tiles read only local rows");
+            assert_eq!(
+                t.peer_write_bytes,
+                (w - 1) * part,
+                "{l}: peer bytes written"
+            );
+            assert_eq!(
+                t.global_read_bytes,
+                part + (tiles_n * m + tiles_m * n) * k * S,
+                "{l}: its part once, then the GEMM's reads"
+            );
+            assert_eq!(
+                t.global_write_bytes,
+                w * part + m * n * S,
+                "{l}: bytes written"
+            );
+            for (b, c) in rec.blocks.iter().enumerate() {
+                assert!(
+                    (1..=w).contains(&c.barriers),
+                    "{l}: block {b} waited {} times (once per new rank at most)",
+                    c.barriers
+                );
+            }
         }
     }
 }

@@ -275,6 +275,25 @@ fn all_gather_gemm_shapes() {
     let mut out = poisoned::<T>(&groups[0], 4 * n);
     let wrong = all_gather_gemm(&groups[0], &x, &w, None, &mut out, GemmShape { m: 4, n, k });
     expect_invalid_saying("whole x", wrong, "x", &["[2, 32]", "64"]);
+    // Every rank's area holds the gathered [m, k]: a rank's own rows fitting is not enough.
+    let options = GroupOptions {
+        capacity_bytes: 64 << 10,
+        ..GroupOptions::default()
+    };
+    let groups = virtual_group(&gpu.ctx, 2, options);
+    // Rows of 2 KiB: a rank's 16 rows are 32 KiB, half the capacity; the gathered 32 are 64.
+    let (m, n, k) = (32, 64, 1024);
+    let x = poisoned::<T>(&groups[0], m / 2 * k);
+    let w = poisoned::<T>(&groups[0], n * k);
+    let mut out = poisoned::<T>(&groups[0], m * n);
+    let big = all_gather_gemm(&groups[0], &x, &w, None, &mut out, GemmShape { m, n, k });
+    expect_invalid_saying("gathered input", big, "x", &["[32, 1024]", "65536 bytes"]);
+    assert!(
+        download(&groups[0], &out)
+            .iter()
+            .all(|v| v.bits() == T::poison().bits()),
+        "out untouched"
+    );
 }
 
 fn reduce_scatter_shapes() {

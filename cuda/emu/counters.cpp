@@ -31,6 +31,12 @@ int owner_of(const Tags &tags, const void *p) {
   return -1;
 }
 
+// Whether `p` is another rank's memory than the running launch's (both tags known).
+bool is_peer(const Block &b, const void *p) {
+  const int owner = owner_of(*b.launch->tags, p);
+  return owner >= 0 && b.launch->rank >= 0 && owner != b.launch->rank;
+}
+
 // Replaces the tag table with `edit` applied to a copy (mu held).
 template <typename F> void edit_tags(Device &dev, F edit) {
   auto next = std::make_shared<Tags>(*dev.tags);
@@ -49,13 +55,14 @@ void count_load(const void *p, size_t bytes) {
   Block *b = counted_block();
   if (b == nullptr) return;
   b->counters.global_read_bytes += bytes;
-  const int owner = owner_of(*b->launch->tags, p);
-  if (owner >= 0 && b->launch->rank >= 0 && owner != b->launch->rank) b->counters.peer_read_bytes += bytes;
+  if (is_peer(*b, p)) b->counters.peer_read_bytes += bytes;
 }
 
-void count_store(const void *, size_t bytes) {
+void count_store(const void *p, size_t bytes) {
   Block *b = counted_block();
-  if (b != nullptr) b->counters.global_write_bytes += bytes;
+  if (b == nullptr) return;
+  b->counters.global_write_bytes += bytes;
+  if (is_peer(*b, p)) b->counters.peer_write_bytes += bytes;
 }
 
 void count_barrier() {

@@ -85,6 +85,7 @@ typedef struct tpfuse_emu_block_counters {
   uint64_t global_read_bytes;  /* loads from global memory, peers' buffers included */
   uint64_t global_write_bytes; /* stores to global memory */
   uint64_t peer_read_bytes;    /* loads from memory tagged with a rank other than `rank` */
+  uint64_t peer_write_bytes;   /* stores to memory tagged with a rank other than `rank` */
   uint64_t barriers;           /* cross-rank barriers passed */
   uint64_t ldmatrix_conflicts; /* per 8-row phase of an ldmatrix: the most rows in one
                                   shared-memory bank, less one */

@@ -1,12 +1,13 @@
 //! What the kernels move and how often they synchronise, counted by the emulator per launch
 //! and per block: the performance evidence a machine without a GPU can give (load balance
 //! across blocks, global-memory bytes against the minimum an op must move, bytes read from
-//! other ranks, cross-rank barriers, ldmatrix bank conflicts). Nothing here is a time.
+//! and written to other ranks, cross-rank barriers, ldmatrix bank conflicts). Nothing here is
+//! a time.
 //!
 //! Virtual ranks share one device, so a [`TpGroup::virtual_ranks`](crate::TpGroup::virtual_ranks)
 //! group tags each rank's symmetric memory and stream with its rank ([`tag_memory`],
-//! [`tag_stream`]); a load is a peer read when the memory's rank and the launching stream's
-//! rank are both known and differ.
+//! [`tag_stream`]); a load (a store) is a peer read (write) when the memory's rank and the
+//! launching stream's rank are both known and differ.
 //!
 //! Counting covers the kernels' data accesses (the load and store helpers of
 //! `cuda/common.cuh` and `cp.async`); the barriers' flags and epochs count as barriers, not
@@ -26,6 +27,8 @@ pub struct BlockCounters {
     pub global_write_bytes: u64,
     /// Bytes loaded from memory tagged with another rank than the launching stream's.
     pub peer_read_bytes: u64,
+    /// Bytes stored to memory tagged with another rank than the launching stream's.
+    pub peer_write_bytes: u64,
     /// Cross-rank barriers passed.
     pub barriers: u64,
     /// ldmatrix shared-memory bank conflicts: per 8-row phase, the most rows in one bank,
@@ -33,11 +36,19 @@ pub struct BlockCounters {
     pub ldmatrix_conflicts: u64,
 }
 
+impl BlockCounters {
+    /// Bytes that crossed to or from another rank's memory: peer reads and peer writes.
+    pub fn peer_bytes(&self) -> u64 {
+        self.peer_read_bytes + self.peer_write_bytes
+    }
+}
+
 impl AddAssign for BlockCounters {
     fn add_assign(&mut self, o: Self) {
         self.global_read_bytes += o.global_read_bytes;
         self.global_write_bytes += o.global_write_bytes;
         self.peer_read_bytes += o.peer_read_bytes;
+        self.peer_write_bytes += o.peer_write_bytes;
         self.barriers += o.barriers;
         self.ldmatrix_conflicts += o.ldmatrix_conflicts;
     }
@@ -110,6 +121,7 @@ pub fn records() -> Vec<LaunchCounters> {
                 global_read_bytes: b.global_read_bytes,
                 global_write_bytes: b.global_write_bytes,
                 peer_read_bytes: b.peer_read_bytes,
+                peer_write_bytes: b.peer_write_bytes,
                 barriers: b.barriers,
                 ldmatrix_conflicts: b.ldmatrix_conflicts,
             });

@@ -2,8 +2,11 @@
 //! (`cuda/all_gather_gemm.cu`; design in `docs/fused-gemm.md`): rank `r` holds rows
 //! `r·m/W .. (r+1)·m/W` of the input, and every rank gets `out` `[m, n]` =
 //! `all_gather(x) · weightᵀ (+ bias)` with its own weight shard `[n, k]` (the column-parallel
-//! layer after a sequence-parallel region). The GEMM starts on the local rows while the
-//! peers' rows arrive over the group's symmetric memory. The bits are those of
+//! layer after a sequence-parallel region). Each rank pushes its rows once into every rank's
+//! symmetric buffer, and the GEMM starts on the local rows while the peers' rows arrive; the
+//! tiles read the gathered `[m, k]` from local memory, so it must fit in half the group's
+//! capacity (`m · k · size_of::<T>() ≤ capacity / 2`: m ≤ 256 at k = 8192 in bf16 with the
+//! default 8 MiB). The bits are those of
 //! [`all_gather`](crate::ops::all_gather) into `[m, k]` followed by
 //! [`gemm`](crate::ops::gemm()) with the bias; the tests compare them bit for bit. The same
 //! deadlines and failure semantics as the other custom kernels (a failed launch marks `out`
@@ -22,8 +25,8 @@ use std::ffi::c_void;
 
 /// Every check of [`all_gather_gemm`] on buffer descriptions (no GPU needed): `m` a multiple
 /// of the world size; `x` `[m / W, k]`, `weight` `[n, k]`, `bias` `[n]`, `out` `[m, n]` on the
-/// device and 16-byte aligned; `out` disjoint from the inputs; this rank's `x` within half the
-/// group's capacity; a GEMM path on the device.
+/// device and 16-byte aligned; `out` disjoint from the inputs; the gathered input `[m, k]`
+/// within half the group's capacity; a GEMM path on the device.
 pub fn plan_all_gather_gemm<T: GemmElement>(
     x: &BufferInfo,
     weight: &BufferInfo,
@@ -71,13 +74,15 @@ pub fn plan_all_gather_gemm<T: GemmElement>(
             ),
         ));
     }
-    let bytes = rows * shape.k * std::mem::size_of::<T>();
+    let bytes = shape.m * shape.k * std::mem::size_of::<T>();
     if bytes > facts.capacity / 2 {
         return Err(Error::invalid(
             "x",
             format!(
-                "{bytes} bytes exceed half the group's symmetric capacity ({} of {} bytes), \
-                 where the fused kernel exchanges the input",
+                "the gathered input [m, k] = [{}, {}] ({bytes} bytes) exceeds half the group's \
+                 symmetric capacity ({} of {} bytes), where the fused kernel gathers it",
+                shape.m,
+                shape.k,
                 facts.capacity / 2,
                 facts.capacity
             ),

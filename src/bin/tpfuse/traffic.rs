@@ -1,7 +1,7 @@
 //! The emulator's counters summed per op, for `tpfuse selftest --counters`: global-memory
 //! bytes against the minimum the op must move (its inputs read and outputs written once),
-//! bytes read from other ranks, synchronisation rounds, load balance of the peer reads and
-//! ldmatrix bank conflicts. Counts, not times: nothing here says how fast a GPU would be.
+//! bytes read from or written to other ranks, synchronisation rounds, load balance of the peer
+//! reads and ldmatrix bank conflicts. Counts, not times: nothing here says how fast a GPU would be.
 
 use tpfuse::Result;
 
@@ -57,7 +57,7 @@ impl Traffic {
         self.blocks += launch.blocks.len() as u64;
         self.read += t.global_read_bytes;
         self.written += t.global_write_bytes;
-        self.peer += t.peer_read_bytes;
+        self.peer += t.peer_bytes();
         self.conflicts += t.ldmatrix_conflicts;
         let rounds = launch.blocks.iter().map(|b| b.barriers).max().unwrap_or(0);
         self.rounds = self.rounds.max(rounds);
