@@ -179,9 +179,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (!barrier.arrive_and_wait()) return give_up(barrier, out, residual, r);
   barrier.commit();
   if (gamma == nullptr) return;
-  // The partials live in the result half of this rank's buffer, which one-shot leaves unused
-  // (a unit holds at least 16 bytes of data and its partial 4, so they fit in the capacity).
-  float *partials = reinterpret_cast<float *>(static_cast<char *>(peers.data[g.rank]) + g.capacity);
+  // The partials live at the start of this rank's staging, where its input was: past the
+  // closing barrier no peer reads it, and no kernel writes another rank's staging (a unit
+  // holds at least 16 bytes of data and its partial 4, so they fit). Not in the result half:
+  // a peer past the closing barrier may already run all-gather + GEMM, which pushes its rows
+  // into this rank's result half (fused_flags.cuh, "Exchange areas").
+  float *partials = reinterpret_cast<float *>(peers.data[g.rank]);
   if (!normalize_units(barrier, seg, units, partials, gamma, eps, out)) give_up(barrier, out, residual, r);
 }
 

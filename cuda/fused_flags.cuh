@@ -35,11 +35,14 @@
 // peers read it) or every rank's (all-gather + GEMM pushes its part into each, and each reads
 // only its own). When a rank starts launch E+2, which rewrites those areas, it has finished
 // launch E+1, so it has seen flags of E+1 from every peer, so every peer had finished launch E
-// (stream order), its reads of every area included. No closing barrier is needed. The other custom kernels stage in the staging half and write
-// their result half only after their first barrier (when every peer is in that launch, hence
-// done with this one), and end with a closing barrier, so they and the fused kernels never
-// overlap on an area either. (Both rest on the sticky error word: after a failure no launch of
-// the group produces anything.)
+// (stream order), its reads of every area included. No closing barrier is needed. The other
+// custom kernels (all_reduce.cu) write no other rank's memory; they touch their result half
+// only between their first barrier (when every peer is in that launch, hence done with the
+// fused one before) and their closing barrier, and after the closing barrier only their own
+// staging (one-shot's RMSNorm partials): so a peer that passed the closing barrier and
+// pushes into this rank's result half overlaps nothing, and the fused kernels and they never
+// share an area. (Both rest on the sticky error word: after a failure no launch of the group
+// produces anything.)
 //
 // Failures. A wait ends at the launch's deadline (barrier.cuh, Deadline: from the block's
 // start, so it covers the block's whole share of the GEMM too) or when the rank's error word

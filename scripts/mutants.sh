@@ -290,6 +290,9 @@ mutant scatter-rank-0-rows emu_gemm_all_reduce "GEMM + reduce-scatter gives ever
   gemm_all_reduce.cu 'const int row_begin = reduction.scatter ? g.rank * slice : 0;' 'const int row_begin = 0;'
 mutant gather-without-waiting emu_gemm_all_reduce "all-gather + GEMM reads the peers' rows without waiting for their flags" \
   all_gather_gemm.cu '    if (needed != 0) {' '    if (false) {'
+mutant norm-partials-in-result-half emu_gemm_all_reduce "one-shot keeps its RMSNorm partials where all-gather + GEMM pushes" \
+  all_reduce.cu 'float *partials = reinterpret_cast<float *>(peers.data[g.rank]);' \
+  'float *partials = reinterpret_cast<float *>(static_cast<char *>(peers.data[g.rank]) + g.capacity);'
 mutant gather-push-own-area-only emu_gemm_all_reduce "all-gather + GEMM pushes a rank's rows into its own area only" \
   all_gather_gemm.cu 'for (int j = 1; j <= g.world; ++j) {' 'for (int j = g.world; j <= g.world; ++j) {'
 mutant gather-push-at-rank-0-rows emu_gemm_all_reduce "all-gather + GEMM pushes every rank's rows to rank 0's rows" \

@@ -497,6 +497,41 @@ fn gemm_reduce_scatter_equals_gemm_then_reduce_scatter() {
 }
 
 /// All-gather + GEMM on every rank against tpfuse_all_gather then tpfuse_gemm: every rank's
+/// Rank `r`'s tpfuse_all_gather_gemm of its rows `x` [m / W, k] and weight `w` [n, k] (+ bias)
+/// into `out` [m, n]; the code it returned.
+#[allow(clippy::too_many_arguments)]
+fn enqueue_all_gather_gemm<T: TestElement>(
+    ranks: &Ranks,
+    r: usize,
+    x: &DeviceBuffer<T>,
+    w: &DeviceBuffer<T>,
+    bias: &Option<DeviceBuffer<T>>,
+    out: &DeviceBuffer<T>,
+    (m, n, k): Shape,
+    blocks: i32,
+) -> i32 {
+    let (peers, args) = (ranks.peers(), ranks.args(r));
+    // SAFETY: the caller's buffers hold what the shapes need and are kept until the
+    // synchronize.
+    unsafe {
+        abi::tpfuse_all_gather_gemm(
+            T::DTYPE,
+            auto_config(m, n, k),
+            &peers,
+            &args,
+            blocks,
+            x.ptr().cast(),
+            w.ptr().cast(),
+            opt_ptr(bias),
+            out.ptr().cast(),
+            m,
+            n,
+            k,
+            ranks.stream(r),
+        )
+    }
+}
+
 /// out [m, n] from the rows of every rank's x [m / W, k] and its own weight, bitwise, and
 /// against f64.
 fn all_gather_gemm_case<T: TestElement>(
@@ -528,21 +563,7 @@ fn all_gather_gemm_case<T: TestElement>(
             // SAFETY: every buffer holds what the shapes need and is kept until the synchronize.
             let code = unsafe {
                 if fused {
-                    abi::tpfuse_all_gather_gemm(
-                        T::DTYPE,
-                        auto_config(m, n, k),
-                        &peers,
-                        &args,
-                        blocks,
-                        x.ptr().cast(),
-                        w.ptr().cast(),
-                        opt_ptr(&bias),
-                        out.ptr().cast(),
-                        m,
-                        n,
-                        k,
-                        stream,
-                    )
+                    enqueue_all_gather_gemm(&ranks, r, &x, &w, &bias, out, shape, blocks)
                 } else {
                     let bytes = rows * k * std::mem::size_of::<T>();
                     let code = abi::tpfuse_all_gather(
@@ -667,6 +688,87 @@ fn launches_in_a_row_each_get_their_own_inputs() {
             &finals[0].1[r],
             &finals[1].1[r],
         );
+    }
+}
+
+/// A one-shot all-reduce with RMSNorm, then all-gather + GEMM, in a row on every rank: a rank
+/// that passed the all-reduce's closing barrier pushes its rows into the peers' result halves
+/// while they may still normalise, so the all-reduce must keep nothing there (its partials
+/// once lived at the start of the result half, where rank 0's rows land at even epochs).
+/// Every launch's bits against the same launch run alone.
+#[test]
+fn an_all_gather_gemm_right_after_a_one_shot_rmsnorm_overlaps_nothing() {
+    let _s = session(
+        "emu_gemm_all_reduce",
+        "an_all_gather_gemm_right_after_a_one_shot_rmsnorm_overlaps_nothing",
+    );
+    let (world, steps, blocks) = (2, 6, 2);
+    let seed = base_seed(0xf05e_0009);
+    let ranks = Ranks::with_capacity(world, blocks, LONG_TIMEOUT_NS, CAPACITY);
+    // 16 rows of 4096: 16 segments, one partial each, 8 per block.
+    let norm = Epi { norm: true, ..NONE };
+    let p = problem::<bf16>(world, (16, 4096, 16), norm, mix_seed(seed, &[1]));
+    let gather: Shape = (4, 72, 64);
+    let (m, n, k) = gather;
+    let xs: Vec<DeviceBuffer<bf16>> = (0..world)
+        .map(|r| {
+            DeviceBuffer::from_slice(&random_vec(
+                mix_seed(seed, &[2, r as u64]),
+                m / world * k,
+                -1.0,
+                1.0,
+            ))
+        })
+        .collect();
+    let ws: Vec<DeviceBuffer<bf16>> = (0..world)
+        .map(|r| {
+            DeviceBuffer::from_slice(&random_vec(
+                mix_seed(seed, &[3, r as u64]),
+                n * k,
+                -0.2,
+                0.2,
+            ))
+        })
+        .collect();
+    let gathered_gemm = |r: usize| {
+        let out = poisoned::<bf16>(m * n);
+        let code = enqueue_all_gather_gemm(&ranks, r, &xs[r], &ws[r], &None, &out, gather, blocks);
+        launched(&format!("all_gather_gemm rank {r}"), code);
+        out
+    };
+    // Alone: the all-reduce, then (another synchronize) the all-gather + GEMM.
+    let (alone, _) = run(&ranks, &p, Path::Unfused);
+    let gathered_alone: Vec<DeviceBuffer<bf16>> = (0..world).map(gathered_gemm).collect();
+    ranks.synchronize();
+    // In a row, every step's launches in flight together.
+    let kept: Vec<Vec<(Buffers<bf16>, DeviceBuffer<bf16>)>> = (0..steps)
+        .map(|_| {
+            (0..world)
+                .map(|r| {
+                    (
+                        enqueue(&ranks, r, &p, Path::Unfused, &None),
+                        gathered_gemm(r),
+                    )
+                })
+                .collect()
+        })
+        .collect();
+    ranks.synchronize();
+    for (step, launches) in kept.iter().enumerate() {
+        for (r, (reduced, gathered)) in launches.iter().enumerate() {
+            let at = format!("step {step} rank {r}");
+            assert_eq!(ranks.error_word(r), 0, "{at}: a launch failed");
+            assert_same_bits(
+                &format!("{at}: the all-reduce's out"),
+                &reduced.out.to_vec(),
+                &alone[r].out.to_vec(),
+            );
+            assert_same_bits(
+                &format!("{at}: the all-gather + GEMM's out"),
+                &gathered.to_vec(),
+                &gathered_alone[r].to_vec(),
+            );
+        }
     }
 }
 

@@ -17,11 +17,46 @@ use crate::dtype::NcclType;
 use crate::error::{Error, Result};
 use crate::ffi::kernels;
 use crate::group::TpGroup;
-use crate::ops::gemm::{check_gemm_shapes, GemmBuffers, GemmElement, GemmShape};
+use crate::ops::gemm::{check_gemm_shapes, select_config, GemmBuffers, GemmElement, GemmShape};
 use crate::ops::gemm_all_reduce::{facts_of, planned, renamed, FusedFacts, FusedPlan};
 use crate::validate::{check_disjoint, owner, BufferInfo};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use std::ffi::c_void;
+
+/// Why a shape cannot take the fused all-gather + GEMM on a group, or `None` when it can: a
+/// world of one, a gathered input `[m, k]` larger than half the symmetric capacity, or a
+/// device without a GEMM path. The layers fall back to the unfused path on these. (`m` not
+/// a multiple of the world size is an error on either path.)
+pub fn unfusable_all_gather<T>(shape: GemmShape, facts: &FusedFacts) -> Option<String> {
+    if facts.world < 2 {
+        return Some("the fused path needs a group of 2 or more ranks".into());
+    }
+    let bytes = shape
+        .m
+        .saturating_mul(shape.k)
+        .saturating_mul(std::mem::size_of::<T>());
+    if bytes > facts.capacity / 2 {
+        return Some(gathered_too_large(shape, bytes, facts));
+    }
+    if select_config(shape, facts.compute_capability, facts.sms).is_none() {
+        let (major, minor) = facts.compute_capability;
+        return Some(format!(
+            "compute capability {major}.{minor} has no GEMM path (8.0 or later needed)"
+        ));
+    }
+    None
+}
+
+fn gathered_too_large(shape: GemmShape, bytes: usize, facts: &FusedFacts) -> String {
+    format!(
+        "the gathered input [m, k] = [{}, {}] ({bytes} bytes) exceeds half the group's \
+         symmetric capacity ({} of {} bytes), where the fused kernel gathers it",
+        shape.m,
+        shape.k,
+        facts.capacity / 2,
+        facts.capacity
+    )
+}
 
 /// Every check of [`all_gather_gemm`] on buffer descriptions (no GPU needed): `m` a multiple
 /// of the world size; `x` `[m / W, k]`, `weight` `[n, k]`, `bias` `[n]`, `out` `[m, n]` on the
@@ -53,7 +88,7 @@ pub fn plan_all_gather_gemm<T: GemmElement>(
     }
     let rows = shape.m / world;
     // The GEMM's view: A is the gathered [m, k]; this rank's x holds its [m / W, k] slice.
-    let gathered = BufferInfo::new(0, shape.m * shape.k, x.device);
+    let gathered = BufferInfo::new(0, shape.m.saturating_mul(shape.k), x.device);
     let lengths = GemmBuffers {
         a: gathered,
         b: *weight,
@@ -74,19 +109,12 @@ pub fn plan_all_gather_gemm<T: GemmElement>(
             ),
         ));
     }
-    let bytes = shape.m * shape.k * std::mem::size_of::<T>();
+    let bytes = shape
+        .m
+        .saturating_mul(shape.k)
+        .saturating_mul(std::mem::size_of::<T>());
     if bytes > facts.capacity / 2 {
-        return Err(Error::invalid(
-            "x",
-            format!(
-                "the gathered input [m, k] = [{}, {}] ({bytes} bytes) exceeds half the group's \
-                 symmetric capacity ({} of {} bytes), where the fused kernel gathers it",
-                shape.m,
-                shape.k,
-                facts.capacity / 2,
-                facts.capacity
-            ),
-        ));
+        return Err(Error::invalid("x", gathered_too_large(shape, bytes, facts)));
     }
     if shape.m == 0 {
         return planned(shape, facts);

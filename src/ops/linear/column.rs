@@ -1,6 +1,7 @@
 //! Column-parallel: a rank holds rows of the weight and computes columns of the output,
 //! optionally gathered.
 
+use super::fusion::{Fusion, SequenceParallelPath};
 use super::gather::rank_major_to_rows;
 use super::{check_device, check_len, host_shard, in_layer, Shard};
 use crate::dtype::NcclType;
@@ -20,6 +21,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 pub struct ColumnParallelLinear<T> {
     spec: ColumnParallelSpec,
     shard: Shard<T>,
+    fusion: Fusion,
 }
 
 impl<T> std::fmt::Debug for ColumnParallelLinear<T> {
@@ -40,7 +42,11 @@ impl<T: GemmElement + NcclType> ColumnParallelLinear<T> {
         bias: Option<CudaSlice<T>>,
     ) -> Result<Self> {
         let shard = Shard::new(group, &spec, weight, bias)?;
-        Ok(ColumnParallelLinear { spec, shard })
+        Ok(ColumnParallelLinear {
+            spec,
+            shard,
+            fusion: Fusion::Auto,
+        })
     }
 
     /// The layer from the full host weight, `[out_features, in_features]` as the checkpoint
@@ -82,6 +88,37 @@ impl<T: GemmElement + NcclType> ColumnParallelLinear<T> {
     /// The bias shard, `[out/W]`.
     pub fn bias(&self) -> Option<&CudaSlice<T>> {
         self.shard.bias.as_ref()
+    }
+
+    /// The same layer with another [`Fusion`] for
+    /// [`forward_all_gather`](Self::forward_all_gather) (every rank must choose the same).
+    pub fn with_fusion(mut self, fusion: Fusion) -> Self {
+        self.fusion = fusion;
+        self
+    }
+
+    /// How [`forward_all_gather`](Self::forward_all_gather) joins the all-gather and the GEMM.
+    pub fn fusion(&self) -> Fusion {
+        self.fusion
+    }
+
+    /// Megatron's sequence parallelism: each rank holds `x` `[m / W, in]`, its rows
+    /// `r·m/W .. (r+1)·m/W` of the input, and gets `out` `[m, out/W]` = `all_gather(x) · W_rᵀ
+    /// (+ b_r)`, out/W the rank's columns as in [`forward`](Self::forward). Unfused,
+    /// [`all_gather`](crate::ops::all_gather) into the workspace `gathered` `[m, in]`, then
+    /// the GEMM; fused ([`Fusion`]), one kernel
+    /// ([`all_gather_gemm`](crate::ops::all_gather_gemm()), `gathered` untouched, the same
+    /// bits). `m` is `W · x.len() / in`. Returns what ran. A collective: every rank calls it
+    /// with the same `m`. Errors (naming the layer), before anything is launched.
+    pub fn forward_all_gather(
+        &self,
+        group: &TpGroup,
+        x: &impl DevicePtr<T>,
+        gathered: &mut (impl DevicePtr<T> + DevicePtrMut<T>),
+        out: &mut impl DevicePtrMut<T>,
+    ) -> Result<SequenceParallelPath> {
+        self.shard
+            .forward_all_gather(group, self.fusion, x, gathered, out)
     }
 
     /// This rank's columns of the output: `out` `[m, out/W]` = `x` `[m, in]` · `W_rᵀ`

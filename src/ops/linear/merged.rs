@@ -1,5 +1,6 @@
 //! Merged column-parallel: QKV or gate_up, a rank holds its part of every section.
 
+use super::fusion::{Fusion, SequenceParallelPath};
 use super::{check_spec, host_shard, upload_shard, Shard};
 use crate::dtype::NcclType;
 use crate::error::Result;
@@ -15,6 +16,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 pub struct MergedColumnParallelLinear<T> {
     spec: MergedColumnSpec,
     shard: Shard<T>,
+    fusion: Fusion,
 }
 
 impl<T> std::fmt::Debug for MergedColumnParallelLinear<T> {
@@ -37,7 +39,11 @@ impl<T: GemmElement + NcclType> MergedColumnParallelLinear<T> {
         bias: Option<CudaSlice<T>>,
     ) -> Result<Self> {
         let shard = Shard::new(group, &spec, weight, bias)?;
-        Ok(MergedColumnParallelLinear { spec, shard })
+        Ok(MergedColumnParallelLinear {
+            spec,
+            shard,
+            fusion: Fusion::Auto,
+        })
     }
 
     /// The layer from the full host weight, `[out_features, in_features]` with the sections
@@ -99,6 +105,37 @@ impl<T: GemmElement + NcclType> MergedColumnParallelLinear<T> {
     /// The bias shard, `[out_per_rank]`.
     pub fn bias(&self) -> Option<&CudaSlice<T>> {
         self.shard.bias.as_ref()
+    }
+
+    /// The same layer with another [`Fusion`] for
+    /// [`forward_all_gather`](Self::forward_all_gather) (every rank must choose the same).
+    pub fn with_fusion(mut self, fusion: Fusion) -> Self {
+        self.fusion = fusion;
+        self
+    }
+
+    /// How [`forward_all_gather`](Self::forward_all_gather) joins the all-gather and the GEMM.
+    pub fn fusion(&self) -> Fusion {
+        self.fusion
+    }
+
+    /// Megatron's sequence parallelism: each rank holds `x` `[m / W, in]`, its rows
+    /// `r·m/W .. (r+1)·m/W` of the input, and gets `out` `[m, out_per_rank]` = `all_gather(x) · W_rᵀ
+    /// (+ b_r)`, out_per_rank the rank's columns as in [`forward`](Self::forward). Unfused,
+    /// [`all_gather`](crate::ops::all_gather) into the workspace `gathered` `[m, in]`, then
+    /// the GEMM; fused ([`Fusion`]), one kernel
+    /// ([`all_gather_gemm`](crate::ops::all_gather_gemm()), `gathered` untouched, the same
+    /// bits). `m` is `W · x.len() / in`. Returns what ran. A collective: every rank calls it
+    /// with the same `m`. Errors (naming the layer), before anything is launched.
+    pub fn forward_all_gather(
+        &self,
+        group: &TpGroup,
+        x: &impl DevicePtr<T>,
+        gathered: &mut (impl DevicePtr<T> + DevicePtrMut<T>),
+        out: &mut impl DevicePtrMut<T>,
+    ) -> Result<SequenceParallelPath> {
+        self.shard
+            .forward_all_gather(group, self.fusion, x, gathered, out)
     }
 
     /// For a QKV layer: the columns of q, k and v in a rank's output row.

@@ -86,19 +86,22 @@ use std::borrow::Cow;
 
 mod column;
 mod embedding;
+mod fusion;
 mod gather;
 mod lm_head;
 mod loader;
 mod merged;
 mod row;
+mod sequence;
 mod vocab_shard;
 
 pub use column::ColumnParallelLinear;
 pub use embedding::VocabParallelEmbedding;
+pub use fusion::{Fusion, SequenceParallelPath};
 pub use lm_head::ParallelLMHead;
 pub use loader::SectionLoader;
 pub use merged::MergedColumnParallelLinear;
-pub use row::{Fusion, RowParallelLinear, RowParallelPath};
+pub use row::{RowParallelLinear, RowParallelPath};
 
 /// The names the GEMM's errors use for its arguments, and what a layer calls them.
 const GEMM_NAMES: [(&str, &str); 5] = [

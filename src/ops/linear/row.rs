@@ -1,15 +1,18 @@
 //! Row-parallel: a rank holds columns of the weight, computes a partial of the whole
-//! output, and the all-reduce (with its fused epilogue) joins the ranks.
+//! output, and the all-reduce (with its fused epilogue) joins the ranks; or, in a
+//! sequence-parallel region, the reduce-scatter gives each rank its rows of the sum.
 
+use super::fusion::{fuses, Fusion, SequenceParallelPath};
 use super::{as_dyn, check_len, host_shard, in_layer, Shard};
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
 use crate::group::TpGroup;
 use crate::ops::all_reduce::{all_reduce_fused, Algorithm, Epilogue, RmsNorm};
+use crate::ops::collectives::reduce_scatter;
 use crate::ops::gemm::{GemmElement, GemmShape};
-use crate::ops::gemm_all_reduce::{facts_of, gemm_all_reduce, unfusable};
+use crate::ops::gemm_all_reduce::{gemm_all_reduce, gemm_reduce_scatter, unfusable};
 use crate::shard::{HostWeight, RowParallelSpec};
-use crate::topology::{AllReduceAlgo, FusionRule};
+use crate::topology::AllReduceAlgo;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
 /// The names the all-reduce's errors use, and what a row-parallel layer calls them.
@@ -34,20 +37,14 @@ const FUSED_NAMES: [(&str, &str); 7] = [
     ("eps", "norm.eps"),
 ];
 
-/// How a row-parallel layer joins its GEMM and its all-reduce.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Fusion {
-    /// [`FusionRule`]'s choice (placeholder thresholds until measured): fused for small `m`
-    /// on groups whose custom kernels run, when the layer's algorithm is
-    /// [`Algorithm::Auto`] and the shape fits ([`unfusable`]); unfused otherwise.
-    Auto,
-    /// Always one kernel ([`gemm_all_reduce`]); a shape it cannot take (a message over half
-    /// the group's capacity, too many tiles, a group without custom kernels) is an error
-    /// naming the layer.
-    Fused,
-    /// Always the GEMM into `partial`, then [`all_reduce_fused`] with the layer's algorithm.
-    Unfused,
-}
+/// The names the fused GEMM + reduce-scatter's errors use, and what a row-parallel layer
+/// calls them.
+const SCATTER_NAMES: [(&str, &str); 4] = [
+    ("m", "m"),
+    ("x", "x"),
+    ("weight", "the weight shard"),
+    ("out", "out"),
+];
 
 /// What a row-parallel `forward` ran.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -136,35 +133,29 @@ impl<T: GemmElement + NcclType> RowParallelLinear<T> {
         self.fusion
     }
 
-    /// Whether a call of `m` rows runs fused: [`Fusion`]'s rule. Forced fusion on a shape
-    /// the kernel cannot take is an error naming the layer.
-    fn fuses(&self, group: &TpGroup, m: usize) -> Result<bool> {
-        let label = self.shard.label.as_str();
-        let shape = GemmShape {
+    /// The call's shape, `[m, out]` from `[m, in/W]`.
+    fn shape(&self, m: usize) -> GemmShape {
+        GemmShape {
             m,
             n: self.shard.n,
             k: self.shard.k,
-        };
-        let refusal = |group: &TpGroup| -> Result<Option<String>> {
-            if let Some(reason) = group.custom_kernels_refused() {
-                return Ok(Some(format!("the group has no custom kernels: {reason}")));
-            }
-            Ok(unfusable::<T>(shape, &facts_of(group)))
-        };
-        match self.fusion {
-            Fusion::Unfused => Ok(false),
-            Fusion::Fused => match refusal(group)? {
-                None => Ok(true),
-                Some(reason) => Err(Error::invalid(
-                    label,
-                    format!("the layer forces the fused GEMM + all-reduce, but {reason}"),
-                )),
-            },
-            Fusion::Auto => Ok(self.algorithm == Algorithm::Auto
-                && m > 0
-                && FusionRule::default().fuse(group.verdict(), m)
-                && refusal(group)?.is_none()),
         }
+    }
+
+    /// Whether a call of `m` rows runs the fused GEMM + all-reduce: [`Fusion`]'s rule (under
+    /// [`Fusion::Auto`], only with the layer's algorithm [`Algorithm::Auto`]). Forced fusion
+    /// on a shape the kernel cannot take ([`unfusable`]) is an error naming the layer.
+    fn fuses(&self, group: &TpGroup, m: usize) -> Result<bool> {
+        let shape = self.shape(m);
+        fuses(
+            self.fusion,
+            &self.shard.label,
+            "GEMM + all-reduce",
+            group,
+            m,
+            self.algorithm == Algorithm::Auto,
+            |facts| unfusable::<T>(shape, facts),
+        )
     }
 
     /// The layer's shape.
@@ -223,12 +214,7 @@ impl<T: GemmElement + NcclType> RowParallelLinear<T> {
             norm,
         };
         if self.fuses(group, m)? {
-            let shape = GemmShape {
-                m,
-                n: self.shard.n,
-                k: self.shard.k,
-            };
-            gemm_all_reduce(group, x, &self.shard.weight, epilogue, out, shape)
+            gemm_all_reduce(group, x, &self.shard.weight, epilogue, out, self.shape(m))
                 .map_err(in_layer(&self.shard.label, &FUSED_NAMES))?;
             return Ok(RowParallelPath::Fused);
         }
@@ -291,5 +277,61 @@ impl<T: GemmElement + NcclType> RowParallelLinear<T> {
             ));
         }
         self.gemm_all_reduce(group, x, partial, m, Some(residual), Some(norm), out)
+    }
+
+    /// Megatron's sequence parallelism: `out` `[m / W, out]` = rows `r·m/W .. (r+1)·m/W` of
+    /// `Σ_q x_q · W_qᵀ` on rank `r` (each rank's partial rounded to `T`, the partials added in
+    /// rank order in f32, rounded once). Unfused, the GEMM writes the workspace `partial`
+    /// `[m, out]`, then [`reduce_scatter`]; fused ([`Fusion`]: every [`Fusion::Auto`] call
+    /// the rule and the shape allow, whatever the layer's all-reduce algorithm), one kernel
+    /// ([`gemm_reduce_scatter`], `partial` untouched). The same bits either way. Shapes: `x`
+    /// `[m, in/W]`, `m` a multiple of the world size. Returns what ran. A collective, as
+    /// [`forward`](Self::forward). Errors (naming the layer), before anything is launched:
+    /// `m` not a multiple of the world size, wrong lengths, and a layer with a bias: this
+    /// forward adds none (add it to the rows after, as Megatron does).
+    pub fn forward_reduce_scatter(
+        &self,
+        group: &TpGroup,
+        x: &impl DevicePtr<T>,
+        partial: &mut (impl DevicePtr<T> + DevicePtrMut<T>),
+        out: &mut impl DevicePtrMut<T>,
+    ) -> Result<SequenceParallelPath> {
+        let (label, n, world) = (self.shard.label.as_str(), self.shard.n, self.shard.world);
+        let m = self.shard.rows(group, x.len())?;
+        if self.shard.bias.is_some() {
+            return Err(Error::invalid(
+                label,
+                "the layer has a bias, which forward_reduce_scatter does not add (add it to \
+                 the rank's rows after the reduce-scatter)",
+            ));
+        }
+        if m % world != 0 {
+            return Err(Error::invalid(
+                label,
+                format!("m = {m} rows of x do not split into {world} equal slices (one per rank)"),
+            ));
+        }
+        check_len(label, "partial", partial.len(), m, n)?;
+        check_len(label, "out", out.len(), m / world, n)?;
+        let shape = self.shape(m);
+        let fused = fuses(
+            self.fusion,
+            label,
+            "GEMM + reduce-scatter",
+            group,
+            m,
+            true,
+            |facts| unfusable::<T>(shape, facts),
+        )?;
+        if fused {
+            gemm_reduce_scatter(group, x, &self.shard.weight, out, shape)
+                .map_err(in_layer(label, &SCATTER_NAMES))?;
+            return Ok(SequenceParallelPath::Fused);
+        }
+        let names = [("a", "x"), ("b", "the weight shard"), ("c", "partial")];
+        self.shard.gemm(group, x, None, partial, m, &names)?;
+        reduce_scatter(group, &*partial, out)
+            .map_err(in_layer(label, &[("input", "partial"), ("out", "out")]))?;
+        Ok(SequenceParallelPath::Unfused)
     }
 }

@@ -1,0 +1,74 @@
+//! Whether a layer runs its GEMM and its collective as one kernel: the layer's choice
+//! ([`Fusion`]), the rule that applies it, and what a sequence-parallel forward ran
+//! ([`SequenceParallelPath`]).
+
+use crate::error::{Error, Result};
+use crate::group::TpGroup;
+use crate::ops::gemm_all_reduce::{facts_of, FusedFacts};
+use crate::topology::FusionRule;
+
+/// How a layer joins its GEMM and its collective: a row-parallel layer's GEMM + all-reduce
+/// ([`crate::ops::gemm_all_reduce()`]) or GEMM + reduce-scatter
+/// ([`crate::ops::gemm_reduce_scatter`]), a column-parallel layer's all-gather + GEMM
+/// ([`crate::ops::all_gather_gemm()`]). Every rank must choose the same.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fusion {
+    /// [`FusionRule`]'s choice (placeholder thresholds until measured): fused for small `m`
+    /// on groups whose custom kernels run, when the shape fits the fused kernel (and, for a
+    /// row-parallel all-reduce, the layer's algorithm is
+    /// [`Algorithm::Auto`](crate::ops::Algorithm::Auto)); unfused otherwise.
+    Auto,
+    /// Always one kernel; a shape it cannot take (an exchange over half the group's
+    /// capacity, too many tiles, a group without custom kernels) is an error naming the
+    /// layer.
+    Fused,
+    /// Always the GEMM and the collective as separate launches, through the caller's
+    /// workspace.
+    Unfused,
+}
+
+/// What a sequence-parallel forward ran
+/// ([`RowParallelLinear::forward_reduce_scatter`](super::RowParallelLinear::forward_reduce_scatter),
+/// [`ColumnParallelLinear::forward_all_gather`](super::ColumnParallelLinear::forward_all_gather)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SequenceParallelPath {
+    /// One fused kernel; the workspace was not touched.
+    Fused,
+    /// The GEMM and the collective, through the workspace.
+    Unfused,
+}
+
+/// Whether a layer's call of `m` rows runs `op` (e.g. "GEMM + all-reduce") fused, by its
+/// `fusion`: `auto_allowed` is what the layer adds to [`Fusion::Auto`]'s rule, `unfusable`
+/// says why the fused kernel cannot take the shape on the group. Forced fusion that cannot
+/// run is an error naming the layer (`label`).
+pub(super) fn fuses(
+    fusion: Fusion,
+    label: &str,
+    op: &str,
+    group: &TpGroup,
+    m: usize,
+    auto_allowed: bool,
+    unfusable: impl FnOnce(&FusedFacts) -> Option<String>,
+) -> Result<bool> {
+    let refusal = || -> Option<String> {
+        if let Some(reason) = group.custom_kernels_refused() {
+            return Some(format!("the group has no custom kernels: {reason}"));
+        }
+        unfusable(&facts_of(group))
+    };
+    match fusion {
+        Fusion::Unfused => Ok(false),
+        Fusion::Fused => match refusal() {
+            None => Ok(true),
+            Some(reason) => Err(Error::invalid(
+                label,
+                format!("the layer forces the fused {op}, but {reason}"),
+            )),
+        },
+        Fusion::Auto => Ok(auto_allowed
+            && m > 0
+            && FusionRule::default().fuse(group.verdict(), m)
+            && refusal().is_none()),
+    }
+}
