@@ -18,7 +18,7 @@
 
 mod common;
 use common::assert_same_bits;
-use common::emu::{launched, session, Ranks};
+use common::emu::{launched, session, session_with, Ranks};
 use common::gpu::{assert_close, base_seed, mix_seed, random_vec, TestElement};
 use half::{bf16, f16};
 use std::ffi::c_void;
@@ -823,6 +823,54 @@ fn a_flag_of_a_long_past_launch_is_not_ready() {
             );
         }
     }
+}
+
+/// Co-residency on a device of one SM. Block b of a rank waits only for block b of the other
+/// ranks, so the grid bound (`TpGroup::fused_blocks`: the SMs divided among virtual ranks) is
+/// what lets every block a waiting block needs run. At the bound, one block per rank runs
+/// every tile of its rank in turn and gives the unfused bits. Past it (32 blocks per rank, more
+/// than the SM holds, rank 0 launched first), rank 1 gets no resident block while rank 0's
+/// wait for it: every rank reports the timeout at the deadline and marks its outputs, and the
+/// emulator reports no deadlock (a hang).
+#[test]
+fn on_one_sm_the_grid_bound_completes_and_a_grid_past_it_times_out() {
+    let _s = session_with(
+        "emu_gemm_all_reduce",
+        "on_one_sm_the_grid_bound_completes_and_a_grid_past_it_times_out",
+        1,
+        60_000_000_000,
+    );
+    let seed = base_seed(0xf05e_000a);
+    case::<bf16>(2, 1, (16, 264, 40), ALL, mix_seed(seed, &[1]));
+
+    let timeout = 2_000_000;
+    let ranks = Ranks::with_capacity(2, 32, timeout, CAPACITY);
+    // At least 32 tiles in every configuration (4096 columns: 32 tiles of 128).
+    let p = problem::<bf16>(2, (16, 4096, 16), ALL, mix_seed(seed, &[2]));
+    let res = residuals(2, &p);
+    let start = emulator::now_ns();
+    let launches: Vec<Buffers<bf16>> = (0..2)
+        .map(|r| enqueue(&ranks, r, &p, Path::Fused, &res[r]))
+        .collect();
+    for r in 0..2 {
+        ranks.streams[r]
+            .synchronize()
+            .unwrap_or_else(|e| panic!("rank {r}: {e} (the emulator's deadlock report?)"));
+    }
+    let elapsed = emulator::now_ns() - start;
+    let word = abi::TPFUSE_ERROR_PEER_TIMEOUT | 1;
+    for (r, b) in launches.iter().enumerate() {
+        assert_eq!(ranks.error_word(r), word, "rank {r}: rank 1 timed out");
+        assert_eq!(ranks.host_error_word(r), word, "rank {r}: published");
+        assert!(
+            b.out.to_vec().iter().all(|x| x.is_failed_output()),
+            "rank {r}: out marked failed"
+        );
+    }
+    assert!(
+        elapsed >= timeout,
+        "gave up after {elapsed} ns, before the {timeout} ns deadline"
+    );
 }
 
 /// A rank that never launches: every survivor times out within its deadline, names the

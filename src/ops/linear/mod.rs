@@ -3,9 +3,9 @@
 //!
 //! | layer | a rank holds | `forward` | then |
 //! |---|---|---|---|
-//! | [`ColumnParallelLinear`] | weight rows `r·out/W .. (r+1)·out/W` (and that bias slice) | `[m, in] -> [m, out/W]` | optionally [`all_gather`](crate::ops::all_gather) to `[m, out]` ([`forward_gather`](ColumnParallelLinear::forward_gather)) |
-//! | [`MergedColumnParallelLinear`] | its heads of q, k, v (or its part of gate and up) | `[m, in] -> [m, out_per_rank]` | the caller reads the sections ([`QkvSplit`](crate::shard::QkvSplit), [`GateUpSplit`](crate::shard::GateUpSplit)) |
-//! | [`RowParallelLinear`] | weight columns `r·in/W .. (r+1)·in/W`, and the whole bias | `[m, in/W] -> partial [m, out]` | [`all_reduce_fused`](crate::ops::all_reduce_fused): `out = Σ partials + bias`, bias added once, in f32; or with residual add and RMSNorm ([`forward_residual_rmsnorm`](RowParallelLinear::forward_residual_rmsnorm)) |
+//! | [`ColumnParallelLinear`] | weight rows `r·out/W .. (r+1)·out/W` (and that bias slice) | `[m, in] -> [m, out/W]` | optionally [`all_gather`](crate::ops::all_gather) to `[m, out]` ([`forward_gather`](ColumnParallelLinear::forward_gather)); from a sequence-parallel input `[m/W, in]`, all-gather + GEMM ([`forward_all_gather`](ColumnParallelLinear::forward_all_gather)) |
+//! | [`MergedColumnParallelLinear`] | its heads of q, k, v (or its part of gate and up) | `[m, in] -> [m, out_per_rank]` | the caller reads the sections ([`QkvSplit`](crate::shard::QkvSplit), [`GateUpSplit`](crate::shard::GateUpSplit)); all-gather + GEMM as the column-parallel layer ([`forward_all_gather`](MergedColumnParallelLinear::forward_all_gather)) |
+//! | [`RowParallelLinear`] | weight columns `r·in/W .. (r+1)·in/W`, and the whole bias | `[m, in/W] -> partial [m, out]` | [`all_reduce_fused`](crate::ops::all_reduce_fused): `out = Σ partials + bias`, bias added once, in f32; or with residual add and RMSNorm ([`forward_residual_rmsnorm`](RowParallelLinear::forward_residual_rmsnorm)); or GEMM + reduce-scatter, each rank its `[m/W, out]` rows ([`forward_reduce_scatter`](RowParallelLinear::forward_reduce_scatter)) |
 //! | [`VocabParallelEmbedding`] | rows `r·P .. (r+1)·P` of the `[vocab, hidden]` table, the vocabulary padded ([`VocabParallelSpec`](crate::shard::VocabParallelSpec)) | token ids `[m] -> [m, hidden]`: the rank's rows, -0.0 for other ranks' tokens | [`all_reduce`](crate::ops::all_reduce()) in place: the table's rows on every rank, bit for bit (NaN payloads aside) |
 //! | [`ParallelLMHead`] | the same rows of the LM head's weight (or the embedding's table, [`tied`](ParallelLMHead::tied)) | `[m, hidden] -> [m, P]` logits, padding columns zero | optionally [`all_gather`](crate::ops::all_gather) to `[m, vocab]`, padding dropped ([`forward_gather`](ParallelLMHead::forward_gather)) |
 //!
@@ -26,6 +26,13 @@
 //! (tokens) is read from the input's length. Outputs and workspaces are the caller's: no
 //! `forward` allocates, so a layer's calls can be captured into a CUDA graph (with the
 //! collectives' own conditions, see [`mod@crate::ops::all_reduce`]).
+//!
+//! # Fusion
+//!
+//! A layer whose GEMM meets a collective (row-parallel, and column-parallel or merged in a
+//! sequence-parallel region) runs both as one kernel or as two launches through the caller's
+//! workspace, by its [`Fusion`] (`with_fusion`; the same bits either way): see
+//! `docs/fused-gemm.md`.
 //!
 //! # Errors
 //!
