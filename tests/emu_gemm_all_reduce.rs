@@ -825,6 +825,46 @@ fn a_flag_of_a_long_past_launch_is_not_ready() {
     }
 }
 
+/// Ranks `0..launching` each launch the fused `p` (a residual and RMSNorm), then synchronize:
+/// each must report `word` (its error word and the host's copy) and mark `out` and the
+/// residual failed. Returns the residuals and the virtual time the launches took.
+fn fused_launches_fail(
+    ranks: &Ranks,
+    p: &Problem<bf16>,
+    launching: usize,
+    word: u32,
+) -> (Vec<Option<DeviceBuffer<bf16>>>, u64) {
+    let res = residuals(ranks.world, p);
+    let start = emulator::now_ns();
+    let launches: Vec<Buffers<bf16>> = (0..launching)
+        .map(|r| enqueue(ranks, r, p, Path::Fused, &res[r]))
+        .collect();
+    for r in 0..launching {
+        ranks.streams[r]
+            .synchronize()
+            .unwrap_or_else(|e| panic!("rank {r}: {e} (the emulator's deadlock report?)"));
+    }
+    let elapsed = emulator::now_ns() - start;
+    for (r, b) in launches.iter().enumerate() {
+        assert_eq!(ranks.error_word(r), word, "rank {r}: the error word");
+        assert_eq!(
+            ranks.host_error_word(r),
+            word,
+            "rank {r}: published to the host"
+        );
+        assert!(
+            b.out.to_vec().iter().all(|x| x.is_failed_output()),
+            "rank {r}: out marked failed"
+        );
+        let residual = res[r].as_ref().expect("residual").to_vec();
+        assert!(
+            residual.iter().all(|x| x.is_failed_output()),
+            "rank {r}: residual marked failed"
+        );
+    }
+    (res, elapsed)
+}
+
 /// Co-residency on a device of one SM. Block b of a rank waits only for block b of the other
 /// ranks, so the grid bound (`TpGroup::fused_blocks`: the SMs divided among virtual ranks) is
 /// what lets every block a waiting block needs run. At the bound, one block per rank runs
@@ -847,26 +887,8 @@ fn on_one_sm_the_grid_bound_completes_and_a_grid_past_it_times_out() {
     let ranks = Ranks::with_capacity(2, 32, timeout, CAPACITY);
     // At least 32 tiles in every configuration (4096 columns: 32 tiles of 128).
     let p = problem::<bf16>(2, (16, 4096, 16), ALL, mix_seed(seed, &[2]));
-    let res = residuals(2, &p);
-    let start = emulator::now_ns();
-    let launches: Vec<Buffers<bf16>> = (0..2)
-        .map(|r| enqueue(&ranks, r, &p, Path::Fused, &res[r]))
-        .collect();
-    for r in 0..2 {
-        ranks.streams[r]
-            .synchronize()
-            .unwrap_or_else(|e| panic!("rank {r}: {e} (the emulator's deadlock report?)"));
-    }
-    let elapsed = emulator::now_ns() - start;
     let word = abi::TPFUSE_ERROR_PEER_TIMEOUT | 1;
-    for (r, b) in launches.iter().enumerate() {
-        assert_eq!(ranks.error_word(r), word, "rank {r}: rank 1 timed out");
-        assert_eq!(ranks.host_error_word(r), word, "rank {r}: published");
-        assert!(
-            b.out.to_vec().iter().all(|x| x.is_failed_output()),
-            "rank {r}: out marked failed"
-        );
-    }
+    let (_, elapsed) = fused_launches_fail(&ranks, &p, 2, word);
     assert!(
         elapsed >= timeout,
         "gave up after {elapsed} ns, before the {timeout} ns deadline"
@@ -889,39 +911,8 @@ fn a_missing_rank_times_out_and_every_output_is_marked() {
         ..Fault::default()
     });
     let p = problem::<bf16>(world, (5, 136, 40), ALL, base_seed(0xf05e_0004));
-    let start = emulator::now_ns();
-    let res = residuals(world, &p);
-    let launches: Vec<Buffers<bf16>> = (0..2)
-        .map(|r| enqueue(&ranks, r, &p, Path::Fused, &res[r]))
-        .collect();
-    for r in 0..2 {
-        ranks.streams[r]
-            .synchronize()
-            .unwrap_or_else(|e| panic!("rank {r}: {e}"));
-    }
-    let elapsed = emulator::now_ns() - start;
     let word = abi::TPFUSE_ERROR_PEER_TIMEOUT | 2;
-    for (r, b) in launches.iter().enumerate() {
-        assert_eq!(
-            ranks.error_word(r),
-            word,
-            "rank {r}: the error word names rank 2"
-        );
-        assert_eq!(
-            ranks.host_error_word(r),
-            word,
-            "rank {r}: published to the host"
-        );
-        assert!(
-            b.out.to_vec().iter().all(|x| x.is_failed_output()),
-            "rank {r}: out marked failed"
-        );
-        let residual = res[r].as_ref().expect("residual").to_vec();
-        assert!(
-            residual.iter().all(|x| x.is_failed_output()),
-            "rank {r}: residual marked failed"
-        );
-    }
+    let (res, elapsed) = fused_launches_fail(&ranks, &p, 2, word);
     assert!(
         elapsed >= timeout,
         "gave up after {elapsed} ns, before the {timeout} ns deadline"
