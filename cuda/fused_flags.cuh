@@ -71,6 +71,14 @@ struct BlockState {
   int last;       // scratch for "this block was the last" decisions
 };
 
+// The slot of a rank's slice flag (two-shot GEMM + all-reduce), beside the tile slots.
+constexpr int kSliceSlot = -1;
+
+// Where the flag of slot `slot` from rank `src` lives in `pad`.
+__device__ __forceinline__ uint64_t *flag_at(const Pad &pad, int slot, int src) {
+  return slot == kSliceSlot ? pad.slice_flag(src) : pad.tile_flag(slot, src);
+}
+
 // The launch's flag value.
 __device__ __forceinline__ uint64_t flag_of(uint64_t epoch, uint64_t descriptor) {
   return (epoch & kEpochMask) << kDescriptorBits | descriptor;
@@ -90,7 +98,7 @@ __device__ __forceinline__ void begin(const Pad &own, BlockState &st) {
 // p = threadIdx.x < world. Call after the __syncthreads that follows the unit's stores.
 __device__ __forceinline__ void publish(const tpfuse_peers &peers, const tpfuse_group_args &g, int slot,
                                         uint64_t value) {
-  if (threadIdx.x < g.world) st_release_sys(Pad{peers.signals[threadIdx.x]}.tile_flag(slot, g.rank), value);
+  if (threadIdx.x < g.world) st_release_sys(flag_at(Pad{peers.signals[threadIdx.x]}, slot, g.rank), value);
 }
 
 // The calling thread waits for the flag of slot `slot` from rank `src` in this rank's pad:
@@ -106,7 +114,7 @@ __device__ __forceinline__ void await(const tpfuse_peers &peers, const tpfuse_gr
     atomicAdd(&st.failed, 1);
     return;
   }
-  const uint64_t *flag = own.tile_flag(slot, src);
+  const uint64_t *flag = flag_at(own, slot, src);
   // The flag's launch, relative to this one: 0 (this launch), 1 (the next), else older.
   const auto ahead = [&](uint64_t v) { return ((v >> kDescriptorBits) - st.epoch) & kEpochMask; };
   const auto ready = [&](uint64_t v) { return ahead(v) <= 1; };

@@ -1,8 +1,9 @@
 // gemm_all_reduce.cu: the row-parallel layer's GEMM, its all-reduce and its epilogue (+ bias,
 // + residual written back, RMSNorm) in one launch per rank (tpfuse.h, tpfuse_gemm_all_reduce);
-// and GEMM + reduce-scatter, the same kernel where each rank reduces only its slice of the
-// rows (tpfuse_gemm_reduce_scatter). docs/fused-gemm.md explains the design and its numbers;
-// this is the protocol.
+// GEMM + reduce-scatter, the same kernel where each rank reduces only its slice of the rows
+// (tpfuse_gemm_reduce_scatter); and the two-shot GEMM + all-reduce, the reduce-scatter
+// followed by a gather of the slices (tpfuse_gemm_all_reduce_two_shot). docs/fused-gemm.md
+// explains the design and its numbers; this is the protocol.
 //
 // Work. The output [m, n] is cut into the GEMM configuration's tiles, numbered in
 // tile_of_block's order. Every rank runs a persistent grid of G blocks (G = min(tiles,
@@ -44,6 +45,21 @@
 // brings the count to the strip's tile count normalises the strip's rows (rms_norm_row:
 // the standalone kernel's order, so the bits do not depend on which block does it) and sets
 // the count back to 0.
+//
+// Two-shot. Rank r consumes the tiles of its slice of rows, as the reduce-scatter does, and
+// writes the reduced rows h (through the bias and the residual, whose rows of the slice it
+// writes back) into its own exchange area, over its partials of those rows (no peer reads
+// them: a peer reduces its own rows). After each such tile, thread 0 adds 1 to slice_count
+// (atom.acq_rel.gpu, as the strip counts); the block that brings it to the slice's tile
+// count sets it back to 0 and, after a __syncthreads, publishes the slice flag to every rank
+// (st.release.sys by thread p: cumulative over the stores the counter's release sequence
+// made visible to thread 0, ordered before it by the barrier). Then every block, once its
+// tiles are done, waits for every rank's slice flag (thread q: rank q's) and copies whole
+// rows b, b + G, ... of out from their owner's area (ld.global.cg), the residual rows of the
+// peers' slices too, and normalises each row with rms_norm_row (the same order as above,
+// so the same bits). No deadlock: a slice flag needs only the rank's consumes, which wait
+// only for tiles published before any wait; the gather waits come after a block's last
+// publish. The same grid bound (every block of every rank resident) suffices.
 //
 // Failures: fused_flags.cuh. The last block marks out and residual (this rank's slice of out,
 // for the reduce-scatter).
@@ -89,9 +105,10 @@ template <typename T> struct Launch {
   float eps;
   int m, n, k, tiles_m, tiles_n;
   // The rows this rank reduces into out (row row_begin is out's first): all of them for the
-  // all-reduce, the rank's slice for the reduce-scatter.
+  // all-reduce, the rank's slice for the reduce-scatter and the two-shot.
   int row_begin, row_end;
   uint64_t descriptor; // the launch descriptor's low kDescriptorBits
+  int slice_tiles;     // two-shot: the tiles of the rank's slice (else 0)
 };
 
 using fused::BlockState;
@@ -130,8 +147,22 @@ __device__ __forceinline__ void reduce_tile(const Launch<T> &L, size_t exchange,
   }
 }
 
+// Two-shot, after a tile of the slice was reduced: counts it, and the block that completes the
+// slice publishes the slice flag to every rank.
+template <typename T> __device__ __forceinline__ void count_slice_tile(const Launch<T> &L, BlockState &st) {
+  __syncthreads(); // the tile's stores, before thread 0's release
+  if (threadIdx.x == 0) {
+    uint32_t *count = Pad{L.peers.signals[L.g.rank]}.slice_count();
+    st.last = atomic_add_acq_rel_gpu(count, 1u) + 1u == static_cast<uint32_t>(L.slice_tiles);
+    if (st.last) *count = 0; // no other block of this launch adds to it again
+  }
+  __syncthreads(); // thread 0's acquire, before the releases of the flag
+  if (st.last) fused::publish(L.peers, L.g, fused::kSliceSlot, fused::flag_of(st.epoch, L.descriptor));
+}
+
 // Consumes tile `tile`: waits for every rank's partial, reduces it, and with RMSNorm, when it
-// completes its strip, normalises the strip's rows. False when the block gave up.
+// completes its strip, normalises the strip's rows (two-shot: counts it toward the slice
+// instead). False when the block gave up.
 template <typename T, typename Cfg>
 __device__ __forceinline__ bool consume(const Launch<T> &L, const Deadline &deadline, BlockState &st,
                                         size_t exchange, int tile) {
@@ -141,6 +172,10 @@ __device__ __forceinline__ bool consume(const Launch<T> &L, const Deadline &dead
   if (rows.first >= rows.end) return true; // another rank's rows (reduce-scatter): no wait
   if (!wait_for_tile(L, deadline, st, tile)) return false;
   reduce_tile<T, Cfg::kBlockM, Cfg::kBlockN>(L, exchange, tm, tn);
+  if (L.slice_tiles > 0) {
+    count_slice_tile(L, st);
+    return true;
+  }
   if (L.gamma == nullptr) return true;
   __syncthreads(); // the tile's stores, before thread 0's release
   if (threadIdx.x == 0) {
@@ -159,6 +194,37 @@ __device__ __forceinline__ bool consume(const Launch<T> &L, const Deadline &dead
   return true;
 }
 
+// Two-shot, the end: waits for every rank's slice flag, then copies rows b, b + G, ... of out
+// from their owner's exchange area (element offset `exchange`), the peers' rows into the
+// residual too, and normalises them. False when the block gave up.
+template <typename T>
+__device__ __forceinline__ bool gather_rows(const tpfuse_peers &peers, const tpfuse_group_args &g,
+                                            const Deadline &deadline, BlockState &st, uint64_t descriptor,
+                                            size_t exchange, T *out, T *residual, const T *gamma, float eps, int m,
+                                            int n) {
+  if (static_cast<int>(threadIdx.x) < g.world) fused::await(peers, g, deadline, st, fused::kSliceSlot, threadIdx.x, descriptor);
+  if (!fused::passed(st)) return false;
+  constexpr int kVec = Vec16<T>::kLen;
+  const int slice = m / g.world;
+#pragma unroll 1
+  for (int row = blockIdx.x; row < m; row += gridDim.x) {
+    const int owner = row / slice;
+    const size_t at = static_cast<size_t>(row) * n;
+    const T *h = static_cast<const T *>(peers.data[owner]) + exchange + at;
+    T *peer_residual = residual != nullptr && owner != g.rank ? residual + at : nullptr;
+    for (int v = threadIdx.x * kVec; v < n; v += blockDim.x * kVec) {
+      const Vec16<T> x = load16_peer(h + v);
+      store16(out + at + v, x);
+      if (peer_residual != nullptr) store16(peer_residual + v, x);
+    }
+    if (gamma != nullptr) {
+      __syncthreads(); // the row's stores, before the norm reads it whole
+      rms_norm_row(out + at, gamma, eps, out + at, static_cast<size_t>(n));
+    }
+  }
+  return true;
+}
+
 template <typename T, typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const __grid_constant__ tpfuse_peers peers,
                                                                           const __grid_constant__ tpfuse_group_args g,
@@ -166,15 +232,36 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
                                                                           const T *bias, T *residual, const T *gamma,
                                                                           float eps, T *out, int m, int n, int k,
                                                                           int tiles_m, int tiles_n, int row_begin,
-                                                                          int row_end) {
+                                                                          int row_end, int two_shot) {
   TPFUSE_DYNAMIC_SHARED(smem);
   TPFUSE_SHARED(BlockState, st);
-  const Launch<T> L{peers,   g,       x,       w,         bias,      gamma,   residual, out,       eps,
-                    m,       n,       k,       tiles_m,   tiles_n,   row_begin, row_end, descriptor};
   const Deadline deadline(g);
   fused::begin(Pad{peers.signals[g.rank]}, st);
   const size_t exchange_bytes = fused::exchange_offset(g, st.epoch);
   T *mine = reinterpret_cast<T *>(static_cast<char *>(peers.data[g.rank]) + exchange_bytes);
+  // Two-shot reduces its slice into its own area and the slice's residual rows; the norm
+  // comes with the gather.
+  const size_t slice_at = static_cast<size_t>(row_begin) * n;
+  const int slice_tiles =
+      two_shot ? ((row_end - 1) / Cfg::kBlockM - row_begin / Cfg::kBlockM + 1) * tiles_n : 0;
+  const Launch<T> L{peers,
+                    g,
+                    x,
+                    w,
+                    bias,
+                    two_shot ? nullptr : gamma,
+                    two_shot && residual != nullptr ? residual + slice_at : residual,
+                    two_shot ? mine + slice_at : out,
+                    eps,
+                    m,
+                    n,
+                    k,
+                    tiles_m,
+                    tiles_n,
+                    row_begin,
+                    row_end,
+                    descriptor,
+                    slice_tiles};
   const StagingEpilogue<T> staging{mine, n};
   const size_t exchange = exchange_bytes / sizeof(T);
   const uint64_t flag_value = fused::flag_of(st.epoch, descriptor);
@@ -197,22 +284,30 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
   const bool last_tile = previous >= 0 && st.failed == 0;
   __syncthreads();
   if (last_tile) consume<T, Cfg>(L, deadline, st, exchange, previous);
+  // The same rule before the gather's waits.
+  const bool gathering = two_shot && st.failed == 0;
+  __syncthreads();
+  if (gathering) gather_rows(peers, g, deadline, st, descriptor, exchange, out, residual, gamma, eps, m, n);
 
   if (fused::end(peers, g, st)) {
-    const size_t len = static_cast<size_t>(row_end - row_begin) * n;
+    const size_t len = static_cast<size_t>(two_shot ? m : row_end - row_begin) * n;
     mark_failed(out, 0, len);
     mark_failed(residual, 0, len);
   }
 }
 
-// The kinds of launch a descriptor tells apart (all_reduce.cu's are 1..9).
+// The kinds of launch a descriptor tells apart (all_reduce.cu's are 1..9, all_gather_gemm.cu's
+// 18).
 constexpr uint64_t kKindGemmAllReduce = 16;
 constexpr uint64_t kKindGemmReduceScatter = 17;
+constexpr uint64_t kKindGemmAllReduceTwoShot = 19;
 
-// What a launch reduces: all of out (all-reduce), or this rank's slice of m / world rows.
+// What a launch reduces: all of out (all-reduce), or this rank's slice of m / world rows
+// (the reduce-scatter; the two-shot, which then gathers every slice).
 struct Reduction {
   uint64_t kind;
   bool scatter;
+  bool two_shot;
 };
 
 template <typename T, typename Cfg>
@@ -242,7 +337,7 @@ int launch_config(Reduction reduction, const tpfuse_peers &peers, const tpfuse_g
   const int row_end = reduction.scatter ? row_begin + slice : m;
   TPFUSE_LAUNCH(gemm_all_reduce, grid, Cfg::kThreads, Cfg::kSmemBytes, stream)(
       peers, g, descriptor, x, w, bias, residual, gamma, eps, out, m, n, k, static_cast<int>(tiles_m),
-      static_cast<int>(tiles_n), row_begin, row_end);
+      static_cast<int>(tiles_n), row_begin, row_end, reduction.two_shot ? 1 : 0);
   return cudaGetLastError();
 }
 
@@ -312,14 +407,24 @@ extern "C" int tpfuse_gemm_all_reduce(tpfuse_dtype dtype, int32_t config, const 
                                       const void *bias, void *residual, const void *gamma, float eps, void *out,
                                       size_t m, size_t n, size_t k, void *stream) {
   using namespace tpfuse;
-  return checked_launch(Reduction{kKindGemmAllReduce, false}, dtype, config, peers, group, blocks, x, w, bias,
-                        residual, gamma, eps, out, m, n, k, stream);
+  return checked_launch(Reduction{kKindGemmAllReduce, false, false}, dtype, config, peers, group, blocks, x, w,
+                        bias, residual, gamma, eps, out, m, n, k, stream);
+}
+
+extern "C" int tpfuse_gemm_all_reduce_two_shot(tpfuse_dtype dtype, int32_t config, const tpfuse_peers *peers,
+                                               const tpfuse_group_args *group, int32_t blocks, const void *x,
+                                               const void *w, const void *bias, void *residual,
+                                               const void *gamma, float eps, void *out, size_t m, size_t n,
+                                               size_t k, void *stream) {
+  using namespace tpfuse;
+  return checked_launch(Reduction{kKindGemmAllReduceTwoShot, true, true}, dtype, config, peers, group, blocks, x,
+                        w, bias, residual, gamma, eps, out, m, n, k, stream);
 }
 
 extern "C" int tpfuse_gemm_reduce_scatter(tpfuse_dtype dtype, int32_t config, const tpfuse_peers *peers,
                                           const tpfuse_group_args *group, int32_t blocks, const void *x,
                                           const void *w, void *out, size_t m, size_t n, size_t k, void *stream) {
   using namespace tpfuse;
-  return checked_launch(Reduction{kKindGemmReduceScatter, true}, dtype, config, peers, group, blocks, x, w, nullptr,
-                        nullptr, nullptr, 0.f, out, m, n, k, stream);
+  return checked_launch(Reduction{kKindGemmReduceScatter, true, false}, dtype, config, peers, group, blocks, x, w,
+                        nullptr, nullptr, nullptr, 0.f, out, m, n, k, stream);
 }

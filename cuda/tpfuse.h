@@ -79,6 +79,10 @@ int32_t tpfuse_cudart_version(void);
  *       uint64 fused_epoch; uint32 fused_done             the fused GEMM kernels' launch epoch
  *                                                         (one count for every fused kind) and
  *                                                         their blocks' end count
+ *       uint32 slice_count (at +16)                       two-shot GEMM + all-reduce: tiles of
+ *                                                         the rank's rows reduced
+ *       uint64 slice_flags[TPFUSE_MAX_RANKS] (at +64)     slice_flags[src]: rank src's reduced
+ *                                                         rows are ready (a flag as tile_flags')
  *       (padding to 256 bytes)
  *       uint32 strip_counts[TPFUSE_MAX_FUSED_TILES]       tiles of a row strip reduced (RMSNorm)
  *       uint64 tile_flags[TPFUSE_MAX_FUSED_TILES][TPFUSE_MAX_RANKS]  tile_flags[s][src]: rank
@@ -109,6 +113,8 @@ int32_t tpfuse_cudart_version(void);
 #define TPFUSE_SIGNAL_DESCRIPTORS_OFFSET (TPFUSE_SIGNAL_ERROR_OFFSET + 256)
 #define TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET (TPFUSE_SIGNAL_DESCRIPTORS_OFFSET + 4 * TPFUSE_MAX_BLOCKS * TPFUSE_MAX_RANKS)
 #define TPFUSE_SIGNAL_FUSED_DONE_OFFSET (TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET + 8)
+#define TPFUSE_SIGNAL_SLICE_COUNT_OFFSET (TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET + 16)
+#define TPFUSE_SIGNAL_SLICE_FLAGS_OFFSET (TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET + 64)
 #define TPFUSE_SIGNAL_STRIP_COUNTS_OFFSET (TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET + 256)
 #define TPFUSE_SIGNAL_TILE_FLAGS_OFFSET (TPFUSE_SIGNAL_STRIP_COUNTS_OFFSET + 4 * TPFUSE_MAX_FUSED_TILES)
 #define TPFUSE_SIGNAL_PAD_BYTES (TPFUSE_SIGNAL_TILE_FLAGS_OFFSET + 8 * TPFUSE_MAX_FUSED_TILES * TPFUSE_MAX_RANKS)
@@ -294,6 +300,18 @@ int tpfuse_gemm_all_reduce(tpfuse_dtype dtype, int32_t config, const tpfuse_peer
                            const tpfuse_group_args *group, int32_t blocks, const void *x, const void *w,
                            const void *bias, void *residual, const void *gamma, float eps, void *out,
                            size_t m, size_t n, size_t k, void *stream);
+
+/*
+ * The same contract and bits, two-shot (for larger m): rank r reduces only rows
+ * r*m/W .. (r+1)*m/W (its slice, through the bias and residual), then every rank copies every
+ * slice's reduced rows into out (and residual) and normalises its rows. Each rank reads
+ * (W-1)/W of the peers' partials and (W-1)/W of the reduced rows, where one-shot reads all
+ * W-1 partials. m a multiple of world; otherwise as tpfuse_gemm_all_reduce.
+ */
+int tpfuse_gemm_all_reduce_two_shot(tpfuse_dtype dtype, int32_t config, const tpfuse_peers *peers,
+                                    const tpfuse_group_args *group, int32_t blocks, const void *x,
+                                    const void *w, const void *bias, void *residual, const void *gamma,
+                                    float eps, void *out, size_t m, size_t n, size_t k, void *stream);
 
 /*
  * GEMM + reduce-scatter (sequence parallelism), the same kernel: every rank computes its

@@ -286,6 +286,14 @@ mutant fused-no-descriptor-check emu_gemm_all_reduce "the fused kernel accepts a
   fused_flags.cuh '(v & kDescriptorMask) != descriptor' 'false'
 mutant epoch-window-half-range emu_gemm_all_reduce "the fused kernel takes any flag in the half range after this launch as ready" \
   fused_flags.cuh 'return ahead(v) <= 1;' 'return ahead(v) < (kEpochMask >> 1);'
+mutant two-shot-gather-from-rank-0 emu_gemm_all_reduce "two-shot gathers every row from rank 0's area" \
+  gemm_all_reduce.cu 'const int owner = row / slice;' 'const int owner = 0;'
+mutant two-shot-slice-flag-early emu_gemm_all_reduce "two-shot publishes its slice after its first reduced tile" \
+  gemm_all_reduce.cu '+ 1u == static_cast<uint32_t>(L.slice_tiles);' '+ 1u == 1u;'
+mutant two-shot-gather-without-waiting emu_gemm_all_reduce "two-shot gathers without waiting for the slice flags" \
+  gemm_all_reduce.cu 'fused::await(peers, g, deadline, st, fused::kSliceSlot, threadIdx.x, descriptor);' ';'
+mutant two-shot-peer-residual-kept emu_gemm_all_reduce "two-shot leaves the peers' rows of the residual" \
+  gemm_all_reduce.cu 'owner != g.rank ? residual + at : nullptr;' 'false ? residual + at : nullptr;'
 mutant scatter-rank-0-rows emu_gemm_all_reduce "GEMM + reduce-scatter gives every rank rank 0's rows" \
   gemm_all_reduce.cu 'const int row_begin = reduction.scatter ? g.rank * slice : 0;' 'const int row_begin = 0;'
 mutant gather-without-waiting emu_gemm_all_reduce "all-gather + GEMM reads the peers' rows without waiting for their flags" \

@@ -2,7 +2,8 @@
 //! (feature `emulator`), through the C ABI, on virtual ranks W = 2, 3, 4, 8 (one emulated
 //! stream each, the ranks' kernels running at once and waiting on each other's tile flags).
 //!
-//! The contract: bitwise equal, on every rank, to the unfused sequence — `tpfuse_gemm` of each
+//! The contract (one-shot, and two-shot where m is a multiple of W): bitwise equal, on every
+//! rank, to the unfused sequence — `tpfuse_gemm` of each
 //! rank's partial into a workspace, then the one-shot `tpfuse_all_reduce` with the same
 //! epilogue — for every epilogue (none, bias, residual, RMSNorm and their combinations), m in
 //! {1, 3, 16, 17, 64, 130}, n and k with tails past the tiles and the k-slices, every tile
@@ -127,6 +128,8 @@ fn opt_ptr<T: Copy>(b: &Option<DeviceBuffer<T>>) -> *mut c_void {
 enum Path {
     /// tpfuse_gemm_all_reduce.
     Fused,
+    /// tpfuse_gemm_all_reduce_two_shot (m a multiple of W).
+    TwoShot,
     /// tpfuse_gemm into the workspace, then the one-shot tpfuse_all_reduce.
     Unfused,
 }
@@ -189,9 +192,14 @@ fn enqueue<T: TestElement>(
     // SAFETY: every buffer holds the elements the shapes need and lives until the caller
     // synchronizes (Buffers keeps them).
     match path {
-        Path::Fused => {
+        Path::Fused | Path::TwoShot => {
+            let launcher = if path == Path::Fused {
+                abi::tpfuse_gemm_all_reduce
+            } else {
+                abi::tpfuse_gemm_all_reduce_two_shot
+            };
             let code = unsafe {
-                abi::tpfuse_gemm_all_reduce(
+                launcher(
                     T::DTYPE,
                     auto_config(m, n, k),
                     &peers,
@@ -210,7 +218,7 @@ fn enqueue<T: TestElement>(
                     stream,
                 )
             };
-            launched(&format!("gemm_all_reduce rank {rank}"), code);
+            launched(&format!("gemm_all_reduce {path:?} rank {rank}"), code);
         }
         Path::Unfused => {
             enqueue_gemm(
@@ -291,17 +299,25 @@ fn case<T: TestElement>(
     let ranks = Ranks::with_capacity(world, blocks, LONG_TIMEOUT_NS, CAPACITY);
     let (fused, fused_residuals) = run(&ranks, &p, Path::Fused);
     let (unfused, unfused_residuals) = run(&ranks, &p, Path::Unfused);
-    for r in 0..world {
-        let at = format!("{label} rank {r}");
-        assert_same_bits(
-            &format!("{at}: out, fused vs unfused"),
-            &fused[r].out.to_vec(),
-            &unfused[r].out.to_vec(),
-        );
-        if let (Some(f), Some(u)) = (&fused_residuals[r], &unfused_residuals[r]) {
-            assert_same_bits(&format!("{at}: residual, fused vs unfused"), f, u);
+    let mut paths = vec![(Path::Fused, fused, fused_residuals)];
+    if p.m % world == 0 {
+        let (two_shot, two_shot_residuals) = run(&ranks, &p, Path::TwoShot);
+        paths.push((Path::TwoShot, two_shot, two_shot_residuals));
+    }
+    for (path, outs, residuals) in &paths {
+        for r in 0..world {
+            let at = format!("{label} rank {r} {path:?}");
+            assert_same_bits(
+                &format!("{at}: out, fused vs unfused"),
+                &outs[r].out.to_vec(),
+                &unfused[r].out.to_vec(),
+            );
+            if let (Some(f), Some(u)) = (&residuals[r], &unfused_residuals[r]) {
+                assert_same_bits(&format!("{at}: residual, fused vs unfused"), f, u);
+            }
         }
     }
+    let (_, fused, fused_residuals) = paths.swap_remove(0);
     // The unfused sequence against f64, from its own partials (the GEMM is checked elsewhere).
     let partials: Vec<Vec<T>> = unfused.iter().map(|b| b.partial.to_vec()).collect();
     let refs: Vec<&[T]> = partials.iter().map(Vec::as_slice).collect();
@@ -334,8 +350,9 @@ type Shape = (usize, usize, usize);
 
 /// (world, blocks, shape, epilogue): every m of the issue, tails of n past 16, 32, 64 and
 /// 128 columns and of k past 16, 32 and 64, grids of 1 block per rank (a block with many
-/// tiles) and more, every epilogue.
-const CASES: [(usize, i32, Shape, Epi); 8] = [
+/// tiles) and more, every epilogue; the two-shot too where m is a multiple of W (slices of
+/// 1, 4, 3, 32 and 65 rows, within a tile row and across them).
+const CASES: [(usize, i32, Shape, Epi); 9] = [
     (2, 2, (1, 264, 136), ALL),
     (3, 2, (3, 136, 40), NONE),
     (4, 1, (16, 72, 72), BIAS),
@@ -344,6 +361,7 @@ const CASES: [(usize, i32, Shape, Epi); 8] = [
     (4, 2, (130, 72, 24), BIAS_RESIDUAL),
     (2, 1, (130, 136, 40), RESIDUAL_NORM),
     (8, 1, (3, 264, 56), ALL),
+    (8, 2, (24, 136, 40), ALL),
 ];
 
 fn every_case<T: TestElement>(seed: u64) {
@@ -1033,28 +1051,31 @@ fn ranks_that_launch_different_shapes_get_a_mismatch() {
         "emu_gemm_all_reduce",
         "ranks_that_launch_different_shapes_get_a_mismatch",
     );
-    let ranks = Ranks::with_capacity(2, 2, 1_000_000_000, CAPACITY);
-    let p0 = problem::<bf16>(2, (16, 72, 40), BIAS_RESIDUAL, base_seed(0xf05e_0005));
-    let p1 = problem::<bf16>(2, (17, 72, 40), BIAS_RESIDUAL, base_seed(0xf05e_0005));
-    let (r0, r1) = (residuals(2, &p0), residuals(2, &p1));
-    let b0 = enqueue(&ranks, 0, &p0, Path::Fused, &r0[0]);
-    let b1 = enqueue(&ranks, 1, &p1, Path::Fused, &r1[1]);
-    let start = emulator::now_ns();
-    ranks.synchronize();
-    assert!(
-        emulator::now_ns() - start < ranks.timeout_ns / 100,
-        "the mismatch was noticed at once"
-    );
-    for (r, b) in [b0, b1].iter().enumerate() {
-        let word = ranks.error_word(r);
-        assert_eq!(
-            word & 0xff00,
-            abi::TPFUSE_ERROR_PEER_MISMATCH,
-            "rank {r}: error word {word:#x}"
-        );
+    // Another m; the same shape one-shot on rank 0 and two-shot on rank 1.
+    for (m1, path1) in [(17, Path::Fused), (16, Path::TwoShot)] {
+        let ranks = Ranks::with_capacity(2, 2, 1_000_000_000, CAPACITY);
+        let p0 = problem::<bf16>(2, (16, 72, 40), BIAS_RESIDUAL, base_seed(0xf05e_0005));
+        let p1 = problem::<bf16>(2, (m1, 72, 40), BIAS_RESIDUAL, base_seed(0xf05e_0005));
+        let (r0, r1) = (residuals(2, &p0), residuals(2, &p1));
+        let b0 = enqueue(&ranks, 0, &p0, Path::Fused, &r0[0]);
+        let b1 = enqueue(&ranks, 1, &p1, path1, &r1[1]);
+        let start = emulator::now_ns();
+        ranks.synchronize();
         assert!(
-            b.out.to_vec().iter().all(|x| x.is_failed_output()),
-            "rank {r}: out marked failed"
+            emulator::now_ns() - start < ranks.timeout_ns / 100,
+            "rank 1 with m {m1} {path1:?}: the mismatch was noticed at once"
         );
+        for (r, b) in [b0, b1].iter().enumerate() {
+            let word = ranks.error_word(r);
+            assert_eq!(
+                word & 0xff00,
+                abi::TPFUSE_ERROR_PEER_MISMATCH,
+                "rank 1 with m {m1} {path1:?}, rank {r}: error word {word:#x}"
+            );
+            assert!(
+                b.out.to_vec().iter().all(|x| x.is_failed_output()),
+                "rank {r}: out marked failed"
+            );
+        }
     }
 }
