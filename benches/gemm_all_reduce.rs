@@ -18,8 +18,11 @@
 //! - `unfused`: [`ops::gemm`] into a workspace, then [`ops::all_reduce_fused`] with the
 //!   epilogue (`Algorithm::Auto`) or [`ops::reduce_scatter`]; or [`ops::all_gather`], then
 //!   [`ops::gemm`];
-//! - `fused`: [`ops::gemm_all_reduce`], [`ops::gemm_reduce_scatter`] or
-//!   [`ops::all_gather_gemm`], one kernel.
+//! - `fused`: [`ops::gemm_all_reduce`] (`Algorithm::Auto`: one-shot or two-shot by size),
+//!   [`ops::gemm_reduce_scatter`] or [`ops::all_gather_gemm`], one kernel;
+//!
+//! and for the all-reduce where m is a multiple of W, `fusedoneshot` and `fusedtwoshot`
+//! ([`ops::gemm_all_reduce_with`] forced each way: where the two cross is what sets `Auto`).
 //!
 //! `virtual`: W = 2 virtual ranks on GPU 0 (each rank's kernels share the GPU with the other's:
 //! a rehearsal, not a TP-2 machine). `gpus`: one GPU per rank ([`TpGroup::single_process`],
@@ -72,6 +75,8 @@ enum Way {
     Gemm,
     Unfused,
     Fused,
+    FusedOneShot,
+    FusedTwoShot,
 }
 
 /// Every rank's buffers for the largest m of one layer.
@@ -121,6 +126,9 @@ fn enqueue(
     let rows = m / groups.len();
     match (op, way) {
         (Op::AllReduce, _) | (_, Way::Gemm) => {}
+        (_, Way::FusedOneShot | Way::FusedTwoShot) => {
+            unreachable!("one-shot and two-shot are the all-reduce's ways (bench_groups)")
+        }
         (Op::ReduceScatter, Way::Unfused) => {
             let mut partial = b.partial[r].slice_mut(0..m * n);
             let x = b.x[r].slice(0..m * k);
@@ -165,6 +173,14 @@ fn enqueue(
             ops::all_reduce_fused(g, &partial, epilogue, &mut out, Algorithm::Auto).map(|_| ())
         }
         Way::Fused => ops::gemm_all_reduce(g, &x, &b.w[r], epilogue, &mut out, shape).map(|_| ()),
+        Way::FusedOneShot | Way::FusedTwoShot => {
+            let algo = if way == Way::FusedOneShot {
+                Algorithm::OneShot
+            } else {
+                Algorithm::TwoShot
+            };
+            ops::gemm_all_reduce_with(g, &x, &b.w[r], epilogue, &mut out, shape, algo).map(|_| ())
+        }
     }
 }
 
@@ -210,7 +226,11 @@ fn bench_groups(c: &mut Criterion, kind: &str, groups: &[TpGroup], summary: &mut
         for &m in ms {
             let shape = GemmShape { m, n, k };
             let mut medians = Vec::new();
-            for way in [Way::Gemm, Way::Unfused, Way::Fused] {
+            let mut ways = vec![Way::Gemm, Way::Unfused, Way::Fused];
+            if op == Op::AllReduce && m % world == 0 {
+                ways.extend([Way::FusedOneShot, Way::FusedTwoShot]);
+            }
+            for way in ways {
                 let gs = graphs(groups, &mut b, (op, way), shape);
                 let name = format!("{way:?}").to_lowercase();
                 group.bench_function(BenchmarkId::new(name, format!("m{m}")), |bench| {
@@ -220,8 +240,15 @@ fn bench_groups(c: &mut Criterion, kind: &str, groups: &[TpGroup], summary: &mut
                 check_all(groups, "timed rounds");
             }
             let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64();
+            let forced = match medians[..] {
+                [.., one, two] if medians.len() == 5 => format!(
+                    "; one-shot {one:?}, two-shot {two:?}, two-shot/one-shot {:.3}",
+                    ratio(two, one)
+                ),
+                _ => String::new(),
+            };
             summary.push(format!(
-                "{op_name} {kind} W={world} {layer} m={m}: gemm {:?}, unfused {:?}, fused {:?}; fused/gemm {:.3}, fused/unfused {:.3}",
+                "{op_name} {kind} W={world} {layer} m={m}: gemm {:?}, unfused {:?}, fused {:?}; fused/gemm {:.3}, fused/unfused {:.3}{forced}",
                 medians[0],
                 medians[1],
                 medians[2],

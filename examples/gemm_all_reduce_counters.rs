@@ -19,23 +19,26 @@
 //!
 //! Per rank (the worst one): kernel launches, blocks per launch, cross-rank synchronisation
 //! rounds of the busiest block (barriers; for the fused kernel, tile-flag waits), global bytes
-//! read and written, of which peer bytes (read from or written to another rank's memory). The minimum a rank must move: its weight shard
-//! (n·k) and its input (m·k), then for the all-reduce the other ranks' partials ((W-1)·m·n,
-//! one-shot), the residual read and written and out written (3·m·n); for the reduce-scatter
-//! the other ranks' partials of its rows ((W-1)·(m/W)·n) and its rows written ((m/W)·n); for
-//! the all-gather (input m·k counted as its own m/W rows and the others' (W-1)·(m/W) rows)
-//! out written (m·n); for the GEMM alone out written (m·n). The last column is a model, not a measurement: local
-//! bytes over 3.0 TB/s (HBM copy bandwidth measured on an H100) scaled by the share of the
-//! 132 SMs the launch's blocks occupy (an assumption: an SM streams no more than its share),
-//! plus peer bytes over 450 GB/s (NVLink, one direction), plus 2 µs per synchronisation round
-//! on the critical path, plus 4 µs per extra kernel launch; the fused kernel's tile waits
-//! overlap the next tile's GEMM except the last one, so it is charged one round.
+//! read and written, of which peer bytes (read from or written to another rank's memory).
+//! The minimum a rank must move: its weight shard (n·k) and its input (m·k), then for the
+//! all-reduce the other ranks' partials ((W-1)·m·n one-shot; two-shot, the others' partials of
+//! its slice and the other slices' results, 2·(W-1)/W·m·n), the residual read and written and
+//! out written (3·m·n); for the reduce-scatter the other ranks' partials of its rows
+//! ((W-1)·(m/W)·n) and its rows written ((m/W)·n); for the all-gather (input m·k counted as its
+//! own m/W rows and the others' (W-1)·(m/W) rows) out written (m·n); for the GEMM alone out
+//! written (m·n). The all-reduce runs one-shot, and two-shot where m is a multiple of W. The
+//! last column is a model, not a measurement: local bytes over 3.0 TB/s (HBM copy bandwidth
+//! measured on an H100) scaled by the share of the 132 SMs the launch's blocks occupy (an
+//! assumption: an SM streams no more than its share), plus peer bytes over 450 GB/s (NVLink,
+//! one direction), plus 2 µs per synchronisation round on the critical path, plus 4 µs per
+//! extra kernel launch; the fused kernel's tile waits overlap the next tile's GEMM except the
+//! last one, so it is charged one round (two-shot: two, the last tile's and the slices').
 
 use cudarc::driver::CudaSlice;
 use half::bf16;
 use tpfuse::emulator::counters::{self, LaunchCounters};
 use tpfuse::ops::{
-    self, all_gather_gemm, gemm, gemm_all_reduce, gemm_reduce_scatter, Algorithm, Epilogue,
+    self, all_gather_gemm, gemm, gemm_all_reduce_with, gemm_reduce_scatter, Algorithm, Epilogue,
     GemmShape, RmsNorm,
 };
 use tpfuse::{GroupOptions, TpGroup};
@@ -67,11 +70,43 @@ impl Op {
     }
 }
 
+/// How a round runs: the GEMM alone, or with its collective unfused or fused; for the
+/// all-reduce, one-shot or two-shot (the reduce-scatter and the all-gather have one way).
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Way {
     GemmAlone,
-    Unfused,
-    Fused,
+    Unfused(Algorithm),
+    Fused(Algorithm),
+}
+
+impl Way {
+    /// The ways of `op` at `m` rows: the all-reduce's two-shot only where m splits into W.
+    fn all(op: Op, m: usize) -> Vec<Way> {
+        let mut algos = vec![Algorithm::Auto];
+        if op == Op::AllReduce {
+            algos = vec![Algorithm::OneShot];
+            if m % WORLD == 0 {
+                algos.push(Algorithm::TwoShot);
+            }
+        }
+        let mut ways = vec![Way::GemmAlone];
+        ways.extend(algos.iter().map(|&a| Way::Unfused(a)));
+        ways.extend(algos.iter().map(|&a| Way::Fused(a)));
+        ways
+    }
+
+    fn name(self) -> String {
+        let algo = |a: Algorithm| match a {
+            Algorithm::OneShot => " one-shot",
+            Algorithm::TwoShot => " two-shot",
+            _ => "",
+        };
+        match self {
+            Way::GemmAlone => "GemmAlone".into(),
+            Way::Unfused(a) => format!("Unfused{}", algo(a)),
+            Way::Fused(a) => format!("Fused{}", algo(a)),
+        }
+    }
 }
 
 fn main() -> tpfuse::Result<()> {
@@ -100,7 +135,7 @@ fn main() -> tpfuse::Result<()> {
     println!("| m | way | launches/rank | blocks | sync rounds | global bytes/rank (x minimum) | of which peer | model µs |");
     println!("|---|---|---|---|---|---|---|---|");
     for m in ms {
-        for way in [Way::GemmAlone, Way::Unfused, Way::Fused] {
+        for way in Way::all(op, m) {
             let launches = run(&groups, op, m, way)?;
             row(op, m, way, &launches);
         }
@@ -150,31 +185,26 @@ fn run(groups: &[TpGroup], op: Op, m: usize, way: Way) -> tpfuse::Result<Vec<Lau
             };
             match (op, way) {
                 (_, Way::GemmAlone) => plain_gemm(g, &xs[r], &ws[r], &mut outs[r], shape)?,
-                (Op::AllReduce, Way::Unfused) => {
+                (Op::AllReduce, Way::Unfused(algo)) => {
                     plain_gemm(g, &xs[r], &ws[r], &mut parts[r], shape)?;
-                    ops::all_reduce_fused(
-                        g,
-                        &parts[r],
-                        epilogue,
-                        &mut outs[r],
-                        Algorithm::OneShot,
-                    )?;
+                    ops::all_reduce_fused(g, &parts[r], epilogue, &mut outs[r], algo)?;
                 }
-                (Op::AllReduce, Way::Fused) => {
-                    gemm_all_reduce(g, &xs[r], &ws[r], epilogue, &mut outs[r], shape)?;
+                (Op::AllReduce, Way::Fused(algo)) => {
+                    let (x, w, out) = (&xs[r], &ws[r], &mut outs[r]);
+                    gemm_all_reduce_with(g, x, w, epilogue, out, shape, algo)?;
                 }
-                (Op::ReduceScatter, Way::Unfused) => {
+                (Op::ReduceScatter, Way::Unfused(_)) => {
                     plain_gemm(g, &xs[r], &ws[r], &mut parts[r], shape)?;
                     ops::reduce_scatter(g, &parts[r], &mut slices[r])?;
                 }
-                (Op::ReduceScatter, Way::Fused) => {
+                (Op::ReduceScatter, Way::Fused(_)) => {
                     gemm_reduce_scatter(g, &xs[r], &ws[r], &mut slices[r], shape)?;
                 }
-                (Op::AllGather, Way::Unfused) => {
+                (Op::AllGather, Way::Unfused(_)) => {
                     ops::all_gather(g, &own_rows[r], &mut xs[r])?;
                     plain_gemm(g, &xs[r], &ws[r], &mut outs[r], shape)?;
                 }
-                (Op::AllGather, Way::Fused) => {
+                (Op::AllGather, Way::Fused(_)) => {
                     all_gather_gemm(g, &own_rows[r], &ws[r], None, &mut outs[r], shape)?;
                 }
             }
@@ -223,13 +253,24 @@ fn row(op: Op, m: usize, way: Way, launches: &[LaunchCounters]) {
     }
     let (count, blocks, rounds, global, peer) = worst;
     let rows = m64 / w;
+    // The all-reduce's peer part: one-shot reads the W-1 other partials whole; two-shot the
+    // other ranks' partials of its slice, then the other slices' results.
+    let peer_minimum = match way {
+        Way::Unfused(Algorithm::TwoShot) | Way::Fused(Algorithm::TwoShot) => {
+            2 * (w - 1) * m64 * n / w
+        }
+        _ => (w - 1) * m64 * n,
+    };
     let minimum = match (op, way) {
         (_, Way::GemmAlone) | (Op::AllGather, _) => (n * k + m64 * k + m64 * n) * SIZE,
-        (Op::AllReduce, _) => (n * k + m64 * k + (w - 1) * m64 * n + 3 * m64 * n) * SIZE,
+        (Op::AllReduce, _) => (n * k + m64 * k + peer_minimum + 3 * m64 * n) * SIZE,
         (Op::ReduceScatter, _) => (n * k + m64 * k + (w - 1) * rows * n + rows * n) * SIZE,
     };
+    // The fused kernels' tile waits overlap the next tile but the last; the two-shot's wait
+    // for the slices is one more round.
     let critical_rounds = match way {
-        Way::Fused => rounds.min(1),
+        Way::Fused(Algorithm::TwoShot) => rounds.min(2),
+        Way::Fused(_) => rounds.min(1),
         _ => rounds,
     };
     let share = (blocks as f64 / 132.0).min(1.0);
@@ -239,7 +280,8 @@ fn row(op: Op, m: usize, way: Way, launches: &[LaunchCounters]) {
         + (count.saturating_sub(1)) as f64 * LAUNCH_S)
         * 1e6;
     println!(
-        "| {m} | {way:?} | {count} | {blocks} | {rounds} | {global} ({:.3}x) | {peer} | {model_us:.1} |",
+        "| {m} | {} | {count} | {blocks} | {rounds} | {global} ({:.3}x) | {peer} | {model_us:.1} |",
+        way.name(),
         global as f64 / minimum as f64,
     );
 }

@@ -414,3 +414,54 @@ fn gemm_f64_rejects_a_wrong_length() {
     let b = [1.0f32; 12];
     gemm_f64(&a, &b, None, None, 1, 2, 8);
 }
+
+/// The fused GEMM + all-reduce's reduction: the layer's algorithm, or under Auto one-shot below
+/// the group's one-shot bound and two-shot from it where m splits into W slices; two-shot
+/// with uneven slices and NCCL are refused naming `algorithm`; the gathered input of the fused
+/// all-gather + GEMM must fit in half the capacity.
+#[test]
+fn the_fused_reduction_follows_the_algorithm_and_the_size() {
+    use tpfuse::ops::all_gather_gemm::unfusable_all_gather;
+    use tpfuse::ops::gemm_all_reduce::{fused_all_reduce_algo, FusedFacts};
+    use tpfuse::ops::Algorithm;
+    use tpfuse::topology::AllReduceAlgo::{OneShot, TwoShot};
+    let facts = FusedFacts {
+        device: 0,
+        world: 8,
+        capacity: 8 << 20,
+        compute_capability: (9, 0),
+        sms: 132,
+        blocks: 132,
+        one_shot_below: Some(256 << 10),
+    };
+    let algo = |m, a| fused_all_reduce_algo::<bf16>(shape(m, 8192, 1024), &facts, a);
+    // 8 rows of 16 KiB = 128 KiB: one-shot; 16 rows = 256 KiB: two-shot; 17: uneven, one-shot.
+    assert_eq!(algo(8, Algorithm::Auto).unwrap(), OneShot);
+    assert_eq!(algo(16, Algorithm::Auto).unwrap(), TwoShot);
+    assert_eq!(algo(17, Algorithm::Auto).unwrap(), OneShot);
+    assert_eq!(algo(64, Algorithm::OneShot).unwrap(), OneShot);
+    assert_eq!(algo(8, Algorithm::TwoShot).unwrap(), TwoShot);
+    let (arg, reason) = invalid_arg(algo(9, Algorithm::TwoShot).unwrap_err());
+    assert_eq!(arg, "algorithm");
+    assert!(
+        reason.contains("m = 9") && reason.contains("8 equal slices"),
+        "{reason}"
+    );
+    let (arg, reason) = invalid_arg(algo(8, Algorithm::Nccl).unwrap_err());
+    assert_eq!(arg, "algorithm");
+    assert!(reason.contains("NCCL"), "{reason}");
+    // No custom all-reduce on the group: never two-shot by size.
+    let refused = FusedFacts {
+        one_shot_below: None,
+        ..facts
+    };
+    let auto = fused_all_reduce_algo::<bf16>(shape(64, 8192, 1024), &refused, Algorithm::Auto);
+    assert_eq!(auto.unwrap(), OneShot);
+    // All-gather + GEMM: [m, k] in half of 8 MiB, m ≤ 256 at k = 8192.
+    assert_eq!(
+        unfusable_all_gather::<bf16>(shape(256, 1280, 8192), &facts),
+        None
+    );
+    let reason = unfusable_all_gather::<bf16>(shape(264, 1280, 8192), &facts).expect("too large");
+    assert!(reason.contains("[264, 8192]"), "{reason}");
+}

@@ -10,6 +10,9 @@
 //! - two-shot: 2·(W-1)/W·n peer bytes per rank (the lower bound of an all-reduce in which
 //!   every rank ends with the whole sum), with or without a residual, 3 barriers per block;
 //! - all-gather and reduce-scatter: (W-1)·len peer bytes per rank, 2 barriers per block;
+//! - GEMM + all-reduce: one-shot reads the W-1 other partials whole ((W-1)·m·n peer bytes),
+//!   two-shot the others' partials of its m/W rows, then the other slices' results
+//!   (2·(W-1)/W·m·n);
 //! - all-gather + GEMM: each rank's rows cross to each peer once (pushed: (W-1)·(m/W)·k peer
 //!   bytes written, none read), and the tiles read the gathered rows locally, as the GEMM
 //!   alone reads its A;
@@ -32,7 +35,7 @@ use half::bf16;
 use tpfuse::emulator::counters::{self, LaunchCounters};
 use tpfuse::ops::gemm::{gemm_with_config, GemmConfig, GemmShape};
 use tpfuse::ops::gemm_all_reduce::FusedPlan;
-use tpfuse::ops::{self, Algorithm, Epilogue, RmsNorm};
+use tpfuse::ops::{self, gemm_all_reduce_with, Algorithm, Epilogue, RmsNorm};
 use tpfuse::{GroupOptions, TpGroup};
 
 const FILE: &str = "emu_counters";
@@ -462,6 +465,49 @@ fn all_gather_gemm_moves_each_rows_part_across_once() {
                     "{l}: block {b} waited {} times (once per new rank at most)",
                     c.barriers
                 );
+            }
+        }
+    }
+}
+
+#[test]
+fn fused_gemm_all_reduce_reads_the_peers_once_or_twice_by_slices() {
+    let _session = session_with(
+        FILE,
+        "fused_gemm_all_reduce_reads_the_peers_once_or_twice_by_slices",
+        SMS,
+        60_000_000_000,
+    );
+    let gpu = gpu();
+    for (world, m, n, k) in [
+        (2usize, 34usize, 136usize, 40usize),
+        (4, 16, 264, 24),
+        (8, 24, 136, 16),
+    ] {
+        let groups = virtual_group(&gpu.ctx, world, GroupOptions::default());
+        let shape = GemmShape { m, n, k };
+        let xs: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0x9e, world, m * k));
+        let ws: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0xae, world, n * k));
+        let mut outs: Vec<CudaSlice<bf16>> = poisoned_ranks(&groups, m * n);
+        let (w, mn) = (world as u64, (m * n) as u64);
+        for (algo, peer) in [
+            (Algorithm::OneShot, (w - 1) * mn * S),
+            (Algorithm::TwoShot, 2 * (w - 1) * mn / w * S),
+        ] {
+            let label = format!("GEMM + all-reduce {algo:?} W={world} (m, n, k)=({m}, {n}, {k})");
+            let ((), recs) = counters::count(|| {
+                round(&groups, &label, |r| {
+                    let epilogue = Epilogue::default();
+                    let (x, wt, out) = (&xs[r], &ws[r], &mut outs[r]);
+                    gemm_all_reduce_with(&groups[r], x, wt, epilogue, out, shape, algo).map(|_| ())
+                });
+            });
+            assert_eq!(recs.len(), world, "{label}: launches");
+            for rec in &recs {
+                let l = format!("{label} rank {:?}", rec.rank);
+                let t = rec.total();
+                assert_eq!(t.peer_read_bytes, peer, "{l}: peer bytes read");
+                assert_eq!(t.peer_write_bytes, 0, "{l}: peer bytes written");
             }
         }
     }

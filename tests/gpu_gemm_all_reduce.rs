@@ -32,11 +32,12 @@ use half::{bf16, f16};
 use tpfuse::ops::gemm::GemmElement;
 use tpfuse::ops::linear::{Fusion, RowParallelLinear, RowParallelPath};
 use tpfuse::ops::{
-    self, all_gather_gemm, gemm, gemm_all_reduce, gemm_reduce_scatter, Algorithm, Epilogue,
-    GemmShape, RmsNorm,
+    self, all_gather_gemm, gemm, gemm_all_reduce, gemm_all_reduce_with, gemm_reduce_scatter,
+    Algorithm, Epilogue, GemmShape, RmsNorm,
 };
 use tpfuse::reference::{gemm_f64, rms_norm_f64};
 use tpfuse::shard::{HostWeight, RowParallelSpec};
+use tpfuse::topology::AllReduceAlgo;
 use tpfuse::{GroupOptions, NcclType, TpGroup};
 
 const EPS: f32 = 1e-5;
@@ -82,11 +83,12 @@ fn case<T: TestElement>(world: usize, (m, n, k): (usize, usize, usize), seed: u6
     }
 }
 
-/// The layer's output on every rank, fused or unfused: `(out, residual)` per rank.
+/// The layer's output on every rank, fused (by the algorithm) or unfused: `(out, residual)`
+/// per rank.
 fn forward<T: TestElement>(
     groups: &[TpGroup],
     c: &Case<T>,
-    fused: bool,
+    fused: Option<Algorithm>,
     label: &str,
 ) -> (Vec<Vec<T>>, Vec<Vec<T>>) {
     let (m, n, k) = (c.m, c.n, c.k);
@@ -107,8 +109,15 @@ fn forward<T: TestElement>(
             }),
         };
         let shape = GemmShape { m, n, k };
-        if fused {
-            gemm_all_reduce(&groups[r], &xs[r], &ws[r], epilogue, &mut outs[r], shape).map(|_| ())
+        if let Some(algo) = fused {
+            let (x, w, out) = (&xs[r], &ws[r], &mut outs[r]);
+            let plan = gemm_all_reduce_with(&groups[r], x, w, epilogue, out, shape, algo)?;
+            let want = match algo {
+                Algorithm::TwoShot => AllReduceAlgo::TwoShot,
+                _ => AllReduceAlgo::OneShot,
+            };
+            assert_eq!(plan.all_reduce, Some(want), "{label}: the reduction");
+            Ok(())
         } else {
             gemm(
                 groups[r].stream(),
@@ -149,20 +158,30 @@ fn reference_shapes<T: TestElement>() {
         let label = format!("{} W={world} m={m} n={n} k={k} seed={seed:#x}", T::NAME);
         let groups = virtual_group(&gpu.ctx, world, GroupOptions::default());
         let c = case::<T>(world, (m, n, k), seed);
-        let (out, res) = forward(&groups, &c, true, &format!("{label} fused"));
-        let (out_u, res_u) = forward(&groups, &c, false, &format!("{label} unfused"));
-        for r in 0..world {
-            assert_same_bits(
-                &format!("{label} rank {r}: out, fused vs unfused"),
-                &out[r],
-                &out_u[r],
-            );
-            assert_same_bits(
-                &format!("{label} rank {r}: residual, fused vs unfused"),
-                &res[r],
-                &res_u[r],
-            );
+        let (out_u, res_u) = forward(&groups, &c, None, &format!("{label} unfused"));
+        // Auto is one-shot at these sizes; the two-shot where m splits into W slices.
+        let mut algos = vec![Algorithm::Auto];
+        if m % world == 0 {
+            algos.push(Algorithm::TwoShot);
         }
+        let mut fused = Vec::new();
+        for algo in algos {
+            let (out, res) = forward(&groups, &c, Some(algo), &format!("{label} fused {algo:?}"));
+            for r in 0..world {
+                assert_same_bits(
+                    &format!("{label} rank {r}: out, fused {algo:?} vs unfused"),
+                    &out[r],
+                    &out_u[r],
+                );
+                assert_same_bits(
+                    &format!("{label} rank {r}: residual, fused {algo:?} vs unfused"),
+                    &res[r],
+                    &res_u[r],
+                );
+            }
+            fused.push((out, res));
+        }
+        let (out, res) = fused.swap_remove(0);
         let mut h: Vec<f64> = c.residual.iter().map(|v| v.to_f64()).collect();
         for r in 0..world {
             let y = gemm_f64(&c.x[r], &c.w[r], None, None, m, n, k);

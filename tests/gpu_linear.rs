@@ -273,13 +273,19 @@ fn mlp_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usize) {
     let first = first_layer(&label, &groups, &layers, &mlp, &x);
 
     let mut first_bits: Option<Vec<T>> = None;
-    let ways = [
+    let mut ways = vec![
         (Fusion::Unfused, Algorithm::Auto),
         (Fusion::Unfused, Algorithm::OneShot),
         (Fusion::Unfused, Algorithm::TwoShot),
         (Fusion::Fused, Algorithm::Auto),
         (Fusion::Auto, Algorithm::Auto),
+        (Fusion::Fused, Algorithm::OneShot),
+        (Fusion::Auto, Algorithm::TwoShot),
     ];
+    let even = m % world == 0;
+    if even {
+        ways.push((Fusion::Fused, Algorithm::TwoShot));
+    }
     for (fusion, algo) in ways {
         layers = layers
             .into_iter()
@@ -309,16 +315,29 @@ fn mlp_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usize) {
                     "{label}"
                 )
             }
-            // m <= 64 on virtual ranks: the placeholder rule fuses.
+            // m <= 64 on virtual ranks: the placeholder rule fuses; the two-shot only where m
+            // splits into W slices (Auto: at most 64 KB here, below the one-shot bound).
+            (Fusion::Fused | Fusion::Auto, Algorithm::TwoShot) => {
+                let want = if even {
+                    RowParallelPath::Fused(AllReduceAlgo::TwoShot)
+                } else {
+                    RowParallelPath::Unfused(AllReduceAlgo::TwoShot)
+                };
+                assert_eq!(ran[0], want, "{label}")
+            }
             (Fusion::Fused | Fusion::Auto, _) => {
-                assert_eq!(ran[0], RowParallelPath::Fused, "{label}")
+                assert_eq!(
+                    ran[0],
+                    RowParallelPath::Fused(AllReduceAlgo::OneShot),
+                    "{label}"
+                )
             }
             _ => {}
         }
         let got: Vec<Vec<T>> = download_ranks(&groups, &outs);
         assert_ranks_agree(&label, &got);
         assert_close(&label, &got[0], &want, T::MLP_TOLERANCE);
-        if ran[0] == RowParallelPath::Fused {
+        if matches!(ran[0], RowParallelPath::Fused(_)) {
             // The partials were not written: the bits are the unfused paths' (below).
             let bits = first_bits.as_ref().expect("an unfused way ran first");
             assert_same_bits(&format!("{label} vs unfused"), &got[0], bits);
@@ -371,8 +390,15 @@ fn mlp_rmsnorm_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usi
     // Every rank's (residual, out) of the unfused run.
     type PerRank<T> = Vec<Vec<T>>;
     let mut unfused: Option<(PerRank<T>, PerRank<T>)> = None;
-    for fusion in [Fusion::Unfused, Fusion::Fused] {
-        let label = format!("{label} {fusion:?}");
+    let mut ways = vec![
+        (Fusion::Unfused, Algorithm::Auto),
+        (Fusion::Fused, Algorithm::Auto),
+    ];
+    if m % world == 0 {
+        ways.push((Fusion::Fused, Algorithm::TwoShot));
+    }
+    for (fusion, algo) in ways {
+        let label = format!("{label} {fusion:?} {algo:?}");
         let mut residuals: Vec<CudaSlice<T>> = upload_copies(&groups, &residual_in);
         let mut partials: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * hidden);
         let mut outs: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * hidden);
@@ -381,7 +407,7 @@ fn mlp_rmsnorm_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usi
         }
         layers = layers
             .into_iter()
-            .map(|(gu, dn)| (gu, dn.with_fusion(fusion)))
+            .map(|(gu, dn)| (gu, dn.with_fusion(fusion).with_algorithm(algo)))
             .collect();
         let ran = round(&groups, &label, |r| {
             let norm = RmsNorm {
@@ -430,7 +456,11 @@ fn mlp_rmsnorm_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usi
                 unfused = Some((h, out));
             }
             Some((h_u, out_u)) => {
-                assert_eq!(ran[0], RowParallelPath::Fused, "{label}");
+                let want = match algo {
+                    Algorithm::TwoShot => AllReduceAlgo::TwoShot,
+                    _ => AllReduceAlgo::OneShot,
+                };
+                assert_eq!(ran[0], RowParallelPath::Fused(want), "{label}");
                 assert_same_bits(&format!("{label}: residual vs unfused"), &h[0], &h_u[0]);
                 assert_same_bits(&format!("{label}: out vs unfused"), &out[0], &out_u[0]);
             }

@@ -23,10 +23,11 @@ use crate::dtype::NcclType;
 use crate::error::{Error, Result};
 use crate::ffi::kernels;
 use crate::group::TpGroup;
-use crate::ops::all_reduce::Epilogue;
+use crate::ops::all_reduce::{Algorithm, Epilogue};
 use crate::ops::gemm::{
     check_gemm, check_gemm_shapes, select_config, GemmBuffers, GemmConfig, GemmElement, GemmShape,
 };
+use crate::topology::AllReduceAlgo;
 use crate::validate::{check_disjoint, owner, BufferInfo};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use std::ffi::c_void;
@@ -62,6 +63,10 @@ pub struct FusedFacts {
     pub sms: usize,
     /// The persistent grid's bound ([`TpGroup::fused_blocks`]).
     pub blocks: usize,
+    /// The group's all-reduce rule's bound for one-shot, in bytes per rank (`None`: the
+    /// custom all-reduce may not run): under [`Algorithm::Auto`] the fused GEMM + all-reduce
+    /// reduces in two shots from there.
+    pub one_shot_below: Option<usize>,
 }
 
 /// What a fused launch will run.
@@ -73,6 +78,10 @@ pub struct FusedPlan {
     pub tiles: usize,
     /// Blocks of the persistent grid: `min(tiles, blocks)`.
     pub grid: usize,
+    /// GEMM + all-reduce: how it reduced, [`AllReduceAlgo::OneShot`] (every rank reduces
+    /// every tile) or [`AllReduceAlgo::TwoShot`] (each rank its slice of rows, then every rank
+    /// gathers the slices); `None` for the other fused ops.
+    pub all_reduce: Option<AllReduceAlgo>,
 }
 
 /// Why a shape cannot take the fused path on a group, or `None` when it can: a message
@@ -127,6 +136,7 @@ pub(crate) fn planned(shape: GemmShape, facts: &FusedFacts) -> Result<FusedPlan>
         config,
         tiles,
         grid: tiles.min(facts.blocks.max(1)),
+        all_reduce: None,
     })
 }
 
@@ -134,6 +144,26 @@ fn tiles_of(config: GemmConfig, shape: GemmShape) -> usize {
     let info = config.info();
     shape.m.div_ceil(info.block_m) * shape.n.div_ceil(info.block_n)
 }
+
+/// `tpfuse_gemm_all_reduce` and `tpfuse_gemm_all_reduce_two_shot`: one signature.
+type GemmAllReduceLauncher = unsafe extern "C" fn(
+    kernels::tpfuse_dtype,
+    i32,
+    *const kernels::tpfuse_peers,
+    *const kernels::tpfuse_group_args,
+    i32,
+    *const c_void,
+    *const c_void,
+    *const c_void,
+    *mut c_void,
+    *const c_void,
+    f32,
+    *mut c_void,
+    usize,
+    usize,
+    usize,
+    *mut c_void,
+) -> i32;
 
 /// The GEMM's names for its buffers, and this op's.
 const NAMES: [(&str, &str); 3] = [("a", "x"), ("b", "weight"), ("c", "out")];
@@ -202,10 +232,59 @@ pub fn plan<T: GemmElement>(
     planned(shape, facts)
 }
 
+/// How the fused GEMM + all-reduce reduces a call of `shape` under `algorithm`:
+/// [`AllReduceAlgo::OneShot`] (every rank reduces every tile: least latency, (W-1)·m·n peer
+/// reads per rank) or [`AllReduceAlgo::TwoShot`] (each rank its `m / W` rows, then every rank
+/// gathers them: 2·(W-1)/W·m·n, for larger messages; `m` a multiple of W). Under
+/// [`Algorithm::Auto`], two-shot from the group's one-shot bound
+/// ([`FusedFacts::one_shot_below`], the all-reduce's own rule) when `m` splits evenly.
+/// Errors: [`Algorithm::Nccl`], and [`Algorithm::TwoShot`] with `m` not a multiple of W,
+/// naming `algorithm`.
+pub fn fused_all_reduce_algo<T>(
+    shape: GemmShape,
+    facts: &FusedFacts,
+    algorithm: Algorithm,
+) -> Result<AllReduceAlgo> {
+    let world = facts.world.max(1);
+    let even = shape.m % world == 0;
+    match algorithm {
+        Algorithm::OneShot => Ok(AllReduceAlgo::OneShot),
+        Algorithm::TwoShot if even => Ok(AllReduceAlgo::TwoShot),
+        Algorithm::TwoShot => Err(Error::invalid(
+            "algorithm",
+            format!(
+                "the fused two-shot splits the m = {} rows into {world} equal slices (one per \
+                 rank), which they do not",
+                shape.m
+            ),
+        )),
+        Algorithm::Nccl => Err(Error::invalid(
+            "algorithm",
+            "NCCL does not run fused with the GEMM",
+        )),
+        Algorithm::Auto => {
+            let bytes = shape
+                .m
+                .saturating_mul(shape.n)
+                .saturating_mul(std::mem::size_of::<T>());
+            let large = facts.one_shot_below.is_some_and(|b| bytes >= b);
+            Ok(if even && large {
+                AllReduceAlgo::TwoShot
+            } else {
+                AllReduceAlgo::OneShot
+            })
+        }
+    }
+}
+
 /// The facts of `group` (its device's compute capability and SM count were read when the
 /// group was built: no driver query per call).
 pub fn facts_of(group: &TpGroup) -> FusedFacts {
     let device = group.device_facts();
+    let limits = match group.verdict() {
+        Some(verdict) => group.rule().limits_for(verdict),
+        None => group.rule().nvlink_limits(group.world()),
+    };
     FusedFacts {
         device: group.device(),
         world: group.world(),
@@ -213,6 +292,7 @@ pub fn facts_of(group: &TpGroup) -> FusedFacts {
         compute_capability: device.compute_capability,
         sms: device.sms,
         blocks: group.fused_blocks(),
+        one_shot_below: limits.map(|l| l.one_shot_below),
     }
 }
 
@@ -237,6 +317,20 @@ pub fn gemm_all_reduce<T: GemmElement + NcclType>(
     out: &mut impl DevicePtrMut<T>,
     shape: GemmShape,
 ) -> Result<FusedPlan> {
+    gemm_all_reduce_with(group, x, weight, epilogue, out, shape, Algorithm::Auto)
+}
+
+/// [`gemm_all_reduce`] reducing by `algorithm` ([`fused_all_reduce_algo`]: one-shot or
+/// two-shot, the same bits); its errors, before anything is launched, include that function's.
+pub fn gemm_all_reduce_with<T: GemmElement + NcclType>(
+    group: &TpGroup,
+    x: &impl DevicePtr<T>,
+    weight: &impl DevicePtr<T>,
+    epilogue: Epilogue<'_, T>,
+    out: &mut impl DevicePtrMut<T>,
+    shape: GemmShape,
+    algorithm: Algorithm,
+) -> Result<FusedPlan> {
     let facts = facts_of(group);
     let stream = group.stream();
     let info = |b: &dyn DevicePtr<T>| BufferInfo::new(0, b.len(), owner(b));
@@ -260,8 +354,12 @@ pub fn gemm_all_reduce<T: GemmElement + NcclType>(
     if let Some(gamma) = &buffers.gamma {
         gamma.check_device("gamma", facts.device)?;
     }
+    let algo = fused_all_reduce_algo::<T>(shape, &facts, algorithm)?;
     if shape.m == 0 {
-        return plan::<T>(&buffers, shape, &facts);
+        return plan::<T>(&buffers, shape, &facts).map(|p| FusedPlan {
+            all_reduce: Some(algo),
+            ..p
+        });
     }
     let (x_ptr, _x) = x.device_ptr(stream);
     let (w_ptr, _w) = weight.device_ptr(stream);
@@ -282,17 +380,32 @@ pub fn gemm_all_reduce<T: GemmElement + NcclType>(
     if let (Some(info), Some((ptr, _))) = (buffers.gamma.as_mut(), gamma.as_ref()) {
         info.addr = *ptr;
     }
-    let plan = plan::<T>(&buffers, shape, &facts)?;
+    let plan = FusedPlan {
+        all_reduce: Some(algo),
+        ..plan::<T>(&buffers, shape, &facts)?
+    };
     let (peers, args) = group.kernel_args()?;
     bind(stream)?;
     let addr = |b: Option<BufferInfo>| b.map_or(std::ptr::null(), |b| b.addr as *const c_void);
     let g = &buffers.gemm;
+    let (launch, name) = if algo == AllReduceAlgo::TwoShot {
+        (
+            kernels::tpfuse_gemm_all_reduce_two_shot as GemmAllReduceLauncher,
+            "tpfuse_gemm_all_reduce_two_shot",
+        )
+    } else {
+        (
+            kernels::tpfuse_gemm_all_reduce as GemmAllReduceLauncher,
+            "tpfuse_gemm_all_reduce",
+        )
+    };
     // SAFETY: `plan` checked every length against m, n, k, every device, the alignment, the
-    // capacity and tile count, and that out and the residual overlap nothing; the symmetric
+    // capacity and tile count, and that out and the residual overlap nothing (and
+    // `fused_all_reduce_algo` that m splits into W slices for the two-shot); the symmetric
     // workspace behind `peers` lives as long as `group`; the guards keep cudarc's stream
     // ordering until the kernel is enqueued.
     let code = unsafe {
-        kernels::tpfuse_gemm_all_reduce(
+        launch(
             T::DTYPE,
             plan.config.abi(),
             &peers,
@@ -311,7 +424,7 @@ pub fn gemm_all_reduce<T: GemmElement + NcclType>(
             stream.cu_stream() as *mut c_void,
         )
     };
-    group.launched("tpfuse_gemm_all_reduce", code)?;
+    group.launched(name, code)?;
     Ok(plan)
 }
 

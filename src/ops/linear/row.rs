@@ -10,7 +10,7 @@ use crate::group::TpGroup;
 use crate::ops::all_reduce::{all_reduce_fused, Algorithm, Epilogue, RmsNorm};
 use crate::ops::collectives::reduce_scatter;
 use crate::ops::gemm::{GemmElement, GemmShape};
-use crate::ops::gemm_all_reduce::{gemm_all_reduce, gemm_reduce_scatter, unfusable};
+use crate::ops::gemm_all_reduce::{gemm_all_reduce_with, gemm_reduce_scatter, unfusable};
 use crate::shard::{HostWeight, RowParallelSpec};
 use crate::topology::AllReduceAlgo;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
@@ -27,7 +27,8 @@ const ALL_REDUCE_NAMES: [(&str, &str); 7] = [
 ];
 
 /// The names the fused kernel's errors use, and what a row-parallel layer calls them.
-const FUSED_NAMES: [(&str, &str); 7] = [
+const FUSED_NAMES: [(&str, &str); 8] = [
+    ("algorithm", "the layer's algorithm"),
     ("x", "x"),
     ("weight", "the weight shard"),
     ("out", "out"),
@@ -49,8 +50,9 @@ const SCATTER_NAMES: [(&str, &str); 4] = [
 /// What a row-parallel `forward` ran.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RowParallelPath {
-    /// The fused GEMM + all-reduce kernel ([`gemm_all_reduce`]); `partial` was not touched.
-    Fused,
+    /// The fused GEMM + all-reduce kernel ([`gemm_all_reduce_with`]), one-shot or two-shot;
+    /// `partial` was not touched.
+    Fused(AllReduceAlgo),
     /// The GEMM into `partial`, then this all-reduce.
     Unfused(AllReduceAlgo),
 }
@@ -142,18 +144,25 @@ impl<T: GemmElement + NcclType> RowParallelLinear<T> {
         }
     }
 
-    /// Whether a call of `m` rows runs the fused GEMM + all-reduce: [`Fusion`]'s rule (under
-    /// [`Fusion::Auto`], only with the layer's algorithm [`Algorithm::Auto`]). Forced fusion
-    /// on a shape the kernel cannot take ([`unfusable`]) is an error naming the layer.
+    /// Whether a call of `m` rows runs the fused GEMM + all-reduce: [`Fusion`]'s rule. The
+    /// layer's algorithm picks the fused kernel's reduction (`Auto` by size, `OneShot`,
+    /// `TwoShot`); under [`Fusion::Auto`], [`Algorithm::Nccl`], and `TwoShot` with `m` not a
+    /// multiple of the world size, stay unfused. Forced fusion on a shape the kernel cannot
+    /// take ([`unfusable`]) is an error naming the layer.
     fn fuses(&self, group: &TpGroup, m: usize) -> Result<bool> {
         let shape = self.shape(m);
+        let auto_allowed = match self.algorithm {
+            Algorithm::Auto | Algorithm::OneShot => true,
+            Algorithm::TwoShot => m % self.shard.world == 0,
+            Algorithm::Nccl => false,
+        };
         fuses(
             self.fusion,
             &self.shard.label,
             "GEMM + all-reduce",
             group,
             m,
-            self.algorithm == Algorithm::Auto,
+            auto_allowed,
             |facts| unfusable::<T>(shape, facts),
         )
     }
@@ -193,7 +202,7 @@ impl<T: GemmElement + NcclType> RowParallelLinear<T> {
     }
 
     /// What both forwards enqueue once their buffers are checked: fused
-    /// ([`Fusion`]), one [`gemm_all_reduce`] with the bias and the given residual and norm
+    /// ([`Fusion`]), one [`gemm_all_reduce_with`] with the bias and the given residual and norm
     /// as its epilogue; unfused, the partial product into the caller's workspace,
     /// `partial = x · W_rᵀ` (no bias), then [`all_reduce_fused`] of the partials with that
     /// epilogue. Both give the same bits.
@@ -214,9 +223,11 @@ impl<T: GemmElement + NcclType> RowParallelLinear<T> {
             norm,
         };
         if self.fuses(group, m)? {
-            gemm_all_reduce(group, x, &self.shard.weight, epilogue, out, self.shape(m))
+            let (w, shape, algo) = (&self.shard.weight, self.shape(m), self.algorithm);
+            let plan = gemm_all_reduce_with(group, x, w, epilogue, out, shape, algo)
                 .map_err(in_layer(&self.shard.label, &FUSED_NAMES))?;
-            return Ok(RowParallelPath::Fused);
+            let ran = plan.all_reduce.unwrap_or(AllReduceAlgo::OneShot);
+            return Ok(RowParallelPath::Fused(ran));
         }
         let names = [("a", "x"), ("b", "the weight shard"), ("c", "partial")];
         self.shard.gemm(group, x, None, partial, m, &names)?;
@@ -229,7 +240,7 @@ impl<T: GemmElement + NcclType> RowParallelLinear<T> {
     /// columns `x` `[m, in/W]` into the workspace `partial` `[m, out]`, then
     /// [`all_reduce_fused`] of the partials with the bias as its epilogue (added once, in
     /// f32); or, when the layer fuses ([`Fusion`]), both in one kernel
-    /// ([`gemm_all_reduce`], `partial` untouched, the same bits). Enqueued on the group's
+    /// ([`gemm_all_reduce_with`], `partial` untouched, the same bits). Enqueued on the group's
     /// stream; returns what ran. A collective: every rank calls it with the same `m`. `m` is
     /// `x.len() / (in/W)`.
     pub fn forward(
@@ -245,7 +256,7 @@ impl<T: GemmElement + NcclType> RowParallelLinear<T> {
 
     /// The decode hot path of a transformer block: `h = Σ_r x_r · W_rᵀ + b + residual`,
     /// `residual := h`, `out = rmsnorm(h) · norm.gamma`, on every rank. Fused
-    /// ([`Fusion`]), all of it is one kernel ([`gemm_all_reduce`]); unfused, the GEMM writes
+    /// ([`Fusion`]), all of it is one kernel ([`gemm_all_reduce_with`]); unfused, the GEMM writes
     /// the workspace `partial` `[m, out]` and the reduction, bias, residual add and RMSNorm
     /// are one [`all_reduce_fused`] (fully fused on the one-shot path). The same bits either
     /// way. Shapes: `x` `[m, in/W]`, `partial`, `residual` and `out` `[m, out]`, `norm.gamma`
