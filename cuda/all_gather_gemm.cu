@@ -141,11 +141,11 @@ int launch_config(const tpfuse_peers &peers, const tpfuse_group_args &g, int con
   // gemm_all_reduce.cu).
   const cudaError_t err = cudaFuncSetAttribute(all_gather_gemm, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (err != cudaSuccess) return err;
-  const uint64_t descriptor =
+  const uint64_t descriptor = fused::descriptor_of(
+      kKindAllGatherGemm,
       launch_descriptor({kKindAllGatherGemm, sizeof(T), static_cast<uint64_t>(m), static_cast<uint64_t>(n),
                          static_cast<uint64_t>(k), static_cast<uint64_t>(config), static_cast<uint64_t>(grid),
-                         bias != nullptr}) &
-      fused::kDescriptorMask;
+                         bias != nullptr}));
   TPFUSE_LAUNCH(all_gather_gemm, grid, Cfg::kThreads, Cfg::kSmemBytes, stream)(
       peers, g, descriptor, x, w, bias, out, m, n, k, static_cast<int>(tiles_m), static_cast<int>(tiles_n));
   return cudaGetLastError();

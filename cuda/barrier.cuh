@@ -88,14 +88,19 @@ public:
       : timeout_ns_(g.timeout_ns), backstop_cycles_(g.backstop_cycles), start_ns_(global_timer_ns()),
         start_cycles_(clock_cycles()) {}
 
-  __device__ bool expired() const {
+  // Past the deadline; with `scale`, past `scale` times the timeout (and backstop).
+  __device__ bool expired(uint64_t scale = 1) const {
     const int64_t waited_ns = static_cast<int64_t>(global_timer_ns() - start_ns_);
     const int64_t waited_cycles = static_cast<int64_t>(clock_cycles() - start_cycles_);
-    return (waited_ns > 0 && static_cast<uint64_t>(waited_ns) > timeout_ns_) ||
-           (waited_cycles > 0 && static_cast<uint64_t>(waited_cycles) > backstop_cycles_);
+    return (waited_ns > 0 && static_cast<uint64_t>(waited_ns) > scaled(timeout_ns_, scale)) ||
+           (waited_cycles > 0 && static_cast<uint64_t>(waited_cycles) > scaled(backstop_cycles_, scale));
   }
 
 private:
+  __device__ static uint64_t scaled(uint64_t bound, uint64_t scale) {
+    return bound > UINT64_MAX / scale ? UINT64_MAX : bound * scale;
+  }
+
   uint64_t timeout_ns_, backstop_cycles_;
   uint64_t start_ns_, start_cycles_;
 };

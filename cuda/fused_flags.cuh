@@ -11,8 +11,9 @@
 // location, coherence: that load reads the ready value or a later one), and the consumer
 // block passes a __syncthreads before it reads the unit.
 //
-// Epochs. A flag is the launch's epoch (its low 40 bits) << 24 | the launch descriptor's low
-// 24 bits, in one 64-bit store. fused_epoch (this rank's pad, 64 bits) counts the rank's fused
+// Epochs. A flag is the launch's epoch (its low 40 bits) << 24 | 24 descriptor bits (the
+// fused kind in the low 4, 20 bits of the launch's digest above: descriptor_of), in one
+// 64-bit store. fused_epoch (this rank's pad, 64 bits) counts the rank's fused
 // launches, of every fused kind; every block reads it when it starts and uses E =
 // fused_epoch + 1. The block that ends last (fused_done, an atom.acq_rel counter: every block
 // adds 1 once it is done, after it read the epoch) stores E and sets the counter back to 0.
@@ -32,8 +33,8 @@
 //
 // Exchange areas. Launch E writes the half (E & 1) of the result half of the symmetric
 // buffers (offset capacity + (E & 1) * capacity / 2): its own rank's (GEMM + all-reduce, the
-// peers read it) or every rank's (all-gather + GEMM pushes its part into each, and each reads
-// only its own). When a rank starts launch E+2, which rewrites those areas, it has finished
+// peers read it; the two-shot also writes its reduced rows there and the peers gather them)
+// or every rank's (all-gather + GEMM pushes its part into each, and each reads only its own). When a rank starts launch E+2, which rewrites those areas, it has finished
 // launch E+1, so it has seen flags of E+1 from every peer, so every peer had finished launch E
 // (stream order), its reads of every area included. No closing barrier is needed. The other
 // custom kernels (all_reduce.cu) write no other rank's memory; they touch their result half
@@ -59,10 +60,20 @@
 namespace tpfuse {
 namespace fused {
 
-// A flag: the epoch's low 40 bits, then the descriptor's low 24 bits.
+// A flag: the epoch's low 40 bits, then 24 descriptor bits.
 constexpr int kDescriptorBits = 24;
 constexpr uint64_t kDescriptorMask = (uint64_t{1} << kDescriptorBits) - 1;
 constexpr uint64_t kEpochMask = (uint64_t{1} << (64 - kDescriptorBits)) - 1;
+
+// Host: a flag's descriptor bits for a launch of fused kind `kind` (16..19) and `digest`
+// (launch_descriptor of its shape): the kind in the low 4 bits, so that launches of two kinds
+// never pass for one another (a 24-bit digest alone would collide for one shape in 2^24),
+// and 20 bits of the digest above.
+constexpr uint64_t kKindBits = 4;
+inline uint64_t descriptor_of(uint64_t kind, uint64_t digest) {
+  constexpr uint64_t kind_mask = (uint64_t{1} << kKindBits) - 1;
+  return (digest & kDescriptorMask & ~kind_mask) | (kind & kind_mask);
+}
 
 // The block's state, in shared memory: one decision for all its threads.
 struct BlockState {
@@ -107,8 +118,15 @@ __device__ __forceinline__ void publish(const tpfuse_peers &peers, const tpfuse_
 // wait for this rank's own flags (the all-gather's parts, published by the rank's other
 // blocks) that times out is TPFUSE_ERROR_GRID_TIMEOUT: the rank's blocks were not all
 // resident. Once the error word is set, a wait gives up at once.
+//
+// A `consequent` wait (the two-shot's slice flags) is for a flag whose producer itself waits
+// for other flags: when it stalls, a wait of some block for a tile flag stalls too, and that
+// one names the rank that is really missing. So a consequent wait runs to twice the deadline,
+// by which the cause is in the error word (it then gives up without reporting), and reports
+// only if nothing else did.
 __device__ __forceinline__ void await(const tpfuse_peers &peers, const tpfuse_group_args &g, const Deadline &deadline,
-                                      BlockState &st, int slot, int src, uint64_t descriptor) {
+                                      BlockState &st, int slot, int src, uint64_t descriptor,
+                                      bool consequent = false) {
   const Pad own{peers.signals[g.rank]};
   if (ld_relaxed_sys(own.error()) != 0) {
     atomicAdd(&st.failed, 1);
@@ -121,7 +139,7 @@ __device__ __forceinline__ void await(const tpfuse_peers &peers, const tpfuse_gr
   bool arrived = true;
   for (uint32_t spins = 0; !ready(ld_relaxed_sys(flag)); ++spins) {
     if ((spins & 1023u) != 1023u) continue;
-    if (ld_relaxed_sys(own.error()) != 0 || deadline.expired()) {
+    if (ld_relaxed_sys(own.error()) != 0 || deadline.expired(consequent ? 2 : 1)) {
       arrived = false;
       break;
     }

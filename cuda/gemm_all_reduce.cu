@@ -59,7 +59,10 @@
 // peers' slices too, and normalises each row with rms_norm_row (the same order as above,
 // so the same bits). No deadlock: a slice flag needs only the rank's consumes, which wait
 // only for tiles published before any wait; the gather waits come after a block's last
-// publish. The same grid bound (every block of every rank resident) suffices.
+// publish. The same grid bound (every block of every rank resident) suffices. A launch that
+// fails leaves slice_count (and the strip counts) short of their reset: harmless, because a
+// block of that rank failed or found the group poisoned, so its error word is set, and it
+// never returns to 0: no later launch of the group produces anything.
 //
 // Failures: fused_flags.cuh. The last block marks out and residual (this rank's slice of out,
 // for the reduce-scatter).
@@ -107,7 +110,7 @@ template <typename T> struct Launch {
   // The rows this rank reduces into out (row row_begin is out's first): all of them for the
   // all-reduce, the rank's slice for the reduce-scatter and the two-shot.
   int row_begin, row_end;
-  uint64_t descriptor; // the launch descriptor's low kDescriptorBits
+  uint64_t descriptor; // the flags' descriptor bits (fused::descriptor_of)
   int slice_tiles;     // two-shot: the tiles of the rank's slice (else 0)
 };
 
@@ -202,7 +205,9 @@ __device__ __forceinline__ bool gather_rows(const tpfuse_peers &peers, const tpf
                                             const Deadline &deadline, BlockState &st, uint64_t descriptor,
                                             size_t exchange, T *out, T *residual, const T *gamma, float eps, int m,
                                             int n) {
-  if (static_cast<int>(threadIdx.x) < g.world) fused::await(peers, g, deadline, st, fused::kSliceSlot, threadIdx.x, descriptor);
+  // Consequent waits: a stalled slice is some tile wait's stall, which names the missing rank.
+  if (static_cast<int>(threadIdx.x) < g.world)
+    fused::await(peers, g, deadline, st, fused::kSliceSlot, threadIdx.x, descriptor, true);
   if (!fused::passed(st)) return false;
   constexpr int kVec = Vec16<T>::kLen;
   const int slice = m / g.world;
@@ -327,11 +332,11 @@ int launch_config(Reduction reduction, const tpfuse_peers &peers, const tpfuse_g
   if (err != cudaSuccess) return err;
   uint32_t eps_bits;
   std::memcpy(&eps_bits, &eps, sizeof eps_bits);
-  const uint64_t descriptor =
+  const uint64_t descriptor = fused::descriptor_of(
+      reduction.kind,
       launch_descriptor({reduction.kind, sizeof(T), static_cast<uint64_t>(m), static_cast<uint64_t>(n),
                          static_cast<uint64_t>(k), static_cast<uint64_t>(config), static_cast<uint64_t>(grid),
-                         bias != nullptr, residual != nullptr, gamma != nullptr, eps_bits}) &
-      fused::kDescriptorMask;
+                         bias != nullptr, residual != nullptr, gamma != nullptr, eps_bits}));
   const int slice = m / g.world;
   const int row_begin = reduction.scatter ? g.rank * slice : 0;
   const int row_end = reduction.scatter ? row_begin + slice : m;

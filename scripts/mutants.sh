@@ -291,7 +291,7 @@ mutant two-shot-gather-from-rank-0 emu_gemm_all_reduce "two-shot gathers every r
 mutant two-shot-slice-flag-early emu_gemm_all_reduce "two-shot publishes its slice after its first reduced tile" \
   gemm_all_reduce.cu '+ 1u == static_cast<uint32_t>(L.slice_tiles);' '+ 1u == 1u;'
 mutant two-shot-gather-without-waiting emu_gemm_all_reduce "two-shot gathers without waiting for the slice flags" \
-  gemm_all_reduce.cu 'fused::await(peers, g, deadline, st, fused::kSliceSlot, threadIdx.x, descriptor);' ';'
+  gemm_all_reduce.cu 'fused::await(peers, g, deadline, st, fused::kSliceSlot, threadIdx.x, descriptor, true);' ';'
 mutant two-shot-peer-residual-kept emu_gemm_all_reduce "two-shot leaves the peers' rows of the residual" \
   gemm_all_reduce.cu 'owner != g.rank ? residual + at : nullptr;' 'false ? residual + at : nullptr;'
 mutant scatter-rank-0-rows emu_gemm_all_reduce "GEMM + reduce-scatter gives every rank rank 0's rows" \

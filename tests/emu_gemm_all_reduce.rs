@@ -843,19 +843,20 @@ fn a_flag_of_a_long_past_launch_is_not_ready() {
     }
 }
 
-/// Ranks `0..launching` each launch the fused `p` (a residual and RMSNorm), then synchronize:
-/// each must report `word` (its error word and the host's copy) and mark `out` and the
-/// residual failed. Returns the residuals and the virtual time the launches took.
+/// Ranks `0..launching` each launch the fused `p` (a residual and RMSNorm) along `path`, then
+/// synchronize: each must report `word` (its error word and the host's copy) and mark `out`
+/// and the residual failed. Returns the residuals and the virtual time the launches took.
 fn fused_launches_fail(
     ranks: &Ranks,
     p: &Problem<bf16>,
+    path: Path,
     launching: usize,
     word: u32,
 ) -> (Vec<Option<DeviceBuffer<bf16>>>, u64) {
     let res = residuals(ranks.world, p);
     let start = emulator::now_ns();
     let launches: Vec<Buffers<bf16>> = (0..launching)
-        .map(|r| enqueue(ranks, r, p, Path::Fused, &res[r]))
+        .map(|r| enqueue(ranks, r, p, path, &res[r]))
         .collect();
     for r in 0..launching {
         ranks.streams[r]
@@ -906,7 +907,7 @@ fn on_one_sm_the_grid_bound_completes_and_a_grid_past_it_times_out() {
     // At least 32 tiles in every configuration (4096 columns: 32 tiles of 128).
     let p = problem::<bf16>(2, (16, 4096, 16), ALL, mix_seed(seed, &[2]));
     let word = abi::TPFUSE_ERROR_PEER_TIMEOUT | 1;
-    let (_, elapsed) = fused_launches_fail(&ranks, &p, 2, word);
+    let (_, elapsed) = fused_launches_fail(&ranks, &p, Path::Fused, 2, word);
     assert!(
         elapsed >= timeout,
         "gave up after {elapsed} ns, before the {timeout} ns deadline"
@@ -930,7 +931,7 @@ fn a_missing_rank_times_out_and_every_output_is_marked() {
     });
     let p = problem::<bf16>(world, (5, 136, 40), ALL, base_seed(0xf05e_0004));
     let word = abi::TPFUSE_ERROR_PEER_TIMEOUT | 2;
-    let (res, elapsed) = fused_launches_fail(&ranks, &p, 2, word);
+    let (res, elapsed) = fused_launches_fail(&ranks, &p, Path::Fused, 2, word);
     assert!(
         elapsed >= timeout,
         "gave up after {elapsed} ns, before the {timeout} ns deadline"
@@ -951,6 +952,54 @@ fn a_missing_rank_times_out_and_every_output_is_marked() {
     assert!(
         again.out.to_vec().iter().all(|x| x.is_failed_output()),
         "out marked on a poisoned group"
+    );
+}
+
+/// The two-shot with a rank that never launches names it too. Three tile rows, one per rank's
+/// slice, and three blocks per rank: block b computes tile row b only (tile_of_block), so on a
+/// survivor the blocks of the other rows consume nothing and wait only for the slice flags,
+/// which stall because the survivor's own slice needs the missing rank's tiles. Those waits
+/// must not name the survivor (a grid timeout) or a live peer: the tile waits name rank 2.
+/// (On a GPU the slice waits could time out first, so they wait twice the deadline; the
+/// emulator's schedules, forward, reverse and random, always let the tile wait report
+/// first, even with the plain deadline: this checks the outcome, not that race.)
+#[test]
+fn a_missing_rank_is_named_by_the_two_shot_too() {
+    let _s = session(
+        "emu_gemm_all_reduce",
+        "a_missing_rank_is_named_by_the_two_shot_too",
+    );
+    let (world, n, k) = (3, 136, 40);
+    let m = [16, 64, 128]
+        .into_iter()
+        .map(|bm| 3 * bm)
+        .find(|&m| {
+            let mut info = abi::tpfuse_gemm_config_info {
+                path: 0,
+                block_m: 0,
+                block_n: 0,
+                block_k: 0,
+                stages: 0,
+                threads: 0,
+                smem_bytes: 0,
+            };
+            // SAFETY: info is a valid out-pointer.
+            let code = unsafe { abi::tpfuse_gemm_describe(auto_config(m, n, k), &mut info) };
+            code == 0 && 3 * info.block_m as usize == m
+        })
+        .expect("a shape of three tile rows");
+    let timeout = 2_000_000;
+    let ranks = Ranks::with_capacity(world, 3, timeout, CAPACITY);
+    ranks.streams[2].set_fault(Fault {
+        stop: true,
+        ..Fault::default()
+    });
+    let p = problem::<bf16>(world, (m, n, k), ALL, base_seed(0xf05e_000b));
+    let word = abi::TPFUSE_ERROR_PEER_TIMEOUT | 2;
+    let (_, elapsed) = fused_launches_fail(&ranks, &p, Path::TwoShot, 2, word);
+    assert!(
+        elapsed >= timeout,
+        "gave up after {elapsed} ns, before the {timeout} ns deadline"
     );
 }
 
