@@ -24,6 +24,7 @@ use common::gpu::{assert_close, base_seed, mix_seed, random_vec, TestElement};
 use half::{bf16, f16};
 use std::ffi::c_void;
 use tpfuse::emulator::{self, abi, DeviceBuffer, Fault};
+use tpfuse::ops::gemm::{select_config, GemmShape};
 use tpfuse::reference::{all_reduce_fused_f64, gemm_f64};
 use tpfuse::Element;
 
@@ -845,7 +846,8 @@ fn a_flag_of_a_long_past_launch_is_not_ready() {
 
 /// Ranks `0..launching` each launch the fused `p` (a residual and RMSNorm) along `path`, then
 /// synchronize: each must report `word` (its error word and the host's copy) and mark `out`
-/// and the residual failed. Returns the residuals and the virtual time the launches took.
+/// and the residual failed, not before the deadline. Returns the residuals and the virtual
+/// time the launches took.
 fn fused_launches_fail(
     ranks: &Ranks,
     p: &Problem<bf16>,
@@ -864,6 +866,11 @@ fn fused_launches_fail(
             .unwrap_or_else(|e| panic!("rank {r}: {e} (the emulator's deadlock report?)"));
     }
     let elapsed = emulator::now_ns() - start;
+    let timeout = ranks.timeout_ns;
+    assert!(
+        elapsed >= timeout,
+        "gave up after {elapsed} ns, before the {timeout} ns deadline"
+    );
     for (r, b) in launches.iter().enumerate() {
         assert_eq!(ranks.error_word(r), word, "rank {r}: the error word");
         assert_eq!(
@@ -907,11 +914,7 @@ fn on_one_sm_the_grid_bound_completes_and_a_grid_past_it_times_out() {
     // At least 32 tiles in every configuration (4096 columns: 32 tiles of 128).
     let p = problem::<bf16>(2, (16, 4096, 16), ALL, mix_seed(seed, &[2]));
     let word = abi::TPFUSE_ERROR_PEER_TIMEOUT | 1;
-    let (_, elapsed) = fused_launches_fail(&ranks, &p, Path::Fused, 2, word);
-    assert!(
-        elapsed >= timeout,
-        "gave up after {elapsed} ns, before the {timeout} ns deadline"
-    );
+    fused_launches_fail(&ranks, &p, Path::Fused, 2, word);
 }
 
 /// A rank that never launches: every survivor times out within its deadline, names the
@@ -932,10 +935,6 @@ fn a_missing_rank_times_out_and_every_output_is_marked() {
     let p = problem::<bf16>(world, (5, 136, 40), ALL, base_seed(0xf05e_0004));
     let word = abi::TPFUSE_ERROR_PEER_TIMEOUT | 2;
     let (res, elapsed) = fused_launches_fail(&ranks, &p, Path::Fused, 2, word);
-    assert!(
-        elapsed >= timeout,
-        "gave up after {elapsed} ns, before the {timeout} ns deadline"
-    );
     assert!(
         elapsed <= timeout * 3 / 2,
         "gave up after {elapsed} ns, deadline {timeout} ns"
@@ -974,18 +973,10 @@ fn a_missing_rank_is_named_by_the_two_shot_too() {
         .into_iter()
         .map(|bm| 3 * bm)
         .find(|&m| {
-            let mut info = abi::tpfuse_gemm_config_info {
-                path: 0,
-                block_m: 0,
-                block_n: 0,
-                block_k: 0,
-                stages: 0,
-                threads: 0,
-                smem_bytes: 0,
-            };
-            // SAFETY: info is a valid out-pointer.
-            let code = unsafe { abi::tpfuse_gemm_describe(auto_config(m, n, k), &mut info) };
-            code == 0 && 3 * info.block_m as usize == m
+            // auto_config's choice, as a GemmConfig.
+            let sms = emulator::config().sms as usize;
+            let config = select_config(GemmShape { m, n, k }, (9, 0), sms);
+            config.is_some_and(|c| 3 * c.info().block_m == m)
         })
         .expect("a shape of three tile rows");
     let timeout = 2_000_000;
@@ -996,11 +987,7 @@ fn a_missing_rank_is_named_by_the_two_shot_too() {
     });
     let p = problem::<bf16>(world, (m, n, k), ALL, base_seed(0xf05e_000b));
     let word = abi::TPFUSE_ERROR_PEER_TIMEOUT | 2;
-    let (_, elapsed) = fused_launches_fail(&ranks, &p, Path::TwoShot, 2, word);
-    assert!(
-        elapsed >= timeout,
-        "gave up after {elapsed} ns, before the {timeout} ns deadline"
-    );
+    fused_launches_fail(&ranks, &p, Path::TwoShot, 2, word);
 }
 
 /// GEMM + reduce-scatter and all-gather + GEMM with a rank that never launches: every
