@@ -100,16 +100,22 @@ __device__ __forceinline__ size_t global_thread_count() {
 }
 
 // Host: the SM count of the current device, queried once per device and cached (the
-// launch path stays free of repeated driver queries).
+// launch path stays free of repeated driver queries). A failed query answers 1 and clears
+// the runtime's last error, which the launchers read after their launch: the launch's own
+// outcome, not this query's, is what they report.
 inline int current_sm_count() {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> cache[kMaxDevices];
   int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return 1;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
+    (void)cudaGetLastError();
+    return 1;
+  }
   int sms = cache[device].load(std::memory_order_relaxed);
   if (sms <= 0) {
     if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
         sms <= 0) {
+      (void)cudaGetLastError();
       return 1;
     }
     cache[device].store(sms, std::memory_order_relaxed);

@@ -368,8 +368,10 @@ fn limits_in(table: &[SizeLimits], world: usize) -> Option<SizeLimits> {
     table.iter().find(|l| world <= l.max_world).copied()
 }
 
-/// When a row-parallel layer under [`Fusion::Auto`](crate::ops::linear::Fusion::Auto) runs
-/// its GEMM and all-reduce as one kernel ([`crate::ops::gemm_all_reduce()`]).
+/// When a layer under [`Fusion::Auto`](crate::ops::linear::Fusion::Auto) runs its GEMM and
+/// its collective as one kernel: a row-parallel layer's GEMM + all-reduce
+/// ([`crate::ops::gemm_all_reduce()`]) or GEMM + reduce-scatter, a column-parallel layer's
+/// all-gather + GEMM. `m` is the call's rows, all ranks' for the sequence-parallel forms.
 ///
 /// **Placeholder thresholds, not measurements.** Fused up to [`max_m`](Self::max_m) rows
 /// (decode and small prefill: the all-reduce is latency-bound there, and the fused kernel
