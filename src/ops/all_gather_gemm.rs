@@ -17,8 +17,10 @@ use crate::dtype::NcclType;
 use crate::error::{Error, Result};
 use crate::ffi::kernels;
 use crate::group::TpGroup;
-use crate::ops::gemm::{check_gemm_shapes, select_config, GemmBuffers, GemmElement, GemmShape};
-use crate::ops::gemm_all_reduce::{facts_of, planned, renamed, FusedFacts, FusedPlan};
+use crate::ops::gemm::{check_gemm_shapes, GemmBuffers, GemmElement, GemmShape};
+use crate::ops::gemm_all_reduce::{
+    facts_of, fused_config, planned, renamed, FusedFacts, FusedPlan,
+};
 use crate::validate::{check_disjoint, owner, BufferInfo};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use std::ffi::c_void;
@@ -38,13 +40,7 @@ pub fn unfusable_all_gather<T>(shape: GemmShape, facts: &FusedFacts) -> Option<S
     if bytes > facts.capacity / 2 {
         return Some(gathered_too_large(shape, bytes, facts));
     }
-    if select_config(shape, facts.compute_capability, facts.sms).is_none() {
-        let (major, minor) = facts.compute_capability;
-        return Some(format!(
-            "compute capability {major}.{minor} has no GEMM path (8.0 or later needed)"
-        ));
-    }
-    None
+    fused_config(shape, facts).err()
 }
 
 fn gathered_too_large(shape: GemmShape, bytes: usize, facts: &FusedFacts) -> String {

@@ -105,11 +105,9 @@ pub fn unfusable<T>(shape: GemmShape, facts: &FusedFacts) -> Option<String> {
             facts.capacity
         ));
     }
-    let Some(config) = select_config(shape, facts.compute_capability, facts.sms) else {
-        let (major, minor) = facts.compute_capability;
-        return Some(format!(
-            "compute capability {major}.{minor} has no GEMM path (8.0 or later needed)"
-        ));
+    let config = match fused_config(shape, facts) {
+        Ok(config) => config,
+        Err(reason) => return Some(reason),
     };
     let tiles = tiles_of(config, shape);
     if tiles > MAX_TILES {
@@ -121,16 +119,22 @@ pub fn unfusable<T>(shape: GemmShape, facts: &FusedFacts) -> Option<String> {
     None
 }
 
+/// The GEMM's tile configuration for `shape` on the group's device (the fused kernels run
+/// the GEMM's tiles), or why the device has none.
+pub(crate) fn fused_config(
+    shape: GemmShape,
+    facts: &FusedFacts,
+) -> std::result::Result<GemmConfig, String> {
+    select_config(shape, facts.compute_capability, facts.sms).ok_or_else(|| {
+        let (major, minor) = facts.compute_capability;
+        format!("compute capability {major}.{minor} has no GEMM path (8.0 or later needed)")
+    })
+}
+
 /// The plan of a shape that passed the checks: the GEMM's tile configuration for it, its
 /// tiles, and the persistent grid (at most [`FusedFacts::blocks`]).
 pub(crate) fn planned(shape: GemmShape, facts: &FusedFacts) -> Result<FusedPlan> {
-    let config = select_config(shape, facts.compute_capability, facts.sms).ok_or_else(|| {
-        let (major, minor) = facts.compute_capability;
-        Error::invalid(
-            "out",
-            format!("compute capability {major}.{minor} has no GEMM path (8.0 or later needed)"),
-        )
-    })?;
+    let config = fused_config(shape, facts).map_err(|reason| Error::invalid("out", reason))?;
     let tiles = tiles_of(config, shape);
     Ok(FusedPlan {
         config,
