@@ -88,12 +88,14 @@ public:
       : timeout_ns_(g.timeout_ns), backstop_cycles_(g.backstop_cycles), start_ns_(global_timer_ns()),
         start_cycles_(clock_cycles()) {}
 
-  // Past the deadline; with `scale`, past `scale` times the timeout (and backstop).
+  // Past the deadline; with `scale`, past `scale` times the timeout. The %clock64 backstop
+  // is never scaled: the host's wait for a stream (TpGroup's wait_bound) is sized to cover
+  // it as it is.
   __device__ bool expired(uint64_t scale = 1) const {
     const int64_t waited_ns = static_cast<int64_t>(global_timer_ns() - start_ns_);
     const int64_t waited_cycles = static_cast<int64_t>(clock_cycles() - start_cycles_);
     return (waited_ns > 0 && static_cast<uint64_t>(waited_ns) > scaled(timeout_ns_, scale)) ||
-           (waited_cycles > 0 && static_cast<uint64_t>(waited_cycles) > scaled(backstop_cycles_, scale));
+           (waited_cycles > 0 && static_cast<uint64_t>(waited_cycles) > backstop_cycles_);
   }
 
 private:

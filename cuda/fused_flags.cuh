@@ -121,9 +121,9 @@ __device__ __forceinline__ void publish(const tpfuse_peers &peers, const tpfuse_
 //
 // A `consequent` wait (the two-shot's slice flags) is for a flag whose producer itself waits
 // for other flags: when it stalls, a wait of some block for a tile flag stalls too, and that
-// one names the rank that is really missing. So a consequent wait runs to twice the deadline,
-// by which the cause is in the error word (it then gives up without reporting), and reports
-// only if nothing else did.
+// one names the rank that is really missing. So a consequent wait runs to twice the deadline
+// (%globaltimer; the %clock64 backstop stays as it is), by which the cause is in the error
+// word (it then gives up without reporting), and reports only if nothing else did.
 __device__ __forceinline__ void await(const tpfuse_peers &peers, const tpfuse_group_args &g, const Deadline &deadline,
                                       BlockState &st, int slot, int src, uint64_t descriptor,
                                       bool consequent = false) {

@@ -152,7 +152,8 @@ typedef struct tpfuse_group_args {
   int32_t world;       /* 2 ..= TPFUSE_MAX_RANKS */
   int32_t blocks;      /* grid size, 1 ..= TPFUSE_MAX_BLOCKS, the same on every rank */
   uint64_t capacity;   /* bytes of staging (and of result) per rank; equal on every rank */
-  uint64_t timeout_ns; /* one deadline per launch: launch start + timeout_ns bounds its waits */
+  uint64_t timeout_ns; /* one deadline per launch: launch start + timeout_ns bounds its waits
+                          (the two-shot GEMM + all-reduce's slice waits: twice that) */
   /* The backstop of the deadline in SM clock cycles (clock64), in case %globaltimer stalls
    * or jumps: 4 x timeout_ns at the device's peak clock, so it never ends a wait before the
    * timer's deadline would have at any clock up to the peak. */

@@ -230,7 +230,7 @@ mutant no-descriptor-check emu_all_reduce "the first barrier does not compare th
 mutant descriptor-without-grid emu_all_reduce "the descriptor leaves out the grid" \
   all_reduce.cu 'static_cast<uint64_t>(grid), bias != nullptr' 'uint64_t{0}, bias != nullptr'
 mutant no-clock-backstop emu_all_reduce "a wait trusts %globaltimer alone" \
-  barrier.cuh '(waited_cycles > 0 && static_cast<uint64_t>(waited_cycles) > scaled(backstop_cycles_, scale))' 'false'
+  barrier.cuh '(waited_cycles > 0 && static_cast<uint64_t>(waited_cycles) > backstop_cycles_)' 'false'
 mutant failed-output-unmarked emu_all_reduce "a block that gives up leaves its outputs as they were" \
   failure.cuh 'if (p == nullptr) return;' 'return;'
 mutant no-host-publish emu_all_reduce "a failed launch does not publish its error word to the host" \

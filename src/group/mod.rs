@@ -172,7 +172,7 @@ pub fn cta_budget(sms: usize, world: usize, virtual_ranks: bool) -> usize {
 }
 
 /// How long [`TpGroup::check`] (and Drop) wait for a rank's stream: five times the kernels'
-/// deadline plus one second. Should `%globaltimer` stall, that is past the kernels' `%clock64`
+/// deadline plus one second (the two-shot fused kernel's slice waits run to twice it). Should `%globaltimer` stall, that is past the kernels' `%clock64`
 /// backstop (4 x the deadline in peak-clock cycles) while the SMs run at 80% of their peak
 /// clock or more; slower, the host gives up first (`Error::Timeout`, the group poisoned,
 /// and Drop leaks the buffers rather than free them under a running kernel).
