@@ -133,24 +133,42 @@ template <typename T> struct Segments {
 };
 
 // One-shot RMSNorm of the block's units, after the reduction wrote h into out: each unit's
-// partial sum of squares into `partials` (this rank's workspace, one float per unit), the
-// blocks of the rank meet, then each unit's row sum is the row's partials added in segment
+// partial sum of squares into the first 4 bytes of the unit's own part of this rank's staging,
+// the blocks of the rank meet, then each unit's row sum is the row's partials added in segment
 // order (the standalone kernel's order: the same bits), and the unit is normalised.
+//
+// Where the partials live. A unit's staging bytes are read by one block of each peer (the
+// block with this block's index: every rank shares the units out alike) until that block
+// reaches the closing barrier, and written by this block only (copy_range). So once this
+// block has passed the closing barrier, no peer reads the unit's staging any more (the
+// barrier's acquire of every peer's release orders their reads before), and this rank's
+// other blocks never touch it: the partial overwrites nothing anyone reads. Readers of a
+// row's partials (other blocks of this rank) read them after meet_rank_blocks, which orders
+// every block's partial stores before (barrier.cuh). No peer writes this rank's staging in a
+// later launch either (fused_flags.cuh, "Exchange areas"), and this rank's next launch
+// starts once this one has ended. (Byte 4u of the staging, the old place, lay in an earlier
+// block's range, which a peer's block may still have been reading, or which this rank's own
+// late block copied over the partial.)
+template <typename T> __device__ __forceinline__ float *partial_of(const Segments<T> &seg, T *staging, size_t u) {
+  return reinterpret_cast<float *>(staging + seg.begin(u)); // 16-byte aligned: hidden and
+                                                             // kSegment are whole vectors
+}
+
 template <typename T>
 __device__ __forceinline__ bool normalize_units(BlockBarrier &barrier, const Segments<T> &seg, Range units,
-                                                float *partials, const T *gamma, float eps, T *out) {
+                                                T *staging, const T *gamma, float eps, T *out) {
   // A unit's elements were written in reduce_range by other threads of the block where the
   // range crosses a short last segment: this barrier orders those writes before the reads.
   __syncthreads();
   for (size_t u = units.begin; u < units.end; ++u) {
     const float partial = segment_sum_of_squares(out, seg.begin(u), seg.end(u));
-    if (threadIdx.x == 0) st_global(partials + u, partial);
+    if (threadIdx.x == 0) st_global(partial_of(seg, staging, u), partial);
   }
   if (!barrier.meet_rank_blocks()) return false;
   for (size_t u = units.begin; u < units.end; ++u) {
     const size_t first = seg.row(u) * seg.per_row;
     float sum = 0.f;
-    for (size_t s = 0; s < seg.per_row; ++s) sum += ld_global(partials + first + s);
+    for (size_t s = 0; s < seg.per_row; ++s) sum += ld_global(partial_of(seg, staging, first + s));
     const float rstd = rstd_of(sum, seg.hidden, eps);
     normalize_segment(out, gamma, rstd, out, seg.row(u) * seg.hidden, seg.begin(u), seg.end(u));
   }
@@ -179,13 +197,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (!barrier.arrive_and_wait()) return give_up(barrier, out, residual, r);
   barrier.commit();
   if (gamma == nullptr) return;
-  // The partials live at the start of this rank's staging, where its input was: past the
-  // closing barrier no peer reads it, and no kernel writes another rank's staging (a unit
-  // holds at least 16 bytes of data and its partial 4, so they fit). Not in the result half:
-  // a peer past the closing barrier may already run all-gather + GEMM, which pushes its rows
-  // into this rank's result half (fused_flags.cuh, "Exchange areas").
-  float *partials = reinterpret_cast<float *>(peers.data[g.rank]);
-  if (!normalize_units(barrier, seg, units, partials, gamma, eps, out)) give_up(barrier, out, residual, r);
+  // The partials go into the units' own staging (normalize_units says why that is safe).
+  if (!normalize_units(barrier, seg, units, static_cast<T *>(peers.data[g.rank]), gamma, eps, out)) {
+    give_up(barrier, out, residual, r);
+  }
 }
 
 // Slice p of the data (rank p reduces it), and block b's chunk of it, in elements.

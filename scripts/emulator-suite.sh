@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The emulator suite: every tests/emu_*.rs with `--features emulator`, under three schedules
-# (forward, reverse, and random with a fresh seed, printed), then the report of the kernel
+# The emulator suite: every tests/emu_*.rs with `--features emulator`, under four schedules
+# (forward, reverse, and random and pct with a fresh seed, printed), then the report of the kernel
 # instantiations that ran and a check that every __global__ kernel of cuda/ is among them.
 # Extra arguments go to each cargo test (e.g. a test name filter).
-#   TPFUSE_EMU_SEED=N    the random schedule's seed (default: the time)
+#   TPFUSE_EMU_SEED=N    the random and pct schedules' seed (default: the time)
 #   TPFUSE_TEST_SEED=N   the tests' data seed (default: the same as TPFUSE_EMU_SEED)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,12 +20,12 @@ seed=${TPFUSE_EMU_SEED:-$(date +%s)}
 export TPFUSE_TEST_SEED=${TPFUSE_TEST_SEED:-$seed}
 echo "== data seed TPFUSE_TEST_SEED=$TPFUSE_TEST_SEED"
 started=$(date +%s)
-for schedule in forward reverse random; do
-  echo "== emulator suite, schedule $schedule$([ "$schedule" = random ] && echo " (TPFUSE_EMU_SEED=$seed)")"
+for schedule in forward reverse random pct; do
+  echo "== emulator suite, schedule $schedule$(case $schedule in random | pct) echo " (TPFUSE_EMU_SEED=$seed)" ;; esac)"
   TPFUSE_EMU_SCHEDULE=$schedule TPFUSE_EMU_SEED=$seed TPFUSE_EMU_REPORT=$report \
     cargo test --features emulator "${tests[@]}" "$@"
 done
-echo "== emulator suite: 3 schedules in $(($(date +%s) - started)) s"
+echo "== emulator suite: 4 schedules in $(($(date +%s) - started)) s"
 
 # The GPU suite on the emulator: the crate's unit tests and every tests/gpu_*.rs, through
 # cudarc and the emulated driver (TpGroup, symmetric memory, ops, linear layers, CUDA graphs:

@@ -114,14 +114,14 @@ run_tests() {
     tail -n 20 "$work/$name/build.log" >&2
     return 2
   fi
-  # Under each schedule the suite runs, until one fails (the random ones with fixed seeds).
+  # Under each schedule the suite runs, until one fails (random and pct with fixed seeds).
   # One process per test, stopping at the first that fails: a caught mutant costs the tests
   # up to the one that catches it, not the whole binary (whose other tests may each wait out
   # a deadlock horizon).
   local schedule tests t
   tests=$("$bin" --list 2>/dev/null | sed -n 's/: test$//p')
   [ -n "$tests" ] || { echo "mutants: $test lists no tests" >&2; return 2; }
-  for schedule in forward reverse random:1 random:2; do
+  for schedule in forward reverse random:1 random:2 pct:1 pct:2; do
     for t in $tests; do
       LD_PRELOAD="$work/$name/out/libtpfuse_emu.so" TPFUSE_EMU_SCHEDULE=${schedule%%:*} \
         TPFUSE_EMU_SEED=${schedule#*:} timeout 600 "$bin" --exact "$t" >"$work/$name/test.log" 2>&1 ||
@@ -189,7 +189,7 @@ report() {
 }
 
 # The unmutated copy must pass, or every "caught" below would mean nothing.
-# Every binary a mutant below names, under the same four schedules, two at a time.
+# Every binary a mutant below names, under the same six schedules, two at a time.
 if wanted baseline; then
   apply baseline
   build_library baseline >"$work/baseline/build.log" 2>&1 ||
@@ -244,7 +244,12 @@ mutant bias-column-per-vector emu_all_reduce "the vector epilogue takes the bias
 mutant two-shot-residual emu_all_reduce "two-shot does not gather peers' slices into residual" \
   all_reduce.cu 'if (residual != nullptr) copy_range(static_cast<const T *>(out), residual, r);' ''
 mutant partials-reversed emu_all_reduce "one-shot adds a row's segment partials in reverse (fused and unfused bits differ)" \
-  all_reduce.cu 'sum += ld_global(partials + first + s);' 'sum += ld_global(partials + first + seg.per_row - 1 - s);'
+  all_reduce.cu 'partial_of(seg, staging, first + s)' 'partial_of(seg, staging, first + seg.per_row - 1 - s)'
+# The outside reader's race (issue 21): one float per unit from the start of the staging, inside
+# an earlier block's range, which a peer's block may still read, or this rank's late block copy
+# over the partial. Only the pct schedule shows it.
+mutant partials-at-staging-start emu_all_reduce "one-shot keeps unit u's RMSNorm partial at byte 4u of its staging" \
+  all_reduce.cu 'return reinterpret_cast<float *>(staging + seg.begin(u));' 'return reinterpret_cast<float *>(staging) + u;'
 mutant no-rank-meet emu_all_reduce "one-shot normalises before the rank's other blocks wrote their partials" \
   all_reduce.cu 'if (!barrier.meet_rank_blocks()) return false;' ''
 mutant half-warp-sum emu_all_reduce "RMSNorm's warp sum skips the first shuffle" \
@@ -299,8 +304,8 @@ mutant scatter-rank-0-rows emu_gemm_all_reduce "GEMM + reduce-scatter gives ever
 mutant gather-without-waiting emu_gemm_all_reduce "all-gather + GEMM reads the peers' rows without waiting for their flags" \
   all_gather_gemm.cu '    if (needed != 0) {' '    if (false) {'
 mutant norm-partials-in-result-half emu_gemm_all_reduce "one-shot keeps its RMSNorm partials where all-gather + GEMM pushes" \
-  all_reduce.cu 'float *partials = reinterpret_cast<float *>(peers.data[g.rank]);' \
-  'float *partials = reinterpret_cast<float *>(static_cast<char *>(peers.data[g.rank]) + g.capacity);'
+  all_reduce.cu 'normalize_units(barrier, seg, units, static_cast<T *>(peers.data[g.rank]), gamma' \
+  'normalize_units(barrier, seg, units, static_cast<T *>(peers.data[g.rank]) + g.capacity / sizeof(T), gamma'
 mutant gather-push-own-area-only emu_gemm_all_reduce "all-gather + GEMM pushes a rank's rows into its own area only" \
   all_gather_gemm.cu 'for (int j = 1; j <= g.world; ++j) {' 'for (int j = g.world; j <= g.world; ++j) {'
 mutant gather-push-at-rank-0-rows emu_gemm_all_reduce "all-gather + GEMM pushes every rank's rows to rank 0's rows" \

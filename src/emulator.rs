@@ -29,6 +29,11 @@ pub enum Schedule {
     Reverse,
     /// A fresh permutation every pass, drawn from the seed.
     Random(u64),
+    /// Random block priorities with change points, drawn from the seed (probabilistic
+    /// concurrency testing): the highest-priority block that can go on runs alone while
+    /// every other stands still, so one block, or one rank, is held back while the rest run
+    /// ahead, across launches too.
+    Pct(u64),
 }
 
 /// The emulated device: how many SMs it has (each holds up to 2048 threads, 32 blocks and
@@ -38,7 +43,7 @@ pub enum Schedule {
 pub struct Config {
     /// SMs (TPFUSE_EMU_SMS, default 132, an H100's).
     pub sms: u32,
-    /// Scheduling order (TPFUSE_EMU_SCHEDULE=forward|reverse|random, TPFUSE_EMU_SEED).
+    /// Scheduling order (TPFUSE_EMU_SCHEDULE=forward|reverse|random|pct, TPFUSE_EMU_SEED).
     pub schedule: Schedule,
     /// Nanoseconds of virtual time without progress before a deadlock is reported
     /// (TPFUSE_EMU_DEADLOCK_NS, default 60 s).
@@ -53,6 +58,7 @@ pub fn config() -> Config {
     let schedule = match c.schedule as u32 {
         sys::TPFUSE_EMU_SCHEDULE_REVERSE => Schedule::Reverse,
         sys::TPFUSE_EMU_SCHEDULE_RANDOM => Schedule::Random(c.seed),
+        sys::TPFUSE_EMU_SCHEDULE_PCT => Schedule::Pct(c.seed),
         _ => Schedule::Forward,
     };
     Config {
@@ -68,6 +74,7 @@ pub fn set_config(config: &Config) -> Result<()> {
         Schedule::Forward => (sys::TPFUSE_EMU_SCHEDULE_FORWARD, 0),
         Schedule::Reverse => (sys::TPFUSE_EMU_SCHEDULE_REVERSE, 0),
         Schedule::Random(seed) => (sys::TPFUSE_EMU_SCHEDULE_RANDOM, seed),
+        Schedule::Pct(seed) => (sys::TPFUSE_EMU_SCHEDULE_PCT, seed),
     };
     let c = sys::tpfuse_emu_config {
         sms: i32::try_from(config.sms).unwrap_or(i32::MAX),

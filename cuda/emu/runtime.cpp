@@ -31,7 +31,8 @@ int schedule_from_env() {
   if (v == nullptr || *v == '\0' || std::strcmp(v, "forward") == 0) return TPFUSE_EMU_SCHEDULE_FORWARD;
   if (std::strcmp(v, "reverse") == 0) return TPFUSE_EMU_SCHEDULE_REVERSE;
   if (std::strcmp(v, "random") == 0) return TPFUSE_EMU_SCHEDULE_RANDOM;
-  std::fprintf(stderr, "tpfuse emulator: TPFUSE_EMU_SCHEDULE=%s is not forward, reverse or random; using forward\n",
+  if (std::strcmp(v, "pct") == 0) return TPFUSE_EMU_SCHEDULE_PCT;
+  std::fprintf(stderr, "tpfuse emulator: TPFUSE_EMU_SCHEDULE=%s is not forward, reverse, random or pct; using forward\n",
                v);
   return TPFUSE_EMU_SCHEDULE_FORWARD;
 }
@@ -297,7 +298,7 @@ void tpfuse_emu_get_config(tpfuse_emu_config *out) {
 }
 
 int32_t tpfuse_emu_set_config(const tpfuse_emu_config *config) {
-  if (config == nullptr || config->sms < 1 || config->sms > 1024 || config->schedule < 0 || config->schedule > 2 ||
+  if (config == nullptr || config->sms < 1 || config->sms > 1024 || config->schedule < 0 || config->schedule > TPFUSE_EMU_SCHEDULE_PCT ||
       config->deadlock_ns == 0) {
     return cudaErrorInvalidValue;
   }

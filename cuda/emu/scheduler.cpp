@@ -115,6 +115,8 @@ void set_clock(Device &dev, uint64_t ns) {
   clock_now.store(ns, std::memory_order_relaxed);
 }
 
+} // namespace
+
 void resume(Device &dev, Fiber *f) {
   dev.current = f;
 #ifdef TPFUSE_EMU_ASAN
@@ -129,6 +131,8 @@ void resume(Device &dev, Fiber *f) {
   dev.current = nullptr;
   set_clock(dev, dev.clock_ns + 1);
 }
+
+namespace {
 
 unsigned total_blocks(const Launch &l) { return l.grid.x * l.grid.y * l.grid.z; }
 
@@ -177,6 +181,7 @@ void make_resident(Device &dev, Launch &l, int sm) {
   dev.sm_threads[sm] += threads;
   dev.sm_smem[sm] += l.smem;
   ++l.resident;
+  place_in_schedule(dev, *b);
   trace(dev, *b, "resident");
   dev.resident.push_back(std::move(b));
 }
@@ -228,41 +233,6 @@ void complete(Device &dev, Stream &s) {
   dev.work_done.notify_all();
 }
 
-// Runs the runnable fibers of one block round-robin (threads ascending, or descending in the
-// reverse schedule) until a
-// round makes no progress (its fibers only polled unchanged flags) or kMaxRounds rounds:
-// a block runs ahead as far as it can, as one SM may run far ahead of another. Returns the
-// number of resumes.
-constexpr int kMaxRounds = 256;
-int run_block(Device &dev, Block &b, std::vector<Fiber *> &order) {
-  int resumed = 0;
-  const bool progress_before = dev.progress;
-  bool any_progress = false;
-  for (int round = 0; round < kMaxRounds && !b.launch->failed; ++round) {
-    if (b.dirty) {
-      b.runnable.clear();
-      for (auto &f : b.fibers)
-        if (f->state == FiberState::Ready) b.runnable.push_back(f.get());
-      b.dirty = false;
-    }
-    if (b.runnable.empty()) break;
-    order.assign(b.runnable.begin(), b.runnable.end());
-    if (dev.config.schedule == TPFUSE_EMU_SCHEDULE_REVERSE) std::reverse(order.begin(), order.end());
-    dev.progress = false;
-    for (Fiber *f : order) {
-      if (b.launch->failed) break;
-      if (f->state != FiberState::Ready) continue;
-      resume(dev, f);
-      ++resumed;
-    }
-    const bool round_progress = dev.progress;
-    any_progress = any_progress || round_progress;
-    if (!round_progress) break;
-  }
-  dev.progress = progress_before || any_progress;
-  return resumed;
-}
-
 // Frees the SM resources of finished blocks and of every block of a failed launch, and
 // completes the launches that are done (their streams move on). Blocks stay in `resident`,
 // marked gone, until sweep(): a pass may still hold them.
@@ -288,11 +258,15 @@ void retire(Device &dev) {
   }
 }
 
+} // namespace
+
 void sweep(Device &dev) {
   dev.resident.erase(std::remove_if(dev.resident.begin(), dev.resident.end(),
                                     [](const std::unique_ptr<Block> &b) { return b->gone; }),
                      dev.resident.end());
 }
+
+namespace {
 
 void start_heads(Device &dev, std::unique_lock<std::mutex> &lk);
 
@@ -306,6 +280,8 @@ void refresh_active(Device &dev) {
     if (s->running) dev.active.push_back(s.get());
 }
 
+} // namespace
+
 // After a turn that may have finished a block: frees it and starts what may start now
 // (the next blocks of its launch, or its stream's next launch); returns the new blocks.
 std::vector<Block *> start_freed_slots(Device &dev) {
@@ -318,77 +294,7 @@ std::vector<Block *> start_freed_slots(Device &dev) {
   return started;
 }
 
-// forward / reverse: every resident block gets one turn (run_block), in residency order or
-// its reverse. When a turn finishes a block, its SM starts the next waiting block at once
-// and that block takes its turn right after, before the rest of the pass: a rank that
-// finishes a kernel early runs ahead into its next one, as on a GPU.
-int run_block_turns(Device &dev, std::vector<Fiber *> &scratch) {
-  std::vector<Block *> order;
-  for (auto &b : dev.resident)
-    if (!b->gone) order.push_back(b.get());
-  if (dev.config.schedule == TPFUSE_EMU_SCHEDULE_REVERSE) std::reverse(order.begin(), order.end());
-  int ran = 0;
-  for (size_t i = 0; i < order.size(); ++i) {
-    Block *b = order[i];
-    if (b->gone) continue;
-    ran += run_block(dev, *b, scratch);
-    if (b->live > 0 && !b->launch->failed) continue;
-    const std::vector<Block *> started = start_freed_slots(dev);
-    order.insert(order.begin() + static_cast<std::ptrdiff_t>(i + 1), started.begin(), started.end());
-  }
-  return ran;
-}
-
-// random: one permutation of every warp of every resident block; when its turn comes a warp
-// runs its lanes round-robin (in a random order) for 1, 2, 4, 8 or 16 rounds, fewer if a
-// round makes no progress. Warps of different blocks interleave between any two scheduling
-// points, and some warps run many steps ahead of others: a block that publishes before all
-// its threads are done, or a stage overwritten while a slower warp still reads it, shows.
-int run_interleaved(Device &dev, std::vector<Fiber *> &lanes) {
-  struct WarpTurn {
-    Block *block;
-    size_t first;
-  };
-  std::vector<WarpTurn> order;
-  for (auto &b : dev.resident)
-    if (!b->gone)
-      for (size_t w = 0; w < b->fibers.size(); w += 32) order.push_back(WarpTurn{b.get(), w});
-  std::shuffle(order.begin(), order.end(), dev.rng);
-  int ran = 0;
-  const bool progress_before = dev.progress;
-  bool any_progress = false;
-  for (const WarpTurn &turn : order) {
-    Block &b = *turn.block;
-    if (b.gone) continue;
-    const int rounds = 1 << (dev.rng() % 5);
-    for (int r = 0; r < rounds && !b.launch->failed; ++r) {
-      lanes.clear();
-      for (size_t t = turn.first; t < std::min(turn.first + 32, b.fibers.size()); ++t)
-        if (b.fibers[t]->state == FiberState::Ready) lanes.push_back(b.fibers[t].get());
-      if (lanes.empty()) break;
-      std::shuffle(lanes.begin(), lanes.end(), dev.rng);
-      dev.progress = false;
-      for (Fiber *f : lanes) {
-        if (b.launch->failed || f->state != FiberState::Ready) continue;
-        resume(dev, f);
-        ++ran;
-      }
-      any_progress = any_progress || dev.progress;
-      if (!dev.progress) break;
-    }
-    if (b.live == 0 || b.launch->failed) start_freed_slots(dev);
-  }
-  dev.progress = progress_before || any_progress;
-  return ran;
-}
-
-// One pass over the resident blocks, in the configured schedule; the number of resumes.
-int run_pass(Device &dev, std::vector<Fiber *> &scratch) {
-  const int ran = dev.config.schedule == TPFUSE_EMU_SCHEDULE_RANDOM ? run_interleaved(dev, scratch)
-                                                                    : run_block_turns(dev, scratch);
-  sweep(dev);
-  return ran;
-}
+namespace {
 
 // Starts the head operation of every stream that has none running; called and returns with
 // `lk` (on mu) held, which it releases while host work runs.

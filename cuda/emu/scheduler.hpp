@@ -90,6 +90,9 @@ struct Block {
   std::vector<std::pair<const void *, std::unique_ptr<unsigned char[]>>> statics;
   size_t static_bytes = 0;  // the statics' sizes: with the dynamic size, within the limit
   bool gone = false;  // finished or failed; its SM resources are free
+  // The pct schedule (schedules.cpp): blocks run by (demoted ascending, priority descending).
+  uint64_t priority = 0;
+  uint64_t demoted = 0;
 };
 
 // One operation of a stream: a kernel launch (`body` set), or host work the device thread does
@@ -113,6 +116,10 @@ struct Launch {
   unsigned next_block = 0;
   unsigned done_blocks = 0;
   unsigned resident = 0;
+  // The pct schedule: the launch's blocks share the high bits of their priorities (`banded`,
+  // drawn when its first block becomes resident), so the rank runs ahead or behind as a whole.
+  bool banded = false;
+  uint64_t band = 0;
   bool failed = false;
   std::string error;
   cudaError_t code = cudaSuccess;
@@ -161,6 +168,7 @@ struct Device {
   std::vector<int> sm_threads, sm_blocks;
   std::vector<size_t> sm_smem;
   uint64_t residency_seq = 0;
+  uint64_t demotions = 0;  // the pct schedule's change points so far
   std::mt19937_64 rng;
   uint64_t clock_ns = 0;  // virtual time (atomic reads from the host: now_ns)
   uint64_t idle_ns = 0, idle_jump_ns = 0;
@@ -194,6 +202,17 @@ std::unique_ptr<Launch> clone_op(const Launch &op);
 cudaError_t synchronize_stream(Stream *stream);
 // The stream a cudaStream_t / CUstream names (null: the default stream).
 Stream *stream_of(cudaStream_t s);
+// The device thread's steps that the schedules (schedules.cpp) use: resumes one fiber until
+// its next scheduling point; after a turn that may have finished a block, frees it and starts
+// what may start now, returning the new blocks; drops the blocks marked gone.
+void resume(Device &dev, Fiber *f);
+std::vector<Block *> start_freed_slots(Device &dev);
+void sweep(Device &dev);
+// Schedules (schedules.cpp): a block that just became resident gets its place in the
+// schedule; one pass over the resident blocks in the configured schedule returns the number
+// of resumes and leaves dev.progress set when any thread made progress.
+void place_in_schedule(Device &dev, Block &block);
+int run_pass(Device &dev, std::vector<Fiber *> &scratch);
 // Re-checks a block's barrier after a thread arrived at it or exited.
 void release_barrier_if_complete(Block &block);
 // Counters (counters.cpp). A launch leaving its stream's queue (mu held); a block that

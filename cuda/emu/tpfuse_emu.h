@@ -22,11 +22,14 @@ extern "C" {
 #define TPFUSE_EMU_SCHEDULE_FORWARD 0 /* blocks in order of residency, threads ascending */
 #define TPFUSE_EMU_SCHEDULE_REVERSE 1 /* both descending */
 #define TPFUSE_EMU_SCHEDULE_RANDOM 2  /* a fresh permutation per pass, from `seed` */
+#define TPFUSE_EMU_SCHEDULE_PCT 3     /* random block priorities with change points, from
+                                         `seed`: the highest-priority block that can go on
+                                         runs alone (every other stands still) */
 
 typedef struct tpfuse_emu_config {
   int32_t sms;          /* SMs of the emulated device (TPFUSE_EMU_SMS, default 132: an H100) */
-  int32_t schedule;     /* TPFUSE_EMU_SCHEDULE_* (TPFUSE_EMU_SCHEDULE=forward|reverse|random) */
-  uint64_t seed;        /* for RANDOM (TPFUSE_EMU_SEED, default 1) */
+  int32_t schedule;     /* TPFUSE_EMU_SCHEDULE_* (TPFUSE_EMU_SCHEDULE=forward|reverse|random|pct) */
+  uint64_t seed;        /* for RANDOM and PCT (TPFUSE_EMU_SEED, default 1) */
   uint64_t deadlock_ns; /* virtual time without progress after which the device reports a
                            deadlock (TPFUSE_EMU_DEADLOCK_NS, default 60 s) */
 } tpfuse_emu_config;

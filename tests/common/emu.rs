@@ -55,6 +55,7 @@ impl Session {
             Schedule::Forward => "TPFUSE_EMU_SCHEDULE=forward".to_string(),
             Schedule::Reverse => "TPFUSE_EMU_SCHEDULE=reverse".to_string(),
             Schedule::Random(seed) => format!("TPFUSE_EMU_SCHEDULE=random TPFUSE_EMU_SEED={seed}"),
+            Schedule::Pct(seed) => format!("TPFUSE_EMU_SCHEDULE=pct TPFUSE_EMU_SEED={seed}"),
         };
         let data = std::env::var("TPFUSE_TEST_SEED")
             .map(|s| format!(" TPFUSE_TEST_SEED={s}"))
