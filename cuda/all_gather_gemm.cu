@@ -29,9 +29,10 @@
 //
 // No deadlock: every block publishes its part before it waits for anything, so every wait
 // ends once the publishing blocks have run; a block waits for every block of the ranks it
-// needs, its own rank's included, so each rank's G blocks must be resident together, which
-// the grid bound gives (TpGroup::fused_blocks: one block per SM, or the SMs divided among
-// virtual ranks). Every rank awaits every peer's parts in every launch, as fused_flags.cuh's
+// needs, its own rank's included, so each rank's G blocks must be resident together: the
+// launch is cooperative (backend.cuh: all G blocks resident at once, or refused before anything
+// runs; the grid, TpGroup::fused_blocks, is one block per SM, or the SMs divided among virtual
+// ranks). Every rank awaits every peer's parts in every launch, as fused_flags.cuh's
 // exchange-area argument needs: it is also why a push of launch E+2 into a peer's area finds
 // that peer done with launch E.
 
@@ -146,7 +147,7 @@ int launch_config(const tpfuse_peers &peers, const tpfuse_group_args &g, int con
       launch_descriptor({kKindAllGatherGemm, sizeof(T), static_cast<uint64_t>(m), static_cast<uint64_t>(n),
                          static_cast<uint64_t>(k), static_cast<uint64_t>(config), static_cast<uint64_t>(grid),
                          bias != nullptr}));
-  TPFUSE_LAUNCH(all_gather_gemm, grid, Cfg::kThreads, Cfg::kSmemBytes, stream)(
+  TPFUSE_LAUNCH_COOPERATIVE(all_gather_gemm, grid, Cfg::kThreads, Cfg::kSmemBytes, stream)(
       peers, g, descriptor, x, w, bias, out, m, n, k, static_cast<int>(tiles_m), static_cast<int>(tiles_n));
   return cudaGetLastError();
 }

@@ -346,7 +346,11 @@ int launch_all_reduce(int algo, const tpfuse_peers &peers, const tpfuse_group_ar
       launch_descriptor({kKindAllReduce + static_cast<uint64_t>(algo), sizeof(T), rows, hidden,
                          static_cast<uint64_t>(grid), bias != nullptr, residual != nullptr,
                          gamma != nullptr});
-  if (algo == TPFUSE_ALGO_ONE_SHOT) {
+  if (algo == TPFUSE_ALGO_ONE_SHOT && gamma != nullptr) {
+    // Cooperative: the RMSNorm's blocks meet (meet_rank_blocks), so they must all be resident.
+    TPFUSE_LAUNCH_COOPERATIVE(one_shot_kernel<T>, grid, kThreads, 0, stream)(peers, g, descriptor, in, b, res,
+                                                                             gam, eps, o, rows, hidden);
+  } else if (algo == TPFUSE_ALGO_ONE_SHOT) {
     TPFUSE_LAUNCH(one_shot_kernel<T>, grid, kThreads, 0, stream)(peers, g, descriptor, in, b, res, gam,
                                                                  eps, o, rows, hidden);
   } else if (algo == TPFUSE_ALGO_TWO_SHOT) {

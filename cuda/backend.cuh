@@ -5,6 +5,13 @@
 //   TPFUSE_LAUNCH(kernel, grid, block, smem, stream)(args...)
 //       kernel<<<grid, block, smem, stream>>>(args...) on a GPU; an enqueue on the
 //       emulator's stream otherwise (arguments copied at the call, as CUDA does).
+//   TPFUSE_LAUNCH_COOPERATIVE(kernel, grid, block, smem, stream)(args...)
+//       The same as a cooperative launch (cudaLaunchKernelEx with cudaLaunchAttributeCooperative):
+//       every block of the grid is resident at once (the launch waits for room, as long as
+//       other kernels hold it), and a grid larger than the device holds at once (the occupancy
+//       API's blocks per SM times the SMs) is refused with cudaErrorCooperativeLaunchTooLarge,
+//       before anything runs. For the kernels whose blocks wait for other blocks of their own
+//       launch. Returns the launch's cudaError_t, which cudaGetLastError also returns next.
 //   TPFUSE_SHARED(type, name);
 //       `__shared__ type name;` (type may be an array type, e.g. float[16]). The emulator
 //       gives every resident block its own instance, poisoned when the block starts.
@@ -21,6 +28,35 @@ namespace tpfuse {
 template <typename T> using shared_type = T;
 } // namespace tpfuse
 
+#ifndef TPFUSE_EMULATOR
+namespace tpfuse {
+// TPFUSE_LAUNCH_COOPERATIVE on a GPU: cudaLaunchKernelEx with the cooperative attribute (CUDA
+// 12+; capturable in a CUDA graph, where the kernel node keeps the attribute).
+template <typename... P> class CooperativeLaunch {
+public:
+  CooperativeLaunch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream)
+      : kernel_(kernel) {
+    config_.gridDim = grid;
+    config_.blockDim = block;
+    config_.dynamicSmemBytes = smem;
+    config_.stream = stream;
+    attribute_[0].id = cudaLaunchAttributeCooperative;
+    attribute_[0].val.cooperative = 1;
+  }
+  template <typename... A> cudaError_t operator()(A &&...args) {
+    config_.attrs = attribute_;
+    config_.numAttrs = 1;
+    return cudaLaunchKernelEx(&config_, kernel_, std::forward<A>(args)...);
+  }
+
+private:
+  void (*kernel_)(P...);
+  cudaLaunchConfig_t config_{};
+  cudaLaunchAttribute attribute_[1]{};
+};
+} // namespace tpfuse
+#endif
+
 #ifdef TPFUSE_EMULATOR
 #define TPFUSE_LAUNCH(kernel, grid, block, smem, stream)                                        \
   ::tpfuse_emu::Launcher(kernel, #kernel, __PRETTY_FUNCTION__, grid, block, smem, stream)
@@ -28,8 +64,12 @@ template <typename T> using shared_type = T;
   static char name##_tag_;                                                                      \
   ::tpfuse::shared_type<type> &name = ::tpfuse_emu::block_shared<::tpfuse::shared_type<type>>(&name##_tag_)
 #define TPFUSE_DYNAMIC_SHARED(name) unsigned char *const name = ::tpfuse_emu::dynamic_shared()
+#define TPFUSE_LAUNCH_COOPERATIVE(kernel, grid, block, smem, stream)                            \
+  ::tpfuse_emu::Launcher(kernel, #kernel, __PRETTY_FUNCTION__, grid, block, smem, stream, true)
 #else
 #define TPFUSE_LAUNCH(kernel, grid, block, smem, stream) kernel<<<grid, block, smem, stream>>>
+#define TPFUSE_LAUNCH_COOPERATIVE(kernel, grid, block, smem, stream)                            \
+  ::tpfuse::CooperativeLaunch(kernel, grid, block, smem, stream)
 #define TPFUSE_SHARED(type, name) __shared__ ::tpfuse::shared_type<type> name
 #define TPFUSE_DYNAMIC_SHARED(name) extern __shared__ __align__(128) unsigned char name[]
 #endif

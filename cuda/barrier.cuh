@@ -199,7 +199,7 @@ public:
 
   // The blocks of this rank's launch meet (the one-shot RMSNorm's cross-block sum of
   // squares); false when the launch failed meanwhile. Every block of the grid is resident
-  // at once (the group's CTA budget), so the wait ends.
+  // at once (a cooperative launch: backend.cuh), so the wait ends.
   //
   // Protocol, thread 0 of each block, on grid_count and grid_generation of this rank's pad:
   // read the generation (ld.acquire: it cannot be satisfied after the add below), then add

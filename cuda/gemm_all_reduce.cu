@@ -29,9 +29,14 @@
 // No deadlock: block b waits only for block b of the other ranks, for a tile that block
 // produces before it waits for anything (t_i is published before t_i-1 is awaited, and
 // t_i-1 was published before t_i-2 was awaited, ...). So the waits follow the tile order and
-// no cycle can form, provided block b of every rank runs: G never exceeds `blocks`, which the
-// host keeps within what the device holds at once (for virtual ranks, divided among the
-// ranks that share it). Within a rank no block ever waits for another.
+// no cycle can form, provided block b of every rank runs. Every rank's grid is a cooperative
+// launch (backend.cuh): all its G blocks are resident at once, or the launch is refused before
+// anything runs (G past what the device holds at once: the occupancy API's bound), so block b
+// of every rank runs, however many SMs other kernels hold meanwhile (they delay the launch;
+// they cannot strand part of it). For virtual ranks sharing one device, G is the SMs divided
+// among them (TpGroup::fused_blocks), so the W grids fit together. The one-shot's blocks never
+// wait for one another; the two-shot's gather waits for its own rank's slice flag, which is
+// why the co-residency of a rank's own blocks matters (issue 21).
 //
 // Epochs, the flags' encoding and why a launch needs no closing barrier (two exchange areas,
 // by the epoch's parity): fused_flags.cuh. Here every rank consumes tiles of every peer in
@@ -59,7 +64,7 @@
 // peers' slices too, and normalises each row with rms_norm_row (the same order as above,
 // so the same bits). No deadlock: a slice flag needs only the rank's consumes, which wait
 // only for tiles published before any wait; the gather waits come after a block's last
-// publish. The same grid bound (every block of every rank resident) suffices. A launch that
+// publish. The cooperative launch (every block of every rank resident) suffices. A launch that
 // fails leaves slice_count (and the strip counts) short of their reset: harmless, because a
 // block of that rank failed or found the group poisoned, so its error word is set, and it
 // never returns to 0: no later launch of the group produces anything.
@@ -340,7 +345,8 @@ int launch_config(Reduction reduction, const tpfuse_peers &peers, const tpfuse_g
   const int slice = m / g.world;
   const int row_begin = reduction.scatter ? g.rank * slice : 0;
   const int row_end = reduction.scatter ? row_begin + slice : m;
-  TPFUSE_LAUNCH(gemm_all_reduce, grid, Cfg::kThreads, Cfg::kSmemBytes, stream)(
+  // Cooperative: the two-shot's blocks wait for their own rank's slice (see above).
+  TPFUSE_LAUNCH_COOPERATIVE(gemm_all_reduce, grid, Cfg::kThreads, Cfg::kSmemBytes, stream)(
       peers, g, descriptor, x, w, bias, residual, gamma, eps, out, m, n, k, static_cast<int>(tiles_m),
       static_cast<int>(tiles_n), row_begin, row_end, reduction.two_shot ? 1 : 0);
   return cudaGetLastError();

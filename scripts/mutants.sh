@@ -312,6 +312,12 @@ mutant gather-push-at-rank-0-rows emu_gemm_all_reduce "all-gather + GEMM pushes 
   all_gather_gemm.cu 'static_cast<size_t>(g.rank) * part_vectors * 16;' 'static_cast<size_t>(0) * part_vectors * 16;'
 mutant gather-no-sync-before-flag emu_gemm_all_reduce "all-gather + GEMM publishes a part's flag before the whole block pushed it" \
   all_gather_gemm.cu $'    __syncthreads(); // every thread\'s stores, before the flags\n' ''
+# Co-residency (issue 21, defect 2): launched as plain grids, the blocks that fit start and wait
+# for blocks that cannot; only the residency model and another kernel holding SMs show it.
+mutant fused-launch-not-cooperative emu_gemm_all_reduce "the fused kernels are plain launches (partly resident grids)" \
+  backend.cuh '__PRETTY_FUNCTION__, grid, block, smem, stream, true)' '__PRETTY_FUNCTION__, grid, block, smem, stream, false)'
+mutant one-shot-rmsnorm-not-cooperative emu_gemm_all_reduce "the one-shot RMSNorm, whose blocks meet, is a plain launch" \
+  all_reduce.cu 'TPFUSE_LAUNCH_COOPERATIVE(one_shot_kernel<T>' 'TPFUSE_LAUNCH(one_shot_kernel<T>'
 # Right results, wasted work: only the counters see these.
 mutant gather-tiles-read-a-peer emu_counters "all-gather + GEMM's tiles read the gathered rows from the next rank's area" \
   all_gather_gemm.cu 'DenseRows<T> rows{static_cast<const T *>(peers.data[g.rank]) + exchange, k};' \
@@ -335,6 +341,10 @@ mutant emu-cp-async-lands-early emu_ops "the emulator lands every cp.async group
   emu/device_ops.cpp 'while (f.committed.size() > static_cast<size_t>(pending)) {' 'while (!f.committed.empty()) {'
 mutant emu-ldmatrix-banks emu_counters "the emulator counts a phase's bank conflicts by 4-byte bank" \
   emu/warp.cpp '++rows_in_quad[(in[8 * i + r].addr >> 4) & 7]' '++rows_in_quad[(in[8 * i + r].addr >> 2) & 7]'
+mutant emu-registers-free emu_all_reduce "the emulator counts no registers toward an SM's room" \
+  emu/residency.cpp 'f.registers = warps * per_warp;' 'f.registers = 0;'
+mutant emu-cooperative-in-part emu_gemm_all_reduce "the emulator starts a cooperative grid's blocks as they fit" \
+  emu/scheduler.cpp 'if (l->cooperative && l->next_block == 0 && !all_blocks_fit(dev, *l)) continue;' ''
 mutant emu-mma-b-rows emu_ops "the emulated mma reads b1 as k rows 2t..2t+1" \
   emu/warp.cpp 'B[2 * t + 8 * r][g] =' 'B[2 * t + 0 * r][g] ='
 

@@ -180,6 +180,16 @@ impl Stream {
         emulator_result("stream synchronize", code, message)
     }
 
+    /// Enqueues another stream's kernel on this stream: `sms` blocks that each hold a whole
+    /// SM for `ns` of virtual time from when they start, so that launches made meanwhile find
+    /// `sms` fewer SMs (an engine's kernel, NCCL's, or an MPS neighbour's on a GPU).
+    pub fn occupy_sms(&self, sms: u32, ns: u64) -> Result<()> {
+        let sms = i32::try_from(sms).unwrap_or(i32::MAX);
+        // SAFETY: a live stream; no pointers.
+        let code = unsafe { sys::tpfuse_emu_occupy_sms(self.raw, sms, ns) };
+        emulator_result("tpfuse_emu_occupy_sms", code, String::new())
+    }
+
     /// Sets this stream's fault hooks.
     pub fn set_fault(&self, fault: Fault) {
         // SAFETY: a live stream.

@@ -59,3 +59,49 @@ fn the_runtime_version_is_known() {
     let (major, _) = build_info::cudart_version();
     assert!(major >= 12, "cudart {major}");
 }
+
+/// The CPU emulator counts each kernel's registers and static shared memory toward an SM's room
+/// from cuda/emu/kernel_resources.inc (scripts/kernel-resources.sh writes it from this report).
+/// It must never be kinder than the GPU: every kernel of the report on sm_90a, the architecture
+/// the emulator models, is in the table with no fewer registers and no less static shared memory.
+#[test]
+fn the_emulators_kernel_table_covers_every_kernel_on_sm_90a() {
+    let table: Vec<(String, u32, u32)> = include_str!("../cuda/emu/kernel_resources.inc")
+        .lines()
+        .filter_map(|line| {
+            let inner = line.trim().strip_prefix("{\"")?.strip_suffix("},")?;
+            let (name, rest) = inner.split_once("\", ")?;
+            let (registers, smem) = rest.split_once(", ")?;
+            Some((
+                name.to_string(),
+                registers.parse().ok()?,
+                smem.parse().ok()?,
+            ))
+        })
+        .collect();
+    assert!(
+        !table.is_empty(),
+        "cuda/emu/kernel_resources.inc holds no kernel"
+    );
+    let rows: Vec<_> = build_info::kernel_resources()
+        .into_iter()
+        .filter(|k| k.arch == "sm_90a")
+        .collect();
+    for k in &rows {
+        // "tpfuse::gemm::gemm_sm80_kernel<__half, ...>" -> "gemm_sm80_kernel".
+        let base = k.kernel.split('<').next().unwrap_or_default();
+        let base = base.rsplit("::").next().unwrap_or_default();
+        let entry = table.iter().find(|(name, _, _)| name == base);
+        let Some((_, registers, smem)) = entry else {
+            panic!("{} is missing from cuda/emu/kernel_resources.inc (run scripts/kernel-resources.sh)", k.kernel);
+        };
+        assert!(
+            *registers >= k.registers && *smem >= k.shared,
+            "cuda/emu/kernel_resources.inc gives {base} {registers} registers and {smem} B of static \
+             shared memory, ptxas {} and {} B for {} (run scripts/kernel-resources.sh)",
+            k.registers,
+            k.shared,
+            k.kernel
+        );
+    }
+}

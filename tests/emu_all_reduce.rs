@@ -14,7 +14,7 @@
 
 mod common;
 use common::assert_same_bits;
-use common::emu::{launched, session, Ranks};
+use common::emu::{launched, session, session_with, Ranks};
 use common::gpu::{assert_close, base_seed, mix_seed, random_ranks, random_vec, TestElement};
 use half::{bf16, f16};
 use std::ffi::c_void;
@@ -688,6 +688,80 @@ fn mismatch(label: &str, path: Path, (n0, blocks0): (usize, i32), (n1, blocks1):
             out[..n].iter().all(|x| x.is_failed_output()),
             "{label}: rank {r}'s output is not marked failed"
         );
+    }
+}
+
+/// Registers count toward an SM's room, as on a GPU: a one-shot all-reduce + RMSNorm block
+/// (512 threads of 78 registers on sm_90a: 40960 of an SM's 65536) holds a whole SM, though
+/// its threads (512 of 2048) and shared memory would let four share one. Its launch is
+/// cooperative (its blocks meet), so on a device of 2 SMs a grid of 3 is refused
+/// (cudaErrorCooperativeLaunchTooLarge) on every rank before anything runs, and a grid of 1 a
+/// rank runs.
+#[test]
+fn registers_hold_an_sm_and_a_cooperative_grid_past_them_is_refused() {
+    let _s = session_with(
+        "emu_all_reduce",
+        "registers_hold_an_sm_and_a_cooperative_grid_past_them_is_refused",
+        2,
+        60_000_000_000,
+    );
+    // 3 rows of 2048 f32: 1536 vectors, 3 blocks of 512.
+    let (rows, hidden) = (3usize, 2048usize);
+    let gamma = DeviceBuffer::from_slice(&vec![1.0f32; hidden]);
+    let input = DeviceBuffer::from_slice(&vec![1.0f32; rows * hidden]);
+    for (blocks, expected) in [(3, 720), (1, 0)] {
+        let ranks = Ranks::new(2, blocks, LONG_TIMEOUT_NS);
+        let outs: Vec<DeviceBuffer<f32>> = (0..2)
+            .map(|_| DeviceBuffer::from_slice(&vec![f32::NAN; rows * hidden]))
+            .collect();
+        let codes: Vec<i32> = (0..2)
+            .map(|r| {
+                // SAFETY: the buffers hold rows x hidden (gamma: hidden) elements and live
+                // until the synchronize below.
+                unsafe {
+                    abi::tpfuse_all_reduce(
+                        abi::TPFUSE_DTYPE_F32 as i32,
+                        abi::TPFUSE_ALGO_ONE_SHOT as i32,
+                        &ranks.peers(),
+                        &ranks.args(r),
+                        input.ptr().cast(),
+                        std::ptr::null(),
+                        std::ptr::null_mut(),
+                        gamma.ptr().cast(),
+                        EPS,
+                        outs[r].ptr().cast(),
+                        rows,
+                        hidden,
+                        ranks.stream(r),
+                    )
+                }
+            })
+            .collect();
+        ranks.synchronize();
+        for r in 0..2 {
+            assert_eq!(
+                codes[r], expected,
+                "grid {blocks}, rank {r}: the launch's code"
+            );
+            assert_eq!(
+                ranks.error_word(r),
+                0,
+                "grid {blocks}, rank {r}: the error word"
+            );
+            let out = outs[r].to_vec();
+            if expected == 0 {
+                // Every row is 2.0 before the norm: 1.0 after it (gamma 1).
+                assert!(
+                    out.iter().all(|&x| (x - 1.0).abs() < 1e-3),
+                    "grid {blocks}, rank {r}: out"
+                );
+            } else {
+                assert!(
+                    out.iter().all(|x| x.is_nan() && !x.is_failed_output()),
+                    "grid {blocks}, rank {r}: out keeps its poison (nothing ran)"
+                );
+            }
+        }
     }
 }
 

@@ -29,6 +29,8 @@ use tpfuse::reference::{all_reduce_fused_f64, gemm_f64};
 use tpfuse::Element;
 
 const EPS: f32 = 1e-5;
+/// cudaErrorCooperativeLaunchTooLarge.
+const COOPERATIVE_LAUNCH_TOO_LARGE: i32 = 720;
 const LONG_TIMEOUT_NS: u64 = 60_000_000_000;
 /// Staging per rank: the fused kernel exchanges m·n elements in half of the result area.
 const CAPACITY: usize = 256 * 1024;
@@ -180,6 +182,20 @@ fn enqueue<T: TestElement>(
     path: Path,
     residual: &Option<DeviceBuffer<T>>,
 ) -> Buffers<T> {
+    let (buffers, code) = try_enqueue(ranks, rank, p, path, residual);
+    launched(&format!("{path:?} rank {rank}"), code);
+    buffers
+}
+
+/// [`enqueue`], returning the code of the fused launch (of the all-reduce, unfused) instead of
+/// asserting it.
+fn try_enqueue<T: TestElement>(
+    ranks: &Ranks,
+    rank: usize,
+    p: &Problem<T>,
+    path: Path,
+    residual: &Option<DeviceBuffer<T>>,
+) -> (Buffers<T>, i32) {
     let (m, n, k) = (p.m, p.n, p.k);
     let x = DeviceBuffer::from_slice(&p.x[rank]);
     let w = DeviceBuffer::from_slice(&p.w[rank]);
@@ -192,14 +208,14 @@ fn enqueue<T: TestElement>(
     let peers = ranks.peers();
     // SAFETY: every buffer holds the elements the shapes need and lives until the caller
     // synchronizes (Buffers keeps them).
-    match path {
+    let code = match path {
         Path::Fused | Path::TwoShot => {
             let launcher = if path == Path::Fused {
                 abi::tpfuse_gemm_all_reduce
             } else {
                 abi::tpfuse_gemm_all_reduce_two_shot
             };
-            let code = unsafe {
+            unsafe {
                 launcher(
                     T::DTYPE,
                     auto_config(m, n, k),
@@ -218,8 +234,7 @@ fn enqueue<T: TestElement>(
                     k,
                     stream,
                 )
-            };
-            launched(&format!("gemm_all_reduce {path:?} rank {rank}"), code);
+            }
         }
         Path::Unfused => {
             enqueue_gemm(
@@ -230,7 +245,7 @@ fn enqueue<T: TestElement>(
                 stream,
                 &format!("gemm rank {rank}"),
             );
-            let code = unsafe {
+            unsafe {
                 abi::tpfuse_all_reduce(
                     T::DTYPE,
                     abi::TPFUSE_ALGO_ONE_SHOT as i32,
@@ -246,18 +261,18 @@ fn enqueue<T: TestElement>(
                     n,
                     stream,
                 )
-            };
-            launched(&format!("all_reduce rank {rank}"), code);
+            }
         }
-    }
+    };
     let mut inputs = vec![x, w];
     inputs.extend(bias);
     inputs.extend(gamma);
-    Buffers {
+    let buffers = Buffers {
         out,
         partial,
         _inputs: inputs,
-    }
+    };
+    (buffers, code)
 }
 
 /// Every rank's launch of `p` along `path`, then a synchronize; the buffers and every rank's
@@ -891,30 +906,134 @@ fn fused_launches_fail(
     (res, elapsed)
 }
 
-/// Co-residency on a device of one SM. Block b of a rank waits only for block b of the other
-/// ranks, so the grid bound (`TpGroup::fused_blocks`: the SMs divided among virtual ranks) is
-/// what lets every block a waiting block needs run. At the bound, one block per rank runs
-/// every tile of its rank in turn and gives the unfused bits. Past it (32 blocks per rank, more
-/// than the SM holds, rank 0 launched first), rank 1 gets no resident block while rank 0's
-/// wait for it: every rank reports the timeout at the deadline and marks its outputs, and the
-/// emulator reports no deadlock (a hang).
+/// Co-residency on a device of 2 SMs, 2 virtual ranks. Block b of a rank waits for block b of
+/// the other ranks, and the two-shot's blocks for their own rank's slice, so every fused launch
+/// is cooperative: a rank's blocks are all resident at once, or the launch is refused before
+/// anything runs. At the grid bound (`TpGroup::fused_blocks`: the SMs divided among the ranks,
+/// one block a rank here) every path gives the unfused bits. A grid past what the device holds
+/// at once (32 blocks a rank; the SM holds 2 or 3 such blocks, by registers and shared memory)
+/// is refused with cudaErrorCooperativeLaunchTooLarge on every rank: out keeps its poison and
+/// no error word is set (before issue 21 the blocks that fit started, waited for blocks that
+/// could not, and every rank timed out).
 #[test]
-fn on_one_sm_the_grid_bound_completes_and_a_grid_past_it_times_out() {
+fn on_a_small_device_the_grid_bound_completes_and_a_grid_past_it_is_refused() {
     let _s = session_with(
         "emu_gemm_all_reduce",
-        "on_one_sm_the_grid_bound_completes_and_a_grid_past_it_times_out",
-        1,
+        "on_a_small_device_the_grid_bound_completes_and_a_grid_past_it_is_refused",
+        2,
         60_000_000_000,
     );
     let seed = base_seed(0xf05e_000a);
     case::<bf16>(2, 1, (16, 264, 40), ALL, mix_seed(seed, &[1]));
 
-    let timeout = 2_000_000;
-    let ranks = Ranks::with_capacity(2, 32, timeout, CAPACITY);
+    let ranks = Ranks::with_capacity(2, 32, 2_000_000, CAPACITY);
     // At least 32 tiles in every configuration (4096 columns: 32 tiles of 128).
     let p = problem::<bf16>(2, (16, 4096, 16), ALL, mix_seed(seed, &[2]));
-    let word = abi::TPFUSE_ERROR_PEER_TIMEOUT | 1;
-    fused_launches_fail(&ranks, &p, Path::Fused, 2, word);
+    let res = residuals(2, &p);
+    for path in [Path::Fused, Path::TwoShot] {
+        let launches: Vec<(Buffers<bf16>, i32)> = (0..2)
+            .map(|r| try_enqueue(&ranks, r, &p, path, &res[r]))
+            .collect();
+        ranks.synchronize();
+        for (r, (b, code)) in launches.iter().enumerate() {
+            assert_eq!(
+                *code, COOPERATIVE_LAUNCH_TOO_LARGE,
+                "{path:?} rank {r}: the launch's code"
+            );
+            assert!(
+                b.out
+                    .to_vec()
+                    .iter()
+                    .all(|x| x.is_nan() && !x.is_failed_output()),
+                "{path:?} rank {r}: out keeps its poison (nothing ran)"
+            );
+            assert_eq!(ranks.error_word(r), 0, "{path:?} rank {r}: the error word");
+        }
+    }
+}
+
+/// Another stream's kernel (an engine's, NCCL's, an MPS neighbour's) holds 15 of the device's
+/// 16 SMs for ten times the kernels' deadline while both ranks launch grids of 8 blocks, which
+/// the free SM cannot hold. The launches whose blocks wait for one another are cooperative:
+/// each starts once all its blocks fit, after that kernel, and gives the bits of the same
+/// launch on an idle device. (As plain launches, the blocks that fit started at once and
+/// waited for blocks that could not start, past the deadline: a timeout and a poisoned group;
+/// issue 21, defect 2.)
+#[test]
+fn launches_wait_for_the_sms_another_kernel_holds() {
+    let _s = session_with(
+        "emu_gemm_all_reduce",
+        "launches_wait_for_the_sms_another_kernel_holds",
+        16,
+        60_000_000_000,
+    );
+    let seed = base_seed(0xf05e_000b);
+    let timeout = 2_000_000;
+    let held_ns = 10 * timeout;
+    // 16 tiles of the 16x64 configuration; the one-shot all-reduce of the unfused path takes
+    // 4 blocks (one SM each).
+    let shape = (16, 1024, 40);
+    let p = problem::<bf16>(2, shape, ALL, mix_seed(seed, &[1]));
+    for path in [Path::Fused, Path::TwoShot, Path::Unfused] {
+        let idle = Ranks::with_capacity(2, 8, timeout, CAPACITY);
+        let (expected, expected_res) = run(&idle, &p, path);
+        let ranks = Ranks::with_capacity(2, 8, timeout, CAPACITY);
+        let other = emulator::Stream::new();
+        other.occupy_sms(15, held_ns).expect("the other kernel");
+        let start = emulator::now_ns();
+        let (got, got_res) = run(&ranks, &p, path);
+        other.synchronize().expect("the other kernel");
+        assert!(
+            emulator::now_ns() - start >= held_ns,
+            "{path:?}: ran before the other kernel ended"
+        );
+        for r in 0..2 {
+            assert_same_bits(
+                &format!("{path:?} rank {r}: out, held vs idle"),
+                &got[r].out.to_vec(),
+                &expected[r].out.to_vec(),
+            );
+            if let (Some(g), Some(e)) = (&got_res[r], &expected_res[r]) {
+                assert_same_bits(&format!("{path:?} rank {r}: residual, held vs idle"), g, e);
+            }
+        }
+    }
+    // All-gather + GEMM: its blocks wait for their own rank's parts.
+    let (m, n, k) = shape;
+    let xs: Vec<DeviceBuffer<bf16>> = (0..2)
+        .map(|r| DeviceBuffer::from_slice(&p.x[r][r * m / 2 * k..(r + 1) * m / 2 * k]))
+        .collect();
+    let ws: Vec<DeviceBuffer<bf16>> = (0..2).map(|r| DeviceBuffer::from_slice(&p.w[r])).collect();
+    let gather = |ranks: &Ranks| -> Vec<Vec<bf16>> {
+        let outs: Vec<DeviceBuffer<bf16>> = (0..2)
+            .map(|r| {
+                let out = poisoned::<bf16>(m * n);
+                let code = enqueue_all_gather_gemm(ranks, r, &xs[r], &ws[r], &None, &out, shape, 8);
+                launched(&format!("all_gather_gemm rank {r}"), code);
+                out
+            })
+            .collect();
+        ranks.synchronize();
+        (0..2).for_each(|r| assert_eq!(ranks.error_word(r), 0, "all-gather + GEMM rank {r}"));
+        outs.iter().map(DeviceBuffer::to_vec).collect()
+    };
+    let expected = gather(&Ranks::with_capacity(2, 8, timeout, CAPACITY));
+    let ranks = Ranks::with_capacity(2, 8, timeout, CAPACITY);
+    let other = emulator::Stream::new();
+    other.occupy_sms(15, held_ns).expect("the other kernel");
+    let start = emulator::now_ns();
+    let got = gather(&ranks);
+    assert!(
+        emulator::now_ns() - start >= held_ns,
+        "all-gather + GEMM ran early"
+    );
+    for r in 0..2 {
+        assert_same_bits(
+            &format!("all-gather + GEMM rank {r}: out, held vs idle"),
+            &got[r],
+            &expected[r],
+        );
+    }
 }
 
 /// A rank that never launches: every survivor times out within its deadline, names the

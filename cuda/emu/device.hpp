@@ -87,9 +87,10 @@ struct LaunchSpec {
   unsigned grid, grid_y, grid_z, block, block_y, block_z;
   size_t smem;
   cudaStream_t stream;
+  bool cooperative;  // TPFUSE_LAUNCH_COOPERATIVE: every block resident at once
 };
 // Validates and enqueues; the result is what cudaGetLastError returns next on this thread.
-void enqueue_launch(const LaunchSpec &spec, std::function<void()> body);
+cudaError_t enqueue_launch(const LaunchSpec &spec, std::function<void()> body);
 
 // TPFUSE_LAUNCH(kernel, grid, block, smem, stream)(args...): the arguments are converted to
 // the kernel's parameter types and copied now, as a CUDA launch copies them; every thread
@@ -98,17 +99,18 @@ template <typename... P> class Launcher {
 public:
   template <typename G, typename B>
   Launcher(void (*kernel)(P...), const char *name, const char *context, G grid, B block, size_t smem,
-           cudaStream_t stream)
+           cudaStream_t stream, bool cooperative = false)
       : kernel_(kernel) {
     const dim3 g = dim_of(grid), b = dim_of(block);
     spec_ = LaunchSpec{reinterpret_cast<const void *>(kernel), name, context, g.x, g.y, g.z, b.x, b.y,
-                       b.z, smem, stream};
+                       b.z, smem, stream, cooperative};
   }
 
-  template <typename... A> void operator()(A &&...args) const {
+  // Returns what cudaGetLastError returns next on this thread (as cudaLaunchKernelEx does).
+  template <typename... A> cudaError_t operator()(A &&...args) const {
     auto frozen = std::make_shared<std::tuple<std::decay_t<P>...>>(std::forward<A>(args)...);
     void (*kernel)(P...) = kernel_;
-    enqueue_launch(spec_, [kernel, frozen]() { std::apply(kernel, *frozen); });
+    return enqueue_launch(spec_, [kernel, frozen]() { std::apply(kernel, *frozen); });
   }
 
 private:

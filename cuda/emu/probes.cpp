@@ -67,6 +67,16 @@ __global__ void wait_for_last_block_probe(uint32_t *flag) {
   }
 }
 
+// Holds one SM per block for `ns` of virtual time: its dynamic shared memory (the opt-in
+// maximum, with the runtime's 1 KiB reservation all of an SM's 228 KiB) leaves no room for any
+// other block. Thread 0 polls an unchanging word until the time is up (no progress, so
+// virtual time runs on), the others end at once.
+__global__ void occupy_sm_probe(const uint32_t *unchanging, uint64_t ns) {
+  if (threadIdx.x != 0) return;
+  const uint64_t until = global_timer_ns() + ns;
+  while (global_timer_ns() < until) (void)ld_relaxed_sys(unchanging);
+}
+
 // Runs `launch` on a fresh stream with device copies of the listed buffers and waits.
 struct ProbeStream {
   void *stream = tpfuse_emu_stream_create();
@@ -139,4 +149,15 @@ extern "C" int32_t tpfuse_emu_probe_wait_for_last_block(int32_t blocks, void *st
   const int32_t result = launched != cudaSuccess ? launched : tpfuse_emu_stream_synchronize(stream);
   tpfuse_emu_free(flag);
   return result;
+}
+
+extern "C" int32_t tpfuse_emu_occupy_sms(void *stream, int32_t sms, uint64_t ns) {
+  static uint32_t unchanging = 0;
+  constexpr size_t kOptInMaximum = 227 * 1024;  // an H100's (scheduler.hpp)
+  const cudaError_t e = cudaFuncSetAttribute(occupy_sm_probe, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(kOptInMaximum));
+  if (e != cudaSuccess) return e;
+  TPFUSE_LAUNCH(occupy_sm_probe, sms, 32, kOptInMaximum, static_cast<cudaStream_t>(stream))(
+      &unchanging, ns);
+  return cudaGetLastError();
 }

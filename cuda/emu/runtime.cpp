@@ -147,6 +147,8 @@ std::unique_ptr<Launch> clone_op(const Launch &op) {
   copy->grid = op.grid;
   copy->block = op.block;
   copy->smem = op.smem;
+  copy->footprint = op.footprint;
+  copy->cooperative = op.cooperative;
   copy->body = op.body;
   copy->host_work = op.host_work;
   copy->ready = op.ready;
@@ -193,24 +195,30 @@ tpfuse_emu_config config_from_env() {
   return c;
 }
 
-void enqueue_launch(const LaunchSpec &spec, std::function<void()> body) {
+cudaError_t enqueue_launch(const LaunchSpec &spec, std::function<void()> body) {
   Device &dev = device();
-  if (spec.grid == 0 || spec.block == 0) {
-    fail(cudaErrorInvalidConfiguration, "an empty grid or block", spec);
-    return;
-  }
+  if (spec.grid == 0 || spec.block == 0) return fail(cudaErrorInvalidConfiguration, "an empty grid or block", spec);
   if (spec.grid_y != 1 || spec.grid_z != 1 || spec.block_y != 1 || spec.block_z != 1) {
-    fail(cudaErrorNotSupported, "only one-dimensional grids and blocks are emulated", spec);
-    return;
+    return fail(cudaErrorNotSupported, "only one-dimensional grids and blocks are emulated", spec);
   }
-  if (spec.block > 1024) {
-    fail(cudaErrorInvalidConfiguration, "more than 1024 threads per block", spec);
-    return;
-  }
+  if (spec.block > 1024) return fail(cudaErrorInvalidConfiguration, "more than 1024 threads per block", spec);
   if (exceeds_shared_memory_limit(dev, spec)) {
-    fail(cudaErrorInvalidValue,
-         "more than 48 KiB of dynamic shared memory without cudaFuncAttributeMaxDynamicSharedMemorySize", spec);
-    return;
+    return fail(cudaErrorInvalidValue,
+                "more than 48 KiB of dynamic shared memory without cudaFuncAttributeMaxDynamicSharedMemorySize", spec);
+  }
+  // Residency (residency.cpp): a block no SM can hold is refused, as a GPU refuses it; a
+  // cooperative grid larger than the device holds at once is refused as cudaLaunchKernelEx
+  // refuses it (the occupancy API's blocks per SM times the SMs).
+  const Footprint footprint = footprint_of(spec.name, spec.block, spec.smem);
+  const int per_sm = blocks_per_sm(footprint);
+  if (per_sm == 0) {
+    return fail(cudaErrorLaunchOutOfResources,
+                "a block's threads, registers or shared memory exceed what one SM holds", spec);
+  }
+  if (spec.cooperative && static_cast<uint64_t>(spec.grid) > static_cast<uint64_t>(per_sm) * dev.config.sms) {
+    const std::string why = "a cooperative grid of " + std::to_string(spec.grid) + " blocks, but the device holds " +
+                            std::to_string(per_sm) + " a SM x " + std::to_string(dev.config.sms) + " SMs at once";
+    return fail(cudaErrorCooperativeLaunchTooLarge, why.c_str(), spec);
   }
   auto launch = std::make_unique<Launch>();
   launch->stream = stream_of(spec.stream);
@@ -219,9 +227,12 @@ void enqueue_launch(const LaunchSpec &spec, std::function<void()> body) {
   launch->grid = dim3(spec.grid);
   launch->block = dim3(spec.block);
   launch->smem = spec.smem;
+  launch->footprint = footprint;
+  launch->cooperative = spec.cooperative;
   launch->body = std::move(body);
   enqueue_op(std::move(launch));
   last_error = cudaSuccess;
+  return cudaSuccess;
 }
 
 } // namespace tpfuse_emu
@@ -275,6 +286,7 @@ const char *cudaGetErrorString(cudaError_t e) {
   case cudaErrorLaunchTimeout: return "the launch timed out and was terminated";
   case cudaErrorMisalignedAddress: return "misaligned address";
   case cudaErrorLaunchFailure: return "unspecified launch failure";
+  case cudaErrorCooperativeLaunchTooLarge: return "too many blocks in cooperative launch";
   case cudaErrorNotSupported: return "operation not supported";
   default: return "unknown error";
   }
@@ -314,6 +326,7 @@ int32_t tpfuse_emu_set_config(const tpfuse_emu_config *config) {
   dev.sm_threads.assign(sms, 0);
   dev.sm_blocks.assign(sms, 0);
   dev.sm_smem.assign(sms, 0);
+  dev.sm_registers.assign(sms, 0);
   return cudaSuccess;
 }
 

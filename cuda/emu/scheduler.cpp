@@ -136,11 +136,6 @@ namespace {
 
 unsigned total_blocks(const Launch &l) { return l.grid.x * l.grid.y * l.grid.z; }
 
-bool fits(const Device &dev, int sm, const Launch &l) {
-  return dev.sm_blocks[sm] < kBlocksPerSm && dev.sm_threads[sm] + static_cast<int>(l.block.x) <= kThreadsPerSm &&
-         dev.sm_smem[sm] + l.smem <= kSmemPerSm;
-}
-
 // TPFUSE_EMU_TRACE=1: one line on stderr per block that becomes resident or finishes.
 bool tracing() {
   static const bool on = [] {
@@ -177,26 +172,45 @@ void make_resident(Device &dev, Launch &l, int sm) {
     f->context = ctx::make_fcontext(static_cast<char *>(f->stack) + kStackBytes, kStackBytes, fiber_entry);
     b->fibers.push_back(std::move(f));
   }
-  dev.sm_blocks[sm] += 1;
-  dev.sm_threads[sm] += threads;
-  dev.sm_smem[sm] += l.smem;
+  hold(dev, sm, l.footprint, 1);
   ++l.resident;
   place_in_schedule(dev, *b);
   trace(dev, *b, "resident");
   dev.resident.push_back(std::move(b));
 }
 
+// Whether every block of cooperative launch `l` fits on its device's SMs now (placed as admit
+// would place them, then taken back).
+bool all_blocks_fit(Device &dev, const Launch &l) {
+  const int first = l.stream->device * dev.config.sms, end = first + dev.config.sms;
+  std::vector<int> placed;
+  for (unsigned b = 0; b < total_blocks(l); ++b) {
+    int sm = first;
+    while (sm < end && !fits(dev, sm, l.footprint)) ++sm;
+    if (sm == end) break;
+    hold(dev, sm, l.footprint, 1);
+    placed.push_back(sm);
+  }
+  for (int sm : placed) hold(dev, sm, l.footprint, -1);
+  return placed.size() == total_blocks(l);
+}
+
+// Makes waiting blocks resident, in launch order, on the first SM of their device with room.
+// A cooperative launch's blocks become resident all at once, when they all fit (the CUDA
+// guarantee: every block of the grid is resident together); until then it waits, and later
+// launches may take the room.
 void admit(Device &dev) {
   std::vector<Launch *> launches;
   for (Stream *s : dev.active)
     if (s->running && !s->running->failed) launches.push_back(s->running.get());
   std::sort(launches.begin(), launches.end(), [](Launch *a, Launch *b) { return a->seq < b->seq; });
   for (Launch *l : launches) {
+    if (l->cooperative && l->next_block == 0 && !all_blocks_fit(dev, *l)) continue;
     while (l->next_block < total_blocks(*l)) {
       // The SMs of the launch's device only.
       const int first = l->stream->device * dev.config.sms, end = first + dev.config.sms;
       int sm = first;
-      while (sm < end && !fits(dev, sm, *l)) ++sm;
+      while (sm < end && !fits(dev, sm, l->footprint)) ++sm;
       if (sm == end) break;
       make_resident(dev, *l, sm);
     }
@@ -214,9 +228,7 @@ void release_block(Device &dev, Block &b) {
   std::vector<Warp>().swap(b.warps);
   std::vector<unsigned char>().swap(b.dynamic_smem);
   b.statics.clear();
-  dev.sm_blocks[b.sm] -= 1;
-  dev.sm_threads[b.sm] -= static_cast<int>(b.launch->block.x);
-  dev.sm_smem[b.sm] -= b.launch->smem;
+  hold(dev, b.sm, b.launch->footprint, -1);
   --b.launch->resident;
 }
 
@@ -454,6 +466,7 @@ Device &device() {
     const size_t sms = static_cast<size_t>(d->config.sms) * emulated_devices();
     d->sm_threads.assign(sms, 0);
     d->sm_blocks.assign(sms, 0);
+    d->sm_registers.assign(sms, 0);
     d->sm_smem.assign(sms, 0);
     d->streams.push_back(std::make_unique<Stream>());
     d->default_stream = d->streams.back().get();

@@ -95,6 +95,13 @@ struct Block {
   uint64_t demoted = 0;
 };
 
+// What one block of a launch holds of its SM while resident (residency.cpp).
+struct Footprint {
+  int threads = 0;
+  int registers = 0;
+  size_t smem = 0;  // dynamic + static + the runtime's reservation
+};
+
 // One operation of a stream: a kernel launch (`body` set), or host work the device thread does
 // when the operation reaches the head of its stream (copies, memsets, event records,
 // frees), or a wait that starts only once `ready` holds (an event of another stream).
@@ -104,6 +111,8 @@ struct Launch {
   std::string name;
   dim3 grid, block;
   size_t smem = 0;
+  Footprint footprint;       // per block
+  bool cooperative = false;  // every block resident at once, or none yet
   std::function<void()> body;
   std::function<void()> host_work;
   std::function<bool()> ready;
@@ -165,7 +174,7 @@ struct Device {
   // Device thread only.
   std::vector<Stream *> active;  // streams with a running launch, refreshed every pass
   std::vector<std::unique_ptr<Block>> resident;
-  std::vector<int> sm_threads, sm_blocks;
+  std::vector<int> sm_threads, sm_blocks, sm_registers;
   std::vector<size_t> sm_smem;
   uint64_t residency_seq = 0;
   uint64_t demotions = 0;  // the pct schedule's change points so far
@@ -228,6 +237,14 @@ void free_device_memory(void *ptr);
 uint64_t now_ns();
 // A description of a block for error messages: "kernel K, block B (stream S)".
 std::string describe(const Block &block);
+// Residency (residency.cpp): a block of kernel `kernel_name` (the launch site's spelling; its
+// registers and static shared memory from kernel_resources.inc) with `threads` threads and
+// `dynamic_smem` bytes; whether SM `sm` has room for it; takes (sign 1) or gives back (-1)
+// what it holds; how many such blocks an empty SM holds (0: none, the launch cannot run).
+Footprint footprint_of(const char *kernel_name, unsigned threads, size_t dynamic_smem);
+bool fits(const Device &dev, int sm, const Footprint &f);
+void hold(Device &dev, int sm, const Footprint &f, int sign);
+int blocks_per_sm(const Footprint &f);
 constexpr size_t kSmemPerSm = 228 * 1024;
 constexpr size_t kSmemPerBlockOptIn = 227 * 1024;
 constexpr size_t kSmemPerBlockDefault = 48 * 1024;

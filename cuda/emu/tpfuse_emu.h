@@ -135,6 +135,12 @@ int32_t tpfuse_emu_probe_smem_launch(int32_t threads, size_t smem_bytes, int32_t
  * the last block has set a flag: a deadlock when the last block cannot become resident. */
 int32_t tpfuse_emu_probe_wait_for_last_block(int32_t blocks, void *stream);
 
+/* Another stream's kernel: enqueues on `stream` a launch of `sms` blocks, each holding a whole
+ * SM (all its shared memory) for `ns` of virtual time from when it starts, so that launches
+ * made meanwhile find `sms` fewer SMs (what an engine's kernel, NCCL's, or an MPS neighbour's
+ * does to a GPU). Returns the launch's error. */
+int32_t tpfuse_emu_occupy_sms(void *stream, int32_t sms, uint64_t ns);
+
 #ifdef __cplusplus
 }
 #endif

@@ -35,11 +35,16 @@ pub fn session_with(file: &'static str, test: &'static str, sms: u32, deadlock_n
     }
 }
 
-/// [`session_with`] 8 SMs and the environment's deadlock horizon (TPFUSE_EMU_DEADLOCK_NS,
-/// default 60 s of virtual time).
+/// [`session_with`] [`SESSION_SMS`] SMs and the environment's deadlock horizon
+/// (TPFUSE_EMU_DEADLOCK_NS, default 60 s of virtual time).
 pub fn session(file: &'static str, test: &'static str) -> Session {
-    session_with(file, test, 8, deadlock_ns_from_env())
+    session_with(file, test, SESSION_SMS, deadlock_ns_from_env())
 }
+
+/// The SMs of a test's device: room for every block of 8 virtual ranks of 4 blocks each at
+/// once, since the custom kernels' blocks wait for their peers' (an all-reduce block holds a
+/// whole SM: 512 threads of 78 registers on sm_90a).
+pub const SESSION_SMS: u32 = 32;
 
 fn deadlock_ns_from_env() -> u64 {
     std::env::var("TPFUSE_EMU_DEADLOCK_NS")

@@ -31,6 +31,7 @@ typedef enum cudaError {
   cudaErrorLaunchTimeout = 702,
   cudaErrorMisalignedAddress = 716,
   cudaErrorLaunchFailure = 719,
+  cudaErrorCooperativeLaunchTooLarge = 720,
   cudaErrorNotSupported = 801,
   cudaErrorUnknown = 999,
 } cudaError_t;
