@@ -263,6 +263,10 @@ fn compile_kernels(
         .flag("-O3")
         .flag("-Xcompiler=-fPIC")
         .flag("-Xptxas=-v")
+        // No implicit contraction of a multiply and an add into an FMA: the kernels' bits are
+        // those the emulator (g++ -ffp-contract=off) and the host references compute; an FMA
+        // is written as fmaf (cuda/fp_contraction.cu, tests/gpu_arithmetic.rs).
+        .flag("--fmad=false")
         .flag("--expt-relaxed-constexpr")
         .warnings(false);
     for arch in archs {

@@ -348,8 +348,8 @@ int launch_all_reduce(int algo, const tpfuse_peers &peers, const tpfuse_group_ar
                          gamma != nullptr});
   if (algo == TPFUSE_ALGO_ONE_SHOT && gamma != nullptr) {
     // Cooperative: the RMSNorm's blocks meet (meet_rank_blocks), so they must all be resident.
-    TPFUSE_LAUNCH_COOPERATIVE(one_shot_kernel<T>, grid, kThreads, 0, stream)(peers, g, descriptor, in, b, res,
-                                                                             gam, eps, o, rows, hidden);
+    return launch_result(TPFUSE_LAUNCH_COOPERATIVE(one_shot_kernel<T>, grid, kThreads, 0, stream)(
+        peers, g, descriptor, in, b, res, gam, eps, o, rows, hidden));
   } else if (algo == TPFUSE_ALGO_ONE_SHOT) {
     TPFUSE_LAUNCH(one_shot_kernel<T>, grid, kThreads, 0, stream)(peers, g, descriptor, in, b, res, gam,
                                                                  eps, o, rows, hidden);

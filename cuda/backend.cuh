@@ -7,17 +7,23 @@
 //       emulator's stream otherwise (arguments copied at the call, as CUDA does).
 //   TPFUSE_LAUNCH_COOPERATIVE(kernel, grid, block, smem, stream)(args...)
 //       The same as a cooperative launch (cudaLaunchKernelEx with cudaLaunchAttributeCooperative):
-//       every block of the grid is resident at once (the launch waits for room, as long as
-//       other kernels hold it), and a grid larger than the device holds at once (the occupancy
-//       API's blocks per SM times the SMs) is refused with cudaErrorCooperativeLaunchTooLarge,
-//       before anything runs. For the kernels whose blocks wait for other blocks of their own
-//       launch. Returns the launch's cudaError_t, which cudaGetLastError also returns next.
+//       every block of the grid is resident at once, and a grid larger than the device holds at
+//       once (the occupancy API's blocks per SM times the SMs) is refused with
+//       cudaErrorCooperativeLaunchTooLarge, before anything runs (both documented for
+//       cudaLaunchCooperativeKernel). That the launch waits for room while other kernels hold
+//       SMs is how co-residency can hold at all, but NVIDIA does not describe it, nor whether
+//       cooperative grids of different streams run at once (virtual ranks on one GPU need
+//       that): unverified on a GPU; the emulator models both as such. For the kernels whose
+//       blocks wait for other blocks of their own launch. Returns the launch's cudaError_t:
+//       pass it to launch_result().
 //   TPFUSE_SHARED(type, name);
 //       `__shared__ type name;` (type may be an array type, e.g. float[16]). The emulator
 //       gives every resident block its own instance, poisoned when the block starts.
 //   TPFUSE_DYNAMIC_SHARED(name);
 //       `extern __shared__ __align__(128) unsigned char name[];`
 #pragma once
+
+#include <utility>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -26,6 +32,14 @@
 namespace tpfuse {
 // Lets an array type be spelled as one macro argument (`float[16]`).
 template <typename T> using shared_type = T;
+
+// What a launcher returns after TPFUSE_LAUNCH_COOPERATIVE returned `launched`: that error, or
+// else the thread's last error; either way the last error is cleared (a refused launch also
+// recorded it there).
+inline int launch_result(cudaError_t launched) {
+  const cudaError_t last = cudaGetLastError();
+  return launched != cudaSuccess ? launched : last;
+}
 } // namespace tpfuse
 
 #ifndef TPFUSE_EMULATOR

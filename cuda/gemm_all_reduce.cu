@@ -32,9 +32,10 @@
 // no cycle can form, provided block b of every rank runs. Every rank's grid is a cooperative
 // launch (backend.cuh): all its G blocks are resident at once, or the launch is refused before
 // anything runs (G past what the device holds at once: the occupancy API's bound), so block b
-// of every rank runs, however many SMs other kernels hold meanwhile (they delay the launch;
-// they cannot strand part of it). For virtual ranks sharing one device, G is the SMs divided
-// among them (TpGroup::fused_blocks), so the W grids fit together. The one-shot's blocks never
+// of every rank runs, however many SMs other kernels hold meanwhile (they can delay the
+// launch, not strand part of it). For virtual ranks sharing one device, G is the SMs divided
+// among them (TpGroup::fused_blocks), so the W grids fit together (that cooperative grids of
+// different streams then run at once is assumed, not documented: backend.cuh). The one-shot's blocks never
 // wait for one another; the two-shot's gather waits for its own rank's slice flag, which is
 // why the co-residency of a rank's own blocks matters (issue 21).
 //
@@ -346,10 +347,9 @@ int launch_config(Reduction reduction, const tpfuse_peers &peers, const tpfuse_g
   const int row_begin = reduction.scatter ? g.rank * slice : 0;
   const int row_end = reduction.scatter ? row_begin + slice : m;
   // Cooperative: the two-shot's blocks wait for their own rank's slice (see above).
-  TPFUSE_LAUNCH_COOPERATIVE(gemm_all_reduce, grid, Cfg::kThreads, Cfg::kSmemBytes, stream)(
+  return launch_result(TPFUSE_LAUNCH_COOPERATIVE(gemm_all_reduce, grid, Cfg::kThreads, Cfg::kSmemBytes, stream)(
       peers, g, descriptor, x, w, bias, residual, gamma, eps, out, m, n, k, static_cast<int>(tiles_m),
-      static_cast<int>(tiles_n), row_begin, row_end, reduction.two_shot ? 1 : 0);
-  return cudaGetLastError();
+      static_cast<int>(tiles_n), row_begin, row_end, reduction.two_shot ? 1 : 0));
 }
 
 template <typename T>

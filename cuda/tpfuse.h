@@ -54,6 +54,12 @@ const char *tpfuse_error_string(int32_t code);
 /* CUDART_VERSION the kernels were compiled against, e.g. 13000. */
 int32_t tpfuse_cudart_version(void);
 
+/* out[0] = abc[0] * abc[1] + abc[2] as written (a multiply, then an add: two roundings),
+ * out[1] = fmaf(abc[0], abc[1], abc[2]) (one rounding), on `stream`: how the kernels' floating
+ * point is compiled (no implicit contraction; fp_contraction.cu). abc: 3 floats, out: 2, device
+ * memory. */
+int tpfuse_fp_contraction_probe(const float *abc, float *out, void *stream);
+
 
 /* ---------------------------------------------------------------------------------------
  * Custom all-reduce over symmetric memory (cuda/all_reduce.cu).
@@ -171,8 +177,9 @@ typedef struct tpfuse_group_args {
  * all-reduce). bias, residual, gamma may be NULL. Every pointer is 16-byte aligned, the
  * input fits in capacity, and with bias or gamma hidden is a multiple of 16 / sizeof(T).
  * bias, residual and gamma must hold the same values on every rank (two-shot computes each
- * slice with its owner's copy). Returns a cudaError_t; the outcome of the waits is in this
- * rank's error word.
+ * slice with its owner's copy). One-shot with gamma is a cooperative launch (its blocks meet:
+ * every block resident at once, or cudaErrorCooperativeLaunchTooLarge before anything runs).
+ * Returns a cudaError_t; the outcome of the waits is in this rank's error word.
  */
 int tpfuse_all_reduce(tpfuse_dtype dtype, int32_t algo, const tpfuse_peers *peers,
                       const tpfuse_group_args *group, const void *input, const void *bias,
@@ -289,7 +296,10 @@ int tpfuse_gemm_describe(int32_t config, tpfuse_gemm_config_info *info);
  * config:  a TPFUSE_GEMM_CONFIG_* tile configuration (not AUTO: the caller resolves it with
  *          tpfuse_gemm_select, so that every rank runs the same one)
  * blocks:  the persistent grid's size bound (1 ..= the blocks that fit on the device at once,
- *          divided among the virtual ranks sharing it); the same on every rank
+ *          divided among the virtual ranks sharing it); the same on every rank. The launch is
+ *          cooperative (every block resident at once): it starts once the whole grid fits,
+ *          however many SMs other kernels hold meanwhile, and a grid past what the device
+ *          holds at once is refused, cudaErrorCooperativeLaunchTooLarge, before anything runs
  * x [m, k], w [n, k], bias [n] or NULL, residual [m, n] or NULL, gamma [n] or NULL, out [m, n]
  * m >= 1; n, k positive multiples of 8; m * n * sizeof(T) <= capacity / 2; at most
  * TPFUSE_MAX_FUSED_TILES tiles of the configuration. Every pointer 16-byte aligned; out and

@@ -342,7 +342,7 @@ mutant emu-cp-async-lands-early emu_ops "the emulator lands every cp.async group
 mutant emu-ldmatrix-banks emu_counters "the emulator counts a phase's bank conflicts by 4-byte bank" \
   emu/warp.cpp '++rows_in_quad[(in[8 * i + r].addr >> 4) & 7]' '++rows_in_quad[(in[8 * i + r].addr >> 2) & 7]'
 mutant emu-registers-free emu_all_reduce "the emulator counts no registers toward an SM's room" \
-  emu/residency.cpp 'f.registers = warps * per_warp;' 'f.registers = 0;'
+  emu/residency.cpp 'f.warp_registers = (registers * 32 + kRegisterUnit - 1) / kRegisterUnit * kRegisterUnit;' 'f.warp_registers = 0;'
 mutant emu-cooperative-in-part emu_gemm_all_reduce "the emulator starts a cooperative grid's blocks as they fit" \
   emu/scheduler.cpp 'if (l->cooperative && l->next_block == 0 && !all_blocks_fit(dev, *l)) continue;' ''
 mutant emu-mma-b-rows emu_ops "the emulated mma reads b1 as k rows 2t..2t+1" \

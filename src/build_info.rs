@@ -80,3 +80,43 @@ pub fn cudart_version() -> (u32, u32) {
     let v = unsafe { crate::ffi::kernels::tpfuse_cudart_version() }.max(0) as u32;
     (v / 1000, (v % 1000) / 10)
 }
+
+/// How the kernels' floating point was compiled, run on `stream`'s device: `(a * b + c, fmaf(a,
+/// b, c))` for one `a, b, c` whose product-plus-addend differs when rounded once or twice. The
+/// kernels contract no multiply and add that they write apart (nvcc `--fmad=false`; the
+/// emulator's `-ffp-contract=off`), so the first is the twice-rounded 0.0 and the second the
+/// fused 2^-24: the bits the host references and the emulator compute.
+pub fn fp_contraction(
+    stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+) -> crate::Result<(f32, f32)> {
+    let error = |context| move |e| crate::Error::Cuda { context, source: e };
+    // a = b = 1 + 2^-12, c = -(1 + 2^-11): a·b = 1 + 2^-11 + 2^-24 exactly, which rounds (to
+    // even) to 1 + 2^-11, so a·b + c is 0 rounded twice and 2^-24 fused.
+    let a = 1.0 + 2f32.powi(-12);
+    let abc = stream
+        .clone_htod(&[a, a, -(1.0 + 2f32.powi(-11))])
+        .map_err(error("copying the contraction probe's inputs"))?;
+    let mut out = stream
+        .alloc_zeros::<f32>(2)
+        .map_err(error("allocating the contraction probe's output"))?;
+    {
+        use cudarc::driver::{DevicePtr, DevicePtrMut};
+        let (abc_ptr, _g1) = abc.device_ptr(stream);
+        let (out_ptr, _g2) = out.device_ptr_mut(stream);
+        crate::device::bind(stream)?;
+        // SAFETY: abc holds 3 floats and out 2, on this stream's device; the guards keep
+        // cudarc's stream order until the kernel is enqueued.
+        let code = unsafe {
+            crate::ffi::kernels::tpfuse_fp_contraction_probe(
+                abc_ptr as *const f32,
+                out_ptr as *mut f32,
+                stream.cu_stream() as *mut std::ffi::c_void,
+            )
+        };
+        crate::validate::launched("tpfuse_fp_contraction_probe", code)?;
+    }
+    let host = stream
+        .clone_dtoh(&out)
+        .map_err(error("copying the contraction probe's output"))?;
+    Ok((host[0], host[1]))
+}

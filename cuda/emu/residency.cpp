@@ -3,16 +3,19 @@
 // the bound of a cooperative launch).
 //
 // A block holds:
-//   - its threads (2048 an SM) and a block slot (32 an SM);
+//   - its warps (64 an SM; a partial warp holds a whole one) and a block slot (32 an SM);
 //   - registers: the kernel's registers per thread on sm_90a (ptxas, kernel_resources.inc),
-//     allocated per warp in units of 256 (so a warp holds 32 x the count rounded up to 8);
-//     65536 an SM, and at most 255 a thread;
+//     allocated per warp in units of 256 (so a warp holds 32 x the count rounded up to 8), in
+//     the register file of the SM sub-partition the warp lands on: 4 of 16384 registers each,
+//     warp i of a block on sub-partition i % 4 (so a warp's registers cannot straddle two, as
+//     the CUDA occupancy calculator counts them);
 //   - shared memory: its dynamic size plus the kernel's static size (ptxas), rounded up to
 //     128 bytes, plus the 1 KiB the CUDA runtime reserves per block; 228 KiB an SM.
 // A kernel missing from the table (the emulator's own probes) counts 32 registers a thread and
 // no static shared memory; tests/cpu_build.rs checks that the table holds every kernel of the
 // GPU build at no fewer registers and no less static shared memory than ptxas reports.
 #include <algorithm>
+#include <array>
 #include <string>
 
 #include "scheduler.hpp"
@@ -30,7 +33,8 @@ constexpr KernelResources kKernels[] = {
 #include "kernel_resources.inc"
 };
 
-constexpr int kRegistersPerSm = 65536;
+constexpr int kSubPartitions = 4;
+constexpr int kRegistersPerSubPartition = 65536 / kSubPartitions;
 constexpr int kRegisterUnit = 256;  // per warp
 constexpr int kUnknownRegisters = 32;
 constexpr size_t kSmemUnit = 128;
@@ -57,34 +61,52 @@ const KernelResources *resources_of(const std::string &kernel) {
 Footprint footprint_of(const char *kernel_name, unsigned threads, size_t dynamic_smem) {
   const KernelResources *k = resources_of(base_name(kernel_name));
   const int registers = k != nullptr ? k->registers : kUnknownRegisters;
-  const int warps = static_cast<int>((threads + 31) / 32);
-  const int per_warp = (registers * 32 + kRegisterUnit - 1) / kRegisterUnit * kRegisterUnit;
   const size_t smem = dynamic_smem + (k != nullptr ? static_cast<size_t>(k->static_smem) : 0);
   Footprint f;
-  f.threads = static_cast<int>(threads);
-  f.registers = warps * per_warp;
+  f.warps = static_cast<int>((threads + 31) / 32);
+  f.warp_registers = (registers * 32 + kRegisterUnit - 1) / kRegisterUnit * kRegisterUnit;
   f.smem = (smem + kSmemUnit - 1) / kSmemUnit * kSmemUnit + kSmemReservedPerBlock;
   return f;
 }
 
-bool fits(const Device &dev, int sm, const Footprint &f) {
-  return dev.sm_blocks[sm] < kBlocksPerSm && dev.sm_threads[sm] + f.threads <= kThreadsPerSm &&
-         dev.sm_registers[sm] + f.registers <= kRegistersPerSm && dev.sm_smem[sm] + f.smem <= kSmemPerSm;
+namespace {
+// Registers the block's warps take from sub-partition `p` when its warp 0 lands on `first`.
+int registers_on(const Footprint &f, int first, int p) {
+  const int offset = (p - first + kSubPartitions) % kSubPartitions;
+  return (f.warps / kSubPartitions + (offset < f.warps % kSubPartitions ? 1 : 0)) * f.warp_registers;
+}
+} // namespace
+
+int place(const Device &dev, int sm, const Footprint &f) {
+  if (dev.sm_blocks[sm] >= kBlocksPerSm || dev.sm_threads[sm] + 32 * f.warps > kThreadsPerSm ||
+      dev.sm_smem[sm] + f.smem > kSmemPerSm) {
+    return -1;
+  }
+  // Warp 0 on the sub-partition with the most registers free, the next warps round from it.
+  const std::array<int, 4> &used = dev.sm_registers[sm];
+  const int first = static_cast<int>(std::min_element(used.begin(), used.end()) - used.begin());
+  for (int p = 0; p < kSubPartitions; ++p)
+    if (used[p] + registers_on(f, first, p) > kRegistersPerSubPartition) return -1;
+  return first;
 }
 
-void hold(Device &dev, int sm, const Footprint &f, int sign) {
+void hold(Device &dev, int sm, const Footprint &f, int first, int sign) {
   dev.sm_blocks[sm] += sign;
-  dev.sm_threads[sm] += sign * f.threads;
-  dev.sm_registers[sm] += sign * f.registers;
+  dev.sm_threads[sm] += sign * 32 * f.warps;
+  for (int p = 0; p < kSubPartitions; ++p) dev.sm_registers[sm][p] += sign * registers_on(f, first, p);
   dev.sm_smem[sm] = sign > 0 ? dev.sm_smem[sm] + f.smem : dev.sm_smem[sm] - f.smem;
 }
 
 int blocks_per_sm(const Footprint &f) {
-  if (f.threads <= 0) return 0;
-  int n = kBlocksPerSm;
-  n = std::min(n, kThreadsPerSm / f.threads);
-  if (f.registers > 0) n = std::min(n, kRegistersPerSm / f.registers);
+  if (f.warps <= 0) return 0;
+  int n = std::min(kBlocksPerSm, kThreadsPerSm / (32 * f.warps));
   n = std::min(n, static_cast<int>(kSmemPerSm / f.smem));
+  if (f.warp_registers > 0) {
+    // Whole warps a sub-partition holds, shared out over the block's warps (the occupancy
+    // calculator's cudaOccMaxBlocksPerSMRegsLimit).
+    const int warps_per_sm = kRegistersPerSubPartition / f.warp_registers * kSubPartitions;
+    n = std::min(n, warps_per_sm / f.warps);
+  }
   return n;
 }
 

@@ -322,11 +322,12 @@ int32_t tpfuse_emu_set_config(const tpfuse_emu_config *config) {
   dev.work_done.wait(lk, [&] { return dev.parked; });
   dev.config = *config;
   dev.rng.seed(config->seed);
+  dev.pct_steps = dev.demotions = 0;
   const size_t sms = static_cast<size_t>(config->sms) * emulated_devices();
   dev.sm_threads.assign(sms, 0);
   dev.sm_blocks.assign(sms, 0);
   dev.sm_smem.assign(sms, 0);
-  dev.sm_registers.assign(sms, 0);
+  dev.sm_registers.assign(sms, {0, 0, 0, 0});
   return cudaSuccess;
 }
 

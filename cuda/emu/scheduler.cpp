@@ -151,11 +151,12 @@ void trace(const Device &dev, const Block &b, const char *what) {
                  what, describe(b).c_str());
 }
 
-void make_resident(Device &dev, Launch &l, int sm) {
+void make_resident(Device &dev, Launch &l, int sm, int first_subpartition) {
   auto b = std::make_unique<Block>();
   b->launch = &l;
   b->idx = uint3{l.next_block++, 0, 0};
   b->sm = sm;
+  b->first_subpartition = first_subpartition;
   b->order = dev.residency_seq++;
   const int threads = static_cast<int>(l.block.x);
   b->live = threads;
@@ -172,33 +173,43 @@ void make_resident(Device &dev, Launch &l, int sm) {
     f->context = ctx::make_fcontext(static_cast<char *>(f->stack) + kStackBytes, kStackBytes, fiber_entry);
     b->fibers.push_back(std::move(f));
   }
-  hold(dev, sm, l.footprint, 1);
+  hold(dev, sm, l.footprint, first_subpartition, 1);
   ++l.resident;
   place_in_schedule(dev, *b);
   trace(dev, *b, "resident");
   dev.resident.push_back(std::move(b));
 }
 
+// The first SM of launch `l`'s device with room for one of its blocks, and where on it the
+// block goes; {-1, -1} when none has room.
+std::pair<int, int> room_for(const Device &dev, const Launch &l) {
+  const int first = l.stream->device * dev.config.sms, end = first + dev.config.sms;
+  for (int sm = first; sm < end; ++sm) {
+    const int sub = place(dev, sm, l.footprint);
+    if (sub >= 0) return {sm, sub};
+  }
+  return {-1, -1};
+}
+
 // Whether every block of cooperative launch `l` fits on its device's SMs now (placed as admit
 // would place them, then taken back).
 bool all_blocks_fit(Device &dev, const Launch &l) {
-  const int first = l.stream->device * dev.config.sms, end = first + dev.config.sms;
-  std::vector<int> placed;
+  std::vector<std::pair<int, int>> placed;
   for (unsigned b = 0; b < total_blocks(l); ++b) {
-    int sm = first;
-    while (sm < end && !fits(dev, sm, l.footprint)) ++sm;
-    if (sm == end) break;
-    hold(dev, sm, l.footprint, 1);
-    placed.push_back(sm);
+    const std::pair<int, int> at = room_for(dev, l);
+    if (at.first < 0) break;
+    hold(dev, at.first, l.footprint, at.second, 1);
+    placed.push_back(at);
   }
-  for (int sm : placed) hold(dev, sm, l.footprint, -1);
+  for (const auto &at : placed) hold(dev, at.first, l.footprint, at.second, -1);
   return placed.size() == total_blocks(l);
 }
 
 // Makes waiting blocks resident, in launch order, on the first SM of their device with room.
 // A cooperative launch's blocks become resident all at once, when they all fit (the CUDA
 // guarantee: every block of the grid is resident together); until then it waits, and later
-// launches may take the room.
+// launches may take the room (a modelling choice: NVIDIA does not say whether a waiting
+// cooperative grid holds back the grids launched after it).
 void admit(Device &dev) {
   std::vector<Launch *> launches;
   for (Stream *s : dev.active)
@@ -207,12 +218,9 @@ void admit(Device &dev) {
   for (Launch *l : launches) {
     if (l->cooperative && l->next_block == 0 && !all_blocks_fit(dev, *l)) continue;
     while (l->next_block < total_blocks(*l)) {
-      // The SMs of the launch's device only.
-      const int first = l->stream->device * dev.config.sms, end = first + dev.config.sms;
-      int sm = first;
-      while (sm < end && !fits(dev, sm, l->footprint)) ++sm;
-      if (sm == end) break;
-      make_resident(dev, *l, sm);
+      const std::pair<int, int> at = room_for(dev, *l);  // the SMs of the launch's device only
+      if (at.first < 0) break;
+      make_resident(dev, *l, at.first, at.second);
     }
   }
 }
@@ -228,7 +236,7 @@ void release_block(Device &dev, Block &b) {
   std::vector<Warp>().swap(b.warps);
   std::vector<unsigned char>().swap(b.dynamic_smem);
   b.statics.clear();
-  hold(dev, b.sm, b.launch->footprint, -1);
+  hold(dev, b.sm, b.launch->footprint, b.first_subpartition, -1);
   --b.launch->resident;
 }
 
@@ -333,6 +341,7 @@ void start_heads(Device &dev, std::unique_lock<std::mutex> &lk) {
       st.launches += 1;
       st.blocks += total_blocks(*l);
       counters_launch_starts(dev, *s, *l);
+      l->ordinal = s->kernels_started++;
       s->running = std::move(l);
     }
   }
@@ -466,7 +475,7 @@ Device &device() {
     const size_t sms = static_cast<size_t>(d->config.sms) * emulated_devices();
     d->sm_threads.assign(sms, 0);
     d->sm_blocks.assign(sms, 0);
-    d->sm_registers.assign(sms, 0);
+    d->sm_registers.assign(sms, {0, 0, 0, 0});
     d->sm_smem.assign(sms, 0);
     d->streams.push_back(std::make_unique<Stream>());
     d->default_stream = d->streams.back().get();

@@ -8,6 +8,7 @@
 // blocks and fibers once they have left a stream's queue, so they need no lock.
 #pragma once
 
+#include <array>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -79,6 +80,7 @@ struct Block {
   tpfuse_emu_block_counters counters{};
   uint3 idx{0, 0, 0};
   int sm = 0;
+  int first_subpartition = 0;  // where its warp 0 holds registers (residency.cpp)
   uint64_t order = 0;  // residency order
   std::vector<std::unique_ptr<Fiber>> fibers;
   std::vector<Fiber *> runnable;  // rebuilt when `dirty`
@@ -97,9 +99,9 @@ struct Block {
 
 // What one block of a launch holds of its SM while resident (residency.cpp).
 struct Footprint {
-  int threads = 0;
-  int registers = 0;
-  size_t smem = 0;  // dynamic + static + the runtime's reservation
+  int warps = 0;
+  int warp_registers = 0;  // per warp, allocated
+  size_t smem = 0;         // dynamic + static + the runtime's reservation
 };
 
 // One operation of a stream: a kernel launch (`body` set), or host work the device thread does
@@ -125,10 +127,7 @@ struct Launch {
   unsigned next_block = 0;
   unsigned done_blocks = 0;
   unsigned resident = 0;
-  // The pct schedule: the launch's blocks share the high bits of their priorities (`banded`,
-  // drawn when its first block becomes resident), so the rank runs ahead or behind as a whole.
-  bool banded = false;
-  uint64_t band = 0;
+  uint64_t ordinal = 0;  // the kernel launches its stream started before it (schedules.cpp)
   bool failed = false;
   std::string error;
   cudaError_t code = cudaSuccess;
@@ -147,6 +146,7 @@ struct Stream {
   bool frozen = false;
   uint64_t frozen_at = 0;
   int rank = -1;  // tpfuse_emu_tag_stream, under mu
+  uint64_t kernels_started = 0;  // device thread
   int device = 0;  // the emulated device whose SMs run its blocks (set at creation)
 };
 
@@ -174,10 +174,12 @@ struct Device {
   // Device thread only.
   std::vector<Stream *> active;  // streams with a running launch, refreshed every pass
   std::vector<std::unique_ptr<Block>> resident;
-  std::vector<int> sm_threads, sm_blocks, sm_registers;
+  std::vector<int> sm_threads, sm_blocks;
+  std::vector<std::array<int, 4>> sm_registers;  // per SM sub-partition (residency.cpp)
   std::vector<size_t> sm_smem;
   uint64_t residency_seq = 0;
   uint64_t demotions = 0;  // the pct schedule's change points so far
+  uint64_t pct_steps = 0;  // and its steps
   std::mt19937_64 rng;
   uint64_t clock_ns = 0;  // virtual time (atomic reads from the host: now_ns)
   uint64_t idle_ns = 0, idle_jump_ns = 0;
@@ -239,11 +241,12 @@ uint64_t now_ns();
 std::string describe(const Block &block);
 // Residency (residency.cpp): a block of kernel `kernel_name` (the launch site's spelling; its
 // registers and static shared memory from kernel_resources.inc) with `threads` threads and
-// `dynamic_smem` bytes; whether SM `sm` has room for it; takes (sign 1) or gives back (-1)
-// what it holds; how many such blocks an empty SM holds (0: none, the launch cannot run).
+// `dynamic_smem` bytes; where on SM `sm` it would go (the sub-partition of its warp 0), or -1
+// when the SM has no room for it; takes (sign 1) or gives back (-1) what it holds there; how
+// many such blocks an empty SM holds (0: none, the launch cannot run).
 Footprint footprint_of(const char *kernel_name, unsigned threads, size_t dynamic_smem);
-bool fits(const Device &dev, int sm, const Footprint &f);
-void hold(Device &dev, int sm, const Footprint &f, int sign);
+int place(const Device &dev, int sm, const Footprint &f);
+void hold(Device &dev, int sm, const Footprint &f, int first, int sign);
 int blocks_per_sm(const Footprint &f);
 constexpr size_t kSmemPerSm = 228 * 1024;
 constexpr size_t kSmemPerBlockOptIn = 227 * 1024;

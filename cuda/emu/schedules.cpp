@@ -18,6 +18,14 @@
 namespace tpfuse_emu {
 namespace {
 
+// splitmix64 of a, b and c: the pct schedule's draws, each a function of what it is for.
+uint64_t mix(uint64_t a, uint64_t b, uint64_t c) {
+  uint64_t x = a ^ (b + 0x9e3779b97f4a7c15ull) * 0xbf58476d1ce4e5b9ull ^ (c + 0x632be59bd9b4e5bbull) * 0x94d049bb133111ebull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
 // Runs the runnable fibers of one block round-robin (threads ascending, or descending in the
 // reverse schedule) until a round makes no progress (its fibers only polled unchanged flags)
 // or kMaxRounds rounds: a block runs ahead as far as it can, as one SM may run far ahead of
@@ -136,7 +144,9 @@ int run_prioritized(Device &dev, std::vector<Fiber *> &scratch) {
     ran += run_block(dev, *b, scratch);
     const bool ended = b->live == 0 || b->launch->failed;
     if (!dev.progress && !ended) continue;
-    if (dev.rng() % kChangeOdds == 0) b->demoted = ++dev.demotions;
+    if (mix(dev.config.seed, 0x7063745f73746570ull, dev.pct_steps++) % kChangeOdds == 0) {
+      b->demoted = ++dev.demotions;
+    }
     if (ended) start_freed_slots(dev);
     dev.progress = true;
     return ran;
@@ -147,19 +157,20 @@ int run_prioritized(Device &dev, std::vector<Fiber *> &scratch) {
 
 } // namespace
 
-// pct: a random priority; half of the launches (drawn at their first block) keep their
-// blocks' priorities in one band, so that the rank (its stream) runs ahead of or behind its
-// peers as a whole, the others spread theirs among every block's.
+// pct: a random priority; half of the launches keep their blocks' priorities in one band, so
+// that the rank (its stream) runs ahead of or behind its peers as a whole, the others spread
+// theirs among every block's. Drawn from the seed, the stream (its creation order), the
+// launch's place on its stream and the block's index, not from one sequence of draws: the
+// same seed gives the same priorities however the host's enqueues interleave with the device.
 void place_in_schedule(Device &dev, Block &b) {
   if (dev.config.schedule != TPFUSE_EMU_SCHEDULE_PCT) return;
-  Launch &l = *b.launch;
-  if (!l.banded) {
-    l.banded = true;
-    l.band = dev.rng() % 2 == 0 ? (dev.rng() | 1) : 0;
-  }
-  b.priority = l.band != 0 ? (l.band << 32) | (dev.rng() >> 32) : dev.rng();
+  const Launch &l = *b.launch;
+  uint64_t stream = 0;
+  while (stream < dev.streams.size() && dev.streams[stream].get() != l.stream) ++stream;
+  const uint64_t launch = mix(dev.config.seed, stream, l.ordinal);
+  const uint64_t block = mix(launch, 0x626c6f636bull, b.idx.x);
+  b.priority = launch % 2 == 0 ? (launch | 1) << 32 | block >> 32 : block;
 }
-
 int run_pass(Device &dev, std::vector<Fiber *> &scratch) {
   int ran;
   switch (dev.config.schedule) {
