@@ -957,7 +957,7 @@ fn refused(label: &str, ranks: &Ranks, bufs: &[BadBuffers], call: &BadCall) {
         );
     }
     ranks.synchronize();
-    for r in 0..ranks.world {
+    for (r, b) in bufs.iter().enumerate() {
         let untouched = |what: &str, got: Vec<u8>, want: u8| {
             if let Some(i) = got.iter().position(|&x| x != want) {
                 panic!(
@@ -967,8 +967,8 @@ fn refused(label: &str, ranks: &Ranks, bufs: &[BadBuffers], call: &BadCall) {
             }
         };
         untouched("staging and result", ranks.data[r].to_vec(), 0xff);
-        untouched("out", bufs[r].out.to_vec(), 0xff);
-        untouched("residual", bufs[r].residual.to_vec(), INPUT_BYTE);
+        untouched("out", b.out.to_vec(), 0xff);
+        untouched("residual", b.residual.to_vec(), INPUT_BYTE);
         assert_eq!(ranks.error_word(r), 0, "{label}: rank {r}'s error word");
     }
 }
@@ -1150,16 +1150,13 @@ fn bad_calls_are_refused_before_anything_is_launched() {
     );
     assert_eq!(codes, [0, 0], "the well-formed call");
     ranks.synchronize();
-    for r in 0..2 {
+    for (r, b) in bufs.iter().enumerate() {
         assert_eq!(ranks.error_word(r), 0, "the well-formed call: rank {r}");
         let staging = ranks.data[r].to_vec();
         assert!(staging.contains(&INPUT_BYTE), "rank {r}: staged");
+        assert!(b.out.to_vec()[..16] != [0xff; 16], "rank {r}: out written");
         assert!(
-            bufs[r].out.to_vec()[..16] != [0xff; 16],
-            "rank {r}: out written"
-        );
-        assert!(
-            bufs[r].residual.to_vec()[..16] != [INPUT_BYTE; 16],
+            b.residual.to_vec()[..16] != [INPUT_BYTE; 16],
             "rank {r}: residual written"
         );
     }
