@@ -25,6 +25,8 @@
 // Every launch carries a descriptor (launch_descriptor: the kernel, element size, sizes
 // and grid) that the first barrier compares across ranks.
 
+#include <cstring>
+
 #include "barrier.cuh"
 #include "reduce.cuh"
 
@@ -326,6 +328,23 @@ bool valid(const tpfuse_group_args *g) {
          g->rank < g->world && g->blocks >= 1 && g->blocks <= TPFUSE_MAX_BLOCKS;
 }
 
+// Host: whether rows x cols elements of `elem` bytes fit in `capacity` bytes, without forming
+// the product (sizes near SIZE_MAX would wrap it to something small). The entry points check
+// every message against the staging this way before they launch: past the staging lie the
+// result area and a peer's memory, which the kernel would write and the peers would read.
+bool fits2(size_t rows, size_t cols, size_t elem, uint64_t capacity) {
+  const uint64_t elems = capacity / elem;
+  return cols == 0 || (cols <= elems && rows <= elems / cols);
+}
+
+// Host: a float's bit pattern (what the descriptor compares: -0.0 and 0.0 differ, as they
+// could in the result).
+uint64_t float_bits(float x) {
+  uint32_t bits = 0;
+  std::memcpy(&bits, &x, sizeof bits);
+  return bits;
+}
+
 template <typename T>
 int launch_all_reduce(int algo, const tpfuse_peers &peers, const tpfuse_group_args &g,
                       const void *input, const void *bias, void *residual, const void *gamma,
@@ -335,6 +354,15 @@ int launch_all_reduce(int algo, const tpfuse_peers &peers, const tpfuse_group_ar
   T *res = static_cast<T *>(residual);
   const T *gam = static_cast<const T *>(gamma);
   T *o = static_cast<T *>(out);
+  // Refused before any launch (cudaErrorInvalidValue): a message larger than the staging, a
+  // pointer the kernels' 16-byte vector accesses would fault on, or rows that a per-column
+  // operand (bias, gamma) cannot be read along in whole vectors.
+  if (!fits2(rows, hidden, sizeof(T), g.capacity)) return cudaErrorInvalidValue;
+  if (!is_aligned16(input) || !is_aligned16(out) || !is_aligned16(bias) || !is_aligned16(residual) ||
+      !is_aligned16(gamma)) {
+    return cudaErrorInvalidValue;
+  }
+  if ((bias != nullptr || gamma != nullptr) && hidden % Vec16<T>::kLen != 0) return cudaErrorInvalidValue;
   int grid = grid_for_message((rows * hidden * sizeof(T) + 15) / 16, g.blocks);
   // One-shot with RMSNorm hands row segments to blocks: no more blocks than segments (a
   // guard: a message's segments are never fewer than its 512-vector blocks).
@@ -342,10 +370,13 @@ int launch_all_reduce(int algo, const tpfuse_peers &peers, const tpfuse_group_ar
   if (algo == TPFUSE_ALGO_ONE_SHOT && gamma != nullptr && units < static_cast<size_t>(grid)) {
     grid = static_cast<int>(units);
   }
+  // eps (its bits) is part of what the ranks must agree on when there is an RMSNorm: ranks
+  // with different eps would give different bits. The two-shot's RMSNorm runs in a kernel of
+  // its own after, so the two-shot kernel's descriptor carries it for that kernel's sake.
   const uint32_t descriptor =
       launch_descriptor({kKindAllReduce + static_cast<uint64_t>(algo), sizeof(T), rows, hidden,
                          static_cast<uint64_t>(grid), bias != nullptr, residual != nullptr,
-                         gamma != nullptr});
+                         gamma != nullptr, gamma != nullptr ? float_bits(eps) : 0});
   if (algo == TPFUSE_ALGO_ONE_SHOT && gamma != nullptr) {
     // Cooperative: the RMSNorm's blocks meet (meet_rank_blocks), so they must all be resident.
     return launch_result(TPFUSE_LAUNCH_COOPERATIVE(one_shot_kernel<T>, grid, kThreads, 0, stream)(
@@ -395,6 +426,8 @@ extern "C" int tpfuse_all_gather(const tpfuse_peers *peers, const tpfuse_group_a
                                  const void *input, void *out, size_t len_bytes, void *stream) {
   using namespace tpfuse;
   if (peers == nullptr || !valid(group) || len_bytes % 16 != 0) return cudaErrorInvalidValue;
+  // The staging holds this rank's len_bytes; both pointers take 16-byte vectors.
+  if (len_bytes > group->capacity || !is_aligned16(input) || !is_aligned16(out)) return cudaErrorInvalidValue;
   if (len_bytes == 0) return cudaSuccess;
   const int grid = grid_for_message(len_bytes / 16, group->blocks);
   const uint32_t descriptor = launch_descriptor({kKindAllGather, len_bytes, static_cast<uint64_t>(grid)});
@@ -409,6 +442,14 @@ extern "C" int tpfuse_reduce_scatter(tpfuse_dtype dtype, const tpfuse_peers *pee
                                      void *out, size_t len, void *stream) {
   using namespace tpfuse;
   if (peers == nullptr || !valid(group)) return cudaErrorInvalidValue;
+  if (dtype != TPFUSE_DTYPE_F32 && dtype != TPFUSE_DTYPE_F16 && dtype != TPFUSE_DTYPE_BF16) return cudaErrorInvalidValue;
+  // The staging holds the whole input (world x len elements); both pointers, and every
+  // rank's slice of the input (len a multiple of a vector), take 16-byte vectors.
+  const size_t size = dtype_size(dtype);
+  if (!fits2(static_cast<size_t>(group->world), len, size, group->capacity) || (len * size) % 16 != 0 ||
+      !is_aligned16(input) || !is_aligned16(out)) {
+    return cudaErrorInvalidValue;
+  }
   if (len == 0) return cudaSuccess;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int grid = grid_for_message((len * dtype_size(dtype) + 15) / 16, group->blocks);

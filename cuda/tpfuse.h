@@ -174,24 +174,33 @@ typedef struct tpfuse_group_args {
  *   h = out + bias[col] + residual  (in f32, rounded once), residual := h when given,
  *   out = rmsnorm(h) * gamma          when gamma is given (h stays in residual/out first).
  * rows x hidden elements (hidden is the row length; rows = 1 and hidden = len for a flat
- * all-reduce). bias, residual, gamma may be NULL. Every pointer is 16-byte aligned, the
- * input fits in capacity, and with bias or gamma hidden is a multiple of 16 / sizeof(T).
- * bias, residual and gamma must hold the same values on every rank (two-shot computes each
- * slice with its owner's copy). One-shot with gamma is a cooperative launch (its blocks meet:
- * every block resident at once, or cudaErrorCooperativeLaunchTooLarge before anything runs).
- * Returns a cudaError_t; the outcome of the waits is in this rank's error word.
+ * all-reduce). bias, residual, gamma may be NULL. Checked before anything is launched
+ * (cudaErrorInvalidValue, nothing launched, nothing written): rows, hidden >= 1; the input
+ * fits in capacity (rows * hidden * sizeof(T) <= capacity, computed without overflow); input,
+ * out and the non-NULL bias, residual, gamma are 16-byte aligned; with bias or gamma, hidden
+ * is a multiple of 16 / sizeof(T). bias, residual and gamma must hold the same values on
+ * every rank (two-shot computes each slice with its owner's copy), and so must eps when
+ * gamma is given (checked: eps's bits are part of the descriptor the first barrier compares,
+ * so ranks with different eps get TPFUSE_ERROR_PEER_MISMATCH). One-shot with gamma is a
+ * cooperative launch (its blocks meet: every block resident at once, or
+ * cudaErrorCooperativeLaunchTooLarge before anything runs). Returns a cudaError_t; the
+ * outcome of the waits is in this rank's error word.
  */
 int tpfuse_all_reduce(tpfuse_dtype dtype, int32_t algo, const tpfuse_peers *peers,
                       const tpfuse_group_args *group, const void *input, const void *bias,
                       void *residual, const void *gamma, float eps, void *out, size_t rows,
                       size_t hidden, void *stream);
 
-/* out[r * len .. (r + 1) * len] = input of rank r (bytes; len a multiple of 16). */
+/* out[r * len .. (r + 1) * len] = input of rank r (bytes). Checked before anything is
+ * launched (cudaErrorInvalidValue): len a multiple of 16, len <= capacity, input and out
+ * 16-byte aligned. */
 int tpfuse_all_gather(const tpfuse_peers *peers, const tpfuse_group_args *group,
                       const void *input, void *out, size_t len_bytes, void *stream);
 
-/* out = (sum over ranks of input)[rank * len .. (rank + 1) * len], input of world * len;
- * len a multiple of 16 / sizeof(T). */
+/* out = (sum over ranks of input)[rank * len .. (rank + 1) * len], input of world * len.
+ * Checked before anything is launched (cudaErrorInvalidValue): a valid dtype; the staging
+ * holds the whole input (world * len * sizeof(T) <= capacity, computed without overflow);
+ * len a multiple of 16 / sizeof(T); input and out 16-byte aligned. */
 int tpfuse_reduce_scatter(tpfuse_dtype dtype, const tpfuse_peers *peers,
                           const tpfuse_group_args *group, const void *input, void *out,
                           size_t len, void *stream);

@@ -256,6 +256,24 @@ mutant half-warp-sum emu_all_reduce "RMSNorm's warp sum skips the first shuffle"
   epilogue.cuh 'for (int offset = 16; offset > 0; offset >>= 1)' 'for (int offset = 8; offset > 0; offset >>= 1)'
 mutant all-gather-offset emu_all_reduce "all-gather writes every rank's part at its own offset" \
   all_reduce.cu 'uint4 *dst = out + p * len_vectors;' 'uint4 *dst = out + g.rank * len_vectors;'
+# Issue 21, defect 3: the C ABI's checks before a launch (each mutant is one check's old form).
+mutant all-reduce-past-capacity emu_all_reduce "all-reduce launches a message larger than the staging" \
+  all_reduce.cu $'  if (!fits2(rows, hidden, sizeof(T), g.capacity)) return cudaErrorInvalidValue;\n' ''
+mutant all-reduce-capacity-product emu_all_reduce "all-reduce checks the capacity with a product that wraps" \
+  all_reduce.cu 'if (!fits2(rows, hidden, sizeof(T), g.capacity)) return' 'if (rows * hidden * sizeof(T) > g.capacity) return'
+mutant all-reduce-misaligned emu_all_reduce "all-reduce launches with pointers off a 16-byte boundary" \
+  all_reduce.cu $'if (!is_aligned16(input) || !is_aligned16(out) || !is_aligned16(bias) || !is_aligned16(residual) ||\n      !is_aligned16(gamma)) {' 'if (false) {'
+mutant all-reduce-partial-vector-rows emu_all_reduce "all-reduce launches bias or gamma with rows of partial vectors" \
+  all_reduce.cu '(bias != nullptr || gamma != nullptr) && hidden % Vec16<T>::kLen != 0' 'false'
+mutant reduce-scatter-unchecked emu_all_reduce "reduce-scatter launches without checking capacity, alignment or len" \
+  all_reduce.cu $'if (!fits2(static_cast<size_t>(group->world), len, size, group->capacity) || (len * size) % 16 != 0 ||\n      !is_aligned16(input) || !is_aligned16(out)) {' \
+  'if (false) {'
+mutant reduce-scatter-capacity-one-slice emu_all_reduce "reduce-scatter checks one slice, not world slices, against the staging" \
+  all_reduce.cu 'fits2(static_cast<size_t>(group->world), len,' 'fits2(1, len,'
+mutant all-gather-unchecked emu_all_reduce "all-gather launches without checking capacity or alignment" \
+  all_reduce.cu 'if (len_bytes > group->capacity || !is_aligned16(input) || !is_aligned16(out)) return' 'if (false) return'
+mutant descriptor-without-eps emu_all_reduce "the ranks' descriptors leave out eps (different eps, different bits)" \
+  all_reduce.cu 'gamma != nullptr, gamma != nullptr ? float_bits(eps) : 0});' 'gamma != nullptr});'
 mutant scalar-tail emu_reduce_ranks "reduce_ranks skips the scalar tail" \
   reduce_ranks.cu 'for (size_t i = vec_len * kVec + first; i < len; i += stride) {' \
   'for (size_t i = len + first; i < len; i += stride) {'

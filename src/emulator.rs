@@ -140,6 +140,29 @@ pub struct Fault {
     pub stop: bool,
     /// `%globaltimer` of this stream's kernels stays where it is now.
     pub freeze_timer: bool,
+    /// `%clock64` of this stream's kernels advances this many times slower than at the
+    /// emulated peak clock (0 and 1: at the peak): an SM at a low clock, on which the kernels'
+    /// `%clock64` backstop ends a wait later than the host expects.
+    pub clock_divisor: u32,
+}
+
+/// Sets the fault hooks of a stream the emulated CUDA driver created (through cudarc): a
+/// [`TpGroup`](crate::TpGroup)'s stream, for instance.
+pub fn set_cuda_stream_fault(stream: &cudarc::driver::CudaStream, fault: Fault) {
+    set_fault_of(stream.cu_stream().cast(), fault);
+}
+
+fn set_fault_of(raw: *mut c_void, fault: Fault) {
+    // SAFETY: a live stream of the emulator (every CUstream it hands out is one).
+    unsafe {
+        sys::tpfuse_emu_stream_set_fault(
+            raw,
+            fault.delay_ns,
+            i32::from(fault.stop),
+            i32::from(fault.freeze_timer),
+        );
+        sys::tpfuse_emu_stream_set_clock_divisor(raw, fault.clock_divisor);
+    }
 }
 
 /// A stream of the emulated device. Its first device-side failure sticks to it.
@@ -192,15 +215,7 @@ impl Stream {
 
     /// Sets this stream's fault hooks.
     pub fn set_fault(&self, fault: Fault) {
-        // SAFETY: a live stream.
-        unsafe {
-            sys::tpfuse_emu_stream_set_fault(
-                self.raw,
-                fault.delay_ns,
-                i32::from(fault.stop),
-                i32::from(fault.freeze_timer),
-            )
-        };
+        set_fault_of(self.raw, fault);
     }
 }
 

@@ -664,6 +664,18 @@ fn mismatch(label: &str, path: Path, (n0, blocks0): (usize, i32), (n1, blocks1):
     ranks.plain_all_reduce_on(0, path, &input, &outs[0], n0, blocks0);
     ranks.plain_all_reduce_on(1, path, &input, &outs[1], n1, blocks1);
     ranks.synchronize();
+    assert_mismatched(label, &ranks, start, [(&outs[0], n0), (&outs[1], n1)]);
+}
+
+/// After `ranks.synchronize()`: the two ranks' launches (started at virtual time `start`)
+/// failed at once with TPFUSE_ERROR_PEER_MISMATCH naming both, marked the first n elements
+/// of their outputs failed, and told the host.
+fn assert_mismatched<T: TestElement>(
+    label: &str,
+    ranks: &Ranks,
+    start: u64,
+    outs: [(&DeviceBuffer<T>, usize); 2],
+) {
     let elapsed = emulator::now_ns() - start;
     assert!(
         elapsed < LONG_TIMEOUT_NS / 100,
@@ -671,7 +683,7 @@ fn mismatch(label: &str, path: Path, (n0, blocks0): (usize, i32), (n1, blocks1):
     );
     // Whichever rank noticed first, the word names both: p | q << 16.
     let words = [0u32, 1].map(|q| abi::TPFUSE_ERROR_PEER_MISMATCH | (1 - q) | q << 16);
-    for (r, n) in [(0, n0), (1, n1)] {
+    for (r, (out, n)) in outs.into_iter().enumerate() {
         let word = ranks.error_word(r);
         assert!(
             words.contains(&word),
@@ -683,7 +695,7 @@ fn mismatch(label: &str, path: Path, (n0, blocks0): (usize, i32), (n1, blocks1):
             words.contains(&host),
             "{label}: rank {r}'s host word {host:#x}"
         );
-        let out = outs[r].to_vec();
+        let out = out.to_vec();
         assert!(
             out[..n].iter().all(|x| x.is_failed_output()),
             "{label}: rank {r}'s output is not marked failed"
@@ -829,6 +841,397 @@ fn a_failed_two_shot_marks_out_and_residual_through_its_rmsnorm() {
             got.iter().all(|x| x.is_failed_output()),
             "{what} is not marked failed: {:?}",
             &got[..4]
+        );
+    }
+}
+
+#[test]
+fn ranks_that_pass_different_eps_get_a_mismatch_not_different_bits() {
+    let _s = session(
+        "emu_all_reduce",
+        "ranks_that_pass_different_eps_get_a_mismatch_not_different_bits",
+    );
+    // Same shapes, same epilogue, same grid: only eps differs (with an RMSNorm it changes the
+    // bits). Two-shot's RMSNorm is a kernel of its own after, so it is the two-shot kernel's
+    // first barrier that must see the difference.
+    let (rows, hidden) = (3usize, 64usize);
+    let n = rows * hidden;
+    for path in [Path::OneShot, Path::TwoShot] {
+        let ranks = Ranks::new(2, 2, LONG_TIMEOUT_NS);
+        let inputs: Vec<Vec<bf16>> =
+            random_ranks(2, n, |r| mix_seed(base_seed(0xa11_0009), &[r as u64]));
+        let inputs: Vec<DeviceBuffer<bf16>> =
+            inputs.iter().map(|x| DeviceBuffer::from_slice(x)).collect();
+        let gamma = DeviceBuffer::from_slice(&vec![bf16::from_f32(1.0); hidden]);
+        let outs: Vec<DeviceBuffer<bf16>> = (0..2).map(|_| DeviceBuffer::new(n)).collect();
+        let start = emulator::now_ns();
+        for (r, eps) in [(0, 1e-5f32), (1, 1e-6f32)] {
+            let algo = if path == Path::OneShot {
+                abi::TPFUSE_ALGO_ONE_SHOT
+            } else {
+                abi::TPFUSE_ALGO_TWO_SHOT
+            };
+            // SAFETY: every buffer holds what the shape needs and lives until the checks.
+            let code = unsafe {
+                abi::tpfuse_all_reduce(
+                    abi::TPFUSE_DTYPE_BF16 as i32,
+                    algo as i32,
+                    &ranks.peers(),
+                    &ranks.args(r),
+                    inputs[r].ptr().cast(),
+                    std::ptr::null(),
+                    std::ptr::null_mut(),
+                    gamma.ptr().cast(),
+                    eps,
+                    outs[r].ptr().cast(),
+                    rows,
+                    hidden,
+                    ranks.stream(r),
+                )
+            };
+            launched(&format!("{path:?} rank {r} eps {eps}"), code);
+        }
+        ranks.synchronize();
+        assert_mismatched(
+            &format!("{path:?} eps 1e-5 vs 1e-6"),
+            &ranks,
+            start,
+            [(&outs[0], n), (&outs[1], n)],
+        );
+    }
+}
+
+/// cudaErrorInvalidValue.
+const INVALID_VALUE: i32 = 1;
+/// Staging per rank in `bad_calls_are_refused_before_anything_is_launched`.
+const BAD_CAPACITY: usize = 4096;
+/// Bytes of each of a rank's buffers there: room for every refused message at any offset.
+const BAD_BYTES: usize = 3 * BAD_CAPACITY;
+/// What the inputs (and the residual, which a launch would overwrite) hold there: not poison.
+const INPUT_BYTE: u8 = 0x3c;
+
+/// One rank's buffers for calls that must be refused: inputs of INPUT_BYTE, out of poison.
+struct BadBuffers {
+    input: DeviceBuffer<u8>,
+    bias: DeviceBuffer<u8>,
+    residual: DeviceBuffer<u8>,
+    gamma: DeviceBuffer<u8>,
+    out: DeviceBuffer<u8>,
+}
+
+impl BadBuffers {
+    fn new() -> BadBuffers {
+        let filled = || DeviceBuffer::from_slice(&vec![INPUT_BYTE; BAD_BYTES]);
+        BadBuffers {
+            input: filled(),
+            bias: filled(),
+            residual: filled(),
+            gamma: filled(),
+            out: DeviceBuffer::new(BAD_BYTES),
+        }
+    }
+}
+
+/// An all-reduce call: byte offsets into the rank's buffers (a pointer `None` is NULL).
+#[derive(Clone, Copy, Debug)]
+struct BadAllReduce {
+    dtype: u32,
+    rows: usize,
+    hidden: usize,
+    input: usize,
+    out: usize,
+    bias: Option<usize>,
+    residual: Option<usize>,
+    gamma: Option<usize>,
+}
+
+const GOOD_F32: BadAllReduce = BadAllReduce {
+    dtype: abi::TPFUSE_DTYPE_F32,
+    rows: 2,
+    hidden: 64,
+    input: 0,
+    out: 0,
+    bias: Some(0),
+    residual: Some(0),
+    gamma: Some(0),
+};
+
+/// What a collective's call is, for `refused`.
+enum BadCall {
+    AllReduce(u32, BadAllReduce),
+    ReduceScatter(u32, usize, usize, usize),
+    AllGather(usize, usize, usize),
+}
+
+/// Makes `call` on every rank; what each returned.
+fn make(ranks: &Ranks, bufs: &[BadBuffers], call: &BadCall) -> Vec<i32> {
+    let at = |b: &DeviceBuffer<u8>, offset: usize| b.ptr().wrapping_add(offset).cast::<c_void>();
+    let opt = |b: &DeviceBuffer<u8>, offset: Option<usize>| {
+        offset.map_or(std::ptr::null_mut(), |o| at(b, o))
+    };
+    (0..ranks.world)
+        .map(|r| {
+            let b = &bufs[r];
+            // SAFETY: every pointer lies in a buffer of BAD_BYTES that lives until the checks;
+            // the calls are refused (what this asserts), so nothing is read or written.
+            unsafe {
+                match *call {
+                    BadCall::AllReduce(algo, c) => abi::tpfuse_all_reduce(
+                        c.dtype as i32,
+                        algo as i32,
+                        &ranks.peers(),
+                        &ranks.args(r),
+                        at(&b.input, c.input),
+                        opt(&b.bias, c.bias),
+                        opt(&b.residual, c.residual),
+                        opt(&b.gamma, c.gamma),
+                        EPS,
+                        at(&b.out, c.out),
+                        c.rows,
+                        c.hidden,
+                        ranks.stream(r),
+                    ),
+                    BadCall::ReduceScatter(dtype, len, input, out) => abi::tpfuse_reduce_scatter(
+                        dtype as i32,
+                        &ranks.peers(),
+                        &ranks.args(r),
+                        at(&b.input, input),
+                        at(&b.out, out),
+                        len,
+                        ranks.stream(r),
+                    ),
+                    BadCall::AllGather(len, input, out) => abi::tpfuse_all_gather(
+                        &ranks.peers(),
+                        &ranks.args(r),
+                        at(&b.input, input),
+                        at(&b.out, out),
+                        len,
+                        ranks.stream(r),
+                    ),
+                }
+            }
+        })
+        .collect()
+}
+
+/// Makes `call` on both ranks; each must return cudaErrorInvalidValue and launch nothing:
+/// after a synchronize, no staging or result byte of any rank, no output and no residual
+/// byte changed, and no error word is set.
+fn refused(label: &str, ranks: &Ranks, bufs: &[BadBuffers], call: &BadCall) {
+    let codes = make(ranks, bufs, call);
+    // Whatever was launched runs now, while every buffer lives (a failed assertion would free
+    // the buffers before the streams, whose drop waits for their work).
+    for s in &ranks.streams {
+        s.synchronize().ok();
+    }
+    for (r, code) in codes.iter().enumerate() {
+        assert_eq!(
+            *code, INVALID_VALUE,
+            "{label}: rank {r} returned {code}, not cudaErrorInvalidValue"
+        );
+    }
+    ranks.synchronize();
+    for (r, b) in bufs.iter().enumerate() {
+        let untouched = |what: &str, got: Vec<u8>, want: u8| {
+            if let Some(i) = got.iter().position(|&x| x != want) {
+                panic!(
+                    "{label}: rank {r}'s {what} byte {i} is {:#x}, was {want:#x}",
+                    got[i]
+                );
+            }
+        };
+        untouched("staging and result", ranks.data[r].to_vec(), 0xff);
+        untouched("out", b.out.to_vec(), 0xff);
+        untouched("residual", b.residual.to_vec(), INPUT_BYTE);
+        assert_eq!(ranks.error_word(r), 0, "{label}: rank {r}'s error word");
+    }
+}
+
+#[test]
+fn bad_calls_are_refused_before_anything_is_launched() {
+    let _s = session(
+        "emu_all_reduce",
+        "bad_calls_are_refused_before_anything_is_launched",
+    );
+    let ranks = Ranks::with_capacity(2, 2, 2_000_000, BAD_CAPACITY);
+    let bufs: Vec<BadBuffers> = (0..2).map(|_| BadBuffers::new()).collect();
+    let f16 = abi::TPFUSE_DTYPE_F16;
+    let f32 = abi::TPFUSE_DTYPE_F32;
+    for algo in [abi::TPFUSE_ALGO_ONE_SHOT, abi::TPFUSE_ALGO_TWO_SHOT] {
+        // Messages one vector past the staging, first (the old launchers launched them);
+        // then pointers 4 and 8 bytes past a 16-byte boundary, one at a time; then rows
+        // that bias or gamma cannot be read along in vectors; then sizes whose byte count
+        // wraps around (rows * hidden * 4 = 2^64 + 16, and 2^64 exactly).
+        let mut calls = vec![
+            (
+                "one vector past the staging (rows 1)",
+                BadAllReduce {
+                    rows: 1,
+                    hidden: BAD_CAPACITY / 4 + 4,
+                    bias: None,
+                    residual: None,
+                    gamma: None,
+                    ..GOOD_F32
+                },
+            ),
+            (
+                "one row past the staging (f16)",
+                BadAllReduce {
+                    dtype: f16,
+                    rows: BAD_CAPACITY / 2 / 64 + 1,
+                    ..GOOD_F32
+                },
+            ),
+        ];
+        for offset in [4, 8] {
+            calls.extend([
+                (
+                    "input misaligned",
+                    BadAllReduce {
+                        input: offset,
+                        ..GOOD_F32
+                    },
+                ),
+                (
+                    "out misaligned",
+                    BadAllReduce {
+                        out: offset,
+                        ..GOOD_F32
+                    },
+                ),
+                (
+                    "bias misaligned",
+                    BadAllReduce {
+                        bias: Some(offset),
+                        ..GOOD_F32
+                    },
+                ),
+                (
+                    "residual misaligned",
+                    BadAllReduce {
+                        residual: Some(offset),
+                        ..GOOD_F32
+                    },
+                ),
+                (
+                    "gamma misaligned",
+                    BadAllReduce {
+                        gamma: Some(offset),
+                        ..GOOD_F32
+                    },
+                ),
+            ]);
+        }
+        calls.extend([
+            (
+                "gamma, hidden 36 f16",
+                BadAllReduce {
+                    dtype: f16,
+                    hidden: 36,
+                    bias: None,
+                    residual: None,
+                    ..GOOD_F32
+                },
+            ),
+            (
+                "bias, hidden 36 f16",
+                BadAllReduce {
+                    dtype: f16,
+                    hidden: 36,
+                    residual: None,
+                    gamma: None,
+                    ..GOOD_F32
+                },
+            ),
+            (
+                "bias, hidden 62 f32",
+                BadAllReduce {
+                    hidden: 62,
+                    residual: None,
+                    gamma: None,
+                    ..GOOD_F32
+                },
+            ),
+            (
+                "rows * hidden * 4 = 2^64 + 16",
+                BadAllReduce {
+                    rows: (1 << 62) + 1,
+                    hidden: 4,
+                    bias: None,
+                    residual: None,
+                    gamma: None,
+                    ..GOOD_F32
+                },
+            ),
+            (
+                "rows * hidden = 2^64",
+                BadAllReduce {
+                    rows: 1 << 32,
+                    hidden: 1 << 32,
+                    bias: None,
+                    residual: None,
+                    gamma: None,
+                    ..GOOD_F32
+                },
+            ),
+        ]);
+        for (what, c) in calls {
+            refused(
+                &format!("all-reduce algo {algo}: {what} {c:?}"),
+                &ranks,
+                &bufs,
+                &BadCall::AllReduce(algo, c),
+            );
+        }
+    }
+    // Reduce-scatter stages world x len elements: len fits, world x len does not.
+    let len = BAD_CAPACITY / 4 / 2 + 4;
+    for (what, call) in [
+        (
+            "world x len one vector past the staging",
+            BadCall::ReduceScatter(f32, len, 0, 0),
+        ),
+        ("input misaligned", BadCall::ReduceScatter(f32, 64, 8, 0)),
+        ("out misaligned", BadCall::ReduceScatter(f32, 64, 0, 4)),
+        (
+            "len not whole vectors",
+            BadCall::ReduceScatter(f16, 60, 0, 0),
+        ),
+        (
+            "world x len x 4 = 2^64 + 32",
+            BadCall::ReduceScatter(f32, (1 << 61) + 4, 0, 0),
+        ),
+        ("an unknown dtype", BadCall::ReduceScatter(7, 64, 0, 0)),
+    ] {
+        refused(&format!("reduce-scatter: {what}"), &ranks, &bufs, &call);
+    }
+    for (what, call) in [
+        (
+            "one vector past the staging",
+            BadCall::AllGather(BAD_CAPACITY + 16, 0, 0),
+        ),
+        ("input misaligned", BadCall::AllGather(256, 8, 0)),
+        ("out misaligned", BadCall::AllGather(256, 0, 4)),
+    ] {
+        refused(&format!("all-gather: {what}"), &ranks, &bufs, &call);
+    }
+    // The control: the well-formed call on the same buffers is launched, and leaves the
+    // marks the checks above look for (staged input, written out and residual).
+    let codes = make(
+        &ranks,
+        &bufs,
+        &BadCall::AllReduce(abi::TPFUSE_ALGO_ONE_SHOT, GOOD_F32),
+    );
+    assert_eq!(codes, [0, 0], "the well-formed call");
+    ranks.synchronize();
+    for (r, b) in bufs.iter().enumerate() {
+        assert_eq!(ranks.error_word(r), 0, "the well-formed call: rank {r}");
+        let staging = ranks.data[r].to_vec();
+        assert!(staging.contains(&INPUT_BYTE), "rank {r}: staged");
+        assert!(b.out.to_vec()[..16] != [0xff; 16], "rank {r}: out written");
+        assert!(
+            b.residual.to_vec()[..16] != [INPUT_BYTE; 16],
+            "rank {r}: residual written"
         );
     }
 }

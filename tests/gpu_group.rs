@@ -9,8 +9,9 @@
 //!   communicator each, and either symmetric memory with the same table everywhere or a
 //!   reason why not.
 //!
-//! The timeout and poisoning path is tested inside the crate (src/group.rs, `gpu_tests`),
-//! where the kernel launchers are reachable.
+//! The kernels' own timeout and poisoning path is tested inside the crate (src/group.rs,
+//! `gpu_tests`), where the kernel launchers are reachable; the host's own bound in
+//! tests/gpu_host_timeout.rs (on the emulator).
 
 use cudarc::driver::sys;
 use std::collections::HashSet;

@@ -169,7 +169,8 @@ uint64_t global_timer_ns() {
 }
 
 uint64_t clock_cycles() {
-  return static_cast<uint64_t>(static_cast<unsigned __int128>(now_ns()) * kClockKhz / 1000000);
+  const Stream &s = *current_block().launch->stream;
+  return static_cast<uint64_t>(static_cast<unsigned __int128>(now_ns()) * kClockKhz / 1000000 / s.clock_divisor);
 }
 
 // cp.async copies of a thread form its open group until a commit; wait_group(n) lands

@@ -32,6 +32,7 @@ constexpr CUresult kPeerAccessNotEnabled = 705;
 constexpr CUresult kInvalidHandle = 400;
 constexpr CUresult kNotSupported = 801;
 constexpr CUresult kCaptureUnsupported = 900;
+constexpr CUresult kNotReady = 600;
 constexpr CUresult kCaptureInvalidated = 901;
 constexpr CUresult kCapturedEvent = 907;  // CUDA_ERROR_CAPTURED_EVENT
 
@@ -458,10 +459,25 @@ CUresult cuStreamSynchronize(void *stream) {
   return synchronize_stream(s);
 }
 
-// The device runs while a host thread waits, so a query waits for the stream: it returns
-// CUDA_SUCCESS or the stream's error, never CUDA_ERROR_NOT_READY (a hung kernel ends in a
-// reported deadlock or its own deadline, in virtual time).
-CUresult cuStreamQuery(void *stream) { return cuStreamSynchronize(stream); }
+// The device runs only while a host thread waits, so a query lets it run for one slice
+// (run_query_slice: until the stream is idle, or 1 ms of virtual time): CUDA_SUCCESS when
+// everything enqueued on the stream has completed, its sticky error when it has one, and
+// otherwise CUDA_ERROR_NOT_READY, so a host that polls with a bound of its own (poll_stream)
+// reaches that bound while a kernel still waits.
+CUresult cuStreamQuery(void *stream) {
+  Stream *s = stream_of(static_cast<cudaStream_t>(stream));
+  if (capturing(s)) return kCaptureUnsupported;
+  Device &dev = device();
+  uint64_t target;
+  {
+    std::lock_guard<std::mutex> lk(dev.mu);
+    target = s->enqueued;
+  }
+  const bool done = run_query_slice([s, target] { return s->completed >= target; });
+  std::lock_guard<std::mutex> lk(dev.mu);
+  if (s->error != cudaSuccess) return s->error;
+  return done ? kSuccess : kNotReady;
+}
 
 CUresult cuLaunchHostFunc(void *stream, void (*fn)(void *), void *data) {
   if (fn == nullptr) return kInvalidValue;
@@ -548,7 +564,20 @@ CUresult cuEventSynchronize(void *event) {
     if (r != kSuccess) return r;
   }
 }
-CUresult cuEventQuery(void *event) { return cuEventSynchronize(event); }
+// One slice of device time (as cuStreamQuery): CUDA_SUCCESS once the last record happened,
+// CUDA_ERROR_NOT_READY before.
+CUresult cuEventQuery(void *event) {
+  if (event == nullptr) return kInvalidHandle;
+  Event *e = static_cast<Event *>(event);
+  uint64_t want;
+  {
+    Device &dev = device();
+    std::lock_guard<std::mutex> lk(dev.mu);
+    if (refuse_captured(*e, "cuEventQuery")) return kCapturedEvent;
+    want = e->recorded;
+  }
+  return run_query_slice([e, want] { return e->completed.load() >= want; }) ? kSuccess : kNotReady;
+}
 
 CUresult cuEventElapsedTime(float *ms, void *start, void *end) {
   if (ms == nullptr || start == nullptr || end == nullptr) return kInvalidValue;

@@ -175,6 +175,30 @@ cudaError_t synchronize_stream(Stream *only) {
   return error;
 }
 
+bool device_wanted(const Device &dev) {
+  return dev.waiters > dev.bounded_waiters || (dev.bounded_waiters > 0 && dev.clock_ns < dev.run_until_ns);
+}
+
+bool run_query_slice(const std::function<bool()> &done) {
+  static const uint64_t slice_ns = env_u64("TPFUSE_EMU_QUERY_SLICE_NS", 1000 * 1000);
+  Device &dev = device();
+  std::unique_lock<std::mutex> lk(dev.mu);
+  if (done()) return true;
+  const uint64_t bound = now_ns() + slice_ns;
+  ++dev.waiters;
+  ++dev.bounded_waiters;
+  dev.run_until_ns = std::max(dev.run_until_ns, bound);
+  dev.wake_device.notify_one();
+  // Past the bound, wait for the device to park at the end of its pass (unless a synchronize
+  // keeps it running): the host goes on only from that deterministic point.
+  dev.work_done.wait(lk, [&] {
+    return done() || (now_ns() >= bound && (dev.parked || dev.waiters > dev.bounded_waiters));
+  });
+  --dev.waiters;
+  if (--dev.bounded_waiters == 0) dev.run_until_ns = 0;
+  return done();
+}
+
 int emulated_devices() {
   static const int count = [] {
     const char *v = std::getenv("TPFUSE_EMU_DEVICES");
@@ -372,6 +396,14 @@ int32_t tpfuse_emu_stream_set_fault(void *stream, uint64_t delay_ns, int32_t sto
   s->stop = stop != 0;
   s->frozen = freeze_timer != 0;
   s->frozen_at = now;
+  return cudaSuccess;
+}
+
+int32_t tpfuse_emu_stream_set_clock_divisor(void *stream, uint32_t divisor) {
+  Device &dev = device();
+  Stream *s = stream_of(static_cast<cudaStream_t>(stream));
+  std::lock_guard<std::mutex> lk(dev.mu);
+  s->clock_divisor = divisor > 1 ? divisor : 1;
   return cudaSuccess;
 }
 

@@ -437,7 +437,7 @@ void device_loop(Device &dev) {
       std::unique_lock<std::mutex> lk(dev.mu);
       dev.parked = true;
       dev.work_done.notify_all();
-      dev.wake_device.wait(lk, [&] { return dev.waiters > 0 && has_work(dev); });
+      dev.wake_device.wait(lk, [&] { return device_wanted(dev) && has_work(dev); });
       dev.parked = false;
     }
     refresh_active(dev);

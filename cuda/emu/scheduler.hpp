@@ -145,6 +145,7 @@ struct Stream {
   bool stop = false;
   bool frozen = false;
   uint64_t frozen_at = 0;
+  uint32_t clock_divisor = 1;  // %clock64 runs this many times slower than the peak (fault)
   int rank = -1;  // tpfuse_emu_tag_stream, under mu
   uint64_t kernels_started = 0;  // device thread
   int device = 0;  // the emulated device whose SMs run its blocks (set at creation)
@@ -159,6 +160,10 @@ struct Device {
   std::mutex mu;
   std::condition_variable wake_device, work_done;
   int waiters = 0;
+  // Queries (run_query_slice): of the waiters, those that let the device run only until the
+  // virtual clock reaches a bound; run_until_ns is the latest bound of those waiting.
+  int bounded_waiters = 0;
+  uint64_t run_until_ns = 0;
   bool parked = false;  // the device thread waits for work (under mu)
   tpfuse_emu_config config{};
   std::vector<std::unique_ptr<Stream>> streams;  // owned; destroyed streams stay (cheap)
@@ -211,6 +216,17 @@ std::unique_ptr<Launch> clone_op(const Launch &op);
 // Runs the device until everything enqueued on `stream` so far has completed (every stream
 // when null); the stream's sticky error.
 cudaError_t synchronize_stream(Stream *stream);
+// A query's slice of device time (cuStreamQuery, cuEventQuery): the device runs only while a
+// host thread waits, so a query lets it run until `done` (evaluated under mu) holds, or until
+// the virtual clock has advanced by TPFUSE_EMU_QUERY_SLICE_NS (default 1 ms) since the query
+// began and the device has stopped at the end of its pass (the same pass on every run: the
+// device, not the host's timing, decides where it stops). Returns whether `done` held. A
+// device that cannot advance its clock (every stream waits for an event no stream records)
+// keeps the query waiting, as it keeps a synchronize.
+bool run_query_slice(const std::function<bool()> &done);
+// Whether a waiting host thread wants the device to run now (mu held): a synchronize, or a
+// query whose slice has not run out.
+bool device_wanted(const Device &dev);
 // The stream a cudaStream_t / CUstream names (null: the default stream).
 Stream *stream_of(cudaStream_t s);
 // The device thread's steps that the schedules (schedules.cpp) use: resumes one fiber until

@@ -64,6 +64,11 @@ size_t tpfuse_emu_last_failure(char *buf, size_t cap);
  * value now. */
 int32_t tpfuse_emu_stream_set_fault(void *stream, uint64_t delay_ns, int32_t stop, int32_t freeze_timer);
 
+/* Fault hook: %clock64 of this stream's kernels advances `divisor` times slower than at the
+ * emulated peak clock (0 and 1: at the peak), an SM at a low clock. Set it before the stream's
+ * kernels run (a change while one runs makes its %clock64 jump). */
+int32_t tpfuse_emu_stream_set_clock_divisor(void *stream, uint32_t divisor);
+
 /* Device memory (host memory, 256-byte aligned, filled with 0xFF bytes). */
 void *tpfuse_emu_malloc(size_t bytes);
 void tpfuse_emu_free(void *ptr);
