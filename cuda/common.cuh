@@ -33,8 +33,10 @@ template <> struct Elem<__nv_bfloat16> {
 // (or cp.async, cuda/ptx.cuh): the emulator counts their bytes there (tpfuse_emu.h,
 // "Counters"); on a GPU they are the plain accesses. ld_global_cg reads through L2 only
 // (a peer's buffer, which changes between launches).
+// (The emulator also faults, as a GPU does, on an access not aligned to its size.)
 template <typename T> __device__ __forceinline__ T ld_global(const T *p) {
 #ifdef TPFUSE_EMULATOR
+  ::tpfuse_emu::check_aligned(p, sizeof(T));
   ::tpfuse_emu::count_load(p, sizeof(T));
 #endif
   return *p;
@@ -42,6 +44,7 @@ template <typename T> __device__ __forceinline__ T ld_global(const T *p) {
 
 template <typename T> __device__ __forceinline__ T ld_global_cg(const T *p) {
 #ifdef TPFUSE_EMULATOR
+  ::tpfuse_emu::check_aligned(p, sizeof(T));
   ::tpfuse_emu::count_load(p, sizeof(T));
 #endif
   return __ldcg(p);
@@ -49,6 +52,7 @@ template <typename T> __device__ __forceinline__ T ld_global_cg(const T *p) {
 
 template <typename T> __device__ __forceinline__ void st_global(T *p, const T &v) {
 #ifdef TPFUSE_EMULATOR
+  ::tpfuse_emu::check_aligned(p, sizeof(T));
   ::tpfuse_emu::count_store(p, sizeof(T));
 #endif
   *p = v;

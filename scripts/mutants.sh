@@ -363,6 +363,8 @@ mutant emu-registers-free emu_all_reduce "the emulator counts no registers towar
   emu/residency.cpp 'f.warp_registers = (registers * 32 + kRegisterUnit - 1) / kRegisterUnit * kRegisterUnit;' 'f.warp_registers = 0;'
 mutant emu-cooperative-in-part emu_gemm_all_reduce "the emulator starts a cooperative grid's blocks as they fit" \
   emu/scheduler.cpp 'if (l->cooperative && l->next_block == 0 && !all_blocks_fit(dev, *l)) continue;' ''
+mutant emu-misaligned-accepted emu_ops "the emulator accepts a global access off its size's alignment" \
+  emu/device_ops.cpp 'if ((bytes & (bytes - 1)) == 0 && bytes <= 16 && at % bytes != 0) {' 'if (false) {'
 mutant emu-mma-b-rows emu_ops "the emulated mma reads b1 as k rows 2t..2t+1" \
   emu/warp.cpp 'B[2 * t + 8 * r][g] =' 'B[2 * t + 0 * r][g] ='
 

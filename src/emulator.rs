@@ -382,6 +382,14 @@ pub mod probe {
         probe_result("probe partial warp", code)
     }
 
+    /// One 16-byte global access `offset` bytes into an aligned buffer: a load (`kind` 0), a
+    /// store (1) or a cp.async source (2).
+    pub fn global_access(kind: i32, offset: i32) -> Result<()> {
+        // SAFETY: no pointers.
+        let code = unsafe { sys::tpfuse_emu_probe_global_access(kind, offset) };
+        probe_result("probe global access", code)
+    }
+
     /// A launch of `threads` threads with `smem_bytes` of dynamic shared memory, opted in
     /// first when `opt_in`.
     pub fn smem_launch(threads: i32, smem_bytes: usize, opt_in: bool) -> Result<()> {

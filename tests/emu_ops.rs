@@ -219,6 +219,29 @@ fn ldmatrix_rejects_a_misaligned_row_address() {
     assert!(err.to_string().contains("ldmatrix"), "{err}");
 }
 
+/// A 16-byte global access (a vector load or store, a cp.async source) off a 16-byte boundary
+/// is a misaligned-address fault on a GPU, and a failed launch here (it was accepted before
+/// issue 21).
+#[test]
+fn a_misaligned_16_byte_global_access_fails_the_launch() {
+    let _s = session(
+        "emu_ops",
+        "a_misaligned_16_byte_global_access_fails_the_launch",
+    );
+    for (kind, what) in [(0, "load"), (1, "store"), (2, "cp.async source")] {
+        probe::global_access(kind, 16).unwrap_or_else(|e| panic!("an aligned {what}: {e}"));
+        for offset in [4, 8] {
+            let err = probe::global_access(kind, offset)
+                .expect_err("a misaligned access must fail the launch");
+            let text = err.to_string();
+            assert!(
+                text.contains("716") && text.contains("not 16-byte aligned"),
+                "{what} at +{offset}: {text}"
+            );
+        }
+    }
+}
+
 #[test]
 fn shfl_xor_reads_the_butterfly_partner() {
     let _s = session("emu_ops", "shfl_xor_reads_the_butterfly_partner");

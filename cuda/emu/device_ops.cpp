@@ -1,5 +1,6 @@
 // device_ops.cpp: block-level operations of the emulated device: the running thread's
 // indices, __syncthreads, shared memory, flags and atomics, cp.async, %globaltimer.
+#include <cstdio>
 #include <cstring>
 
 #include "scheduler.hpp"
@@ -179,8 +180,20 @@ uint64_t clock_cycles() {
 // The destination is undefined from the issue until the wait that completes the copy (PTX
 // ISA: cp.async is a weak operation, unordered until waited for): it reads as 0xFF (NaN)
 // meanwhile, so a stage overwritten while another warp still reads it shows.
+void check_aligned(const void *p, size_t bytes) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(p);
+  if ((bytes & (bytes - 1)) == 0 && bytes <= 16 && at % bytes != 0) {
+    char why[96];
+    std::snprintf(why, sizeof why, "a %zu-byte global access at %p, not %zu-byte aligned", bytes, p, bytes);
+    fail_launch(cudaErrorMisalignedAddress, why);
+  }
+}
+
 void cp_async(uint32_t dst, const void *src, int src_bytes) {
   if (dst % 16 != 0) fail_launch(cudaErrorMisalignedAddress, "cp.async to a shared address not 16-byte aligned");
+  // cp.async.cg of 16 bytes: the global source too (even when src-size is 0, the address is
+  // an operand of the instruction).
+  check_aligned(src, 16);
   std::memset(shared_at(dst, 16), 0xFF, 16);
   if (src_bytes > 0) count_load(src, static_cast<size_t>(src_bytes));
   current_fiber().open_group.push_back(Copy{dst, src, src_bytes});

@@ -53,6 +53,21 @@ __global__ void partial_warp_probe(int active, float *out) {
   out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1.0f, 1);
 }
 
+// One 16-byte global access at `at`: a load (kind 0), a store (1) or a cp.async source (2).
+__global__ void global_access_probe(int kind, unsigned char *at) {
+  TPFUSE_DYNAMIC_SHARED(smem);
+  if (threadIdx.x != 0) return;
+  if (kind == 0) {
+    (void)load16(reinterpret_cast<const float *>(at));
+  } else if (kind == 1) {
+    store16(reinterpret_cast<float *>(at), Vec16<float>{});
+  } else {
+    cp_async_16(smem_u32(smem), at, true);
+    cp_async_commit();
+    cp_async_wait<0>();
+  }
+}
+
 __global__ void smem_probe(unsigned char *out) {
   TPFUSE_DYNAMIC_SHARED(smem);
   if (threadIdx.x == 0) out[0] = smem[0];
@@ -127,6 +142,18 @@ extern "C" int32_t tpfuse_emu_probe_partial_warp(int32_t active_lanes) {
   float out[32];
   TPFUSE_LAUNCH(partial_warp_probe, 1, 32, 0, s.get())(active_lanes, out);
   return s.finish();
+}
+
+extern "C" int32_t tpfuse_emu_probe_global_access(int32_t kind, int32_t offset) {
+  void *buffer = tpfuse_emu_malloc(64);
+  int32_t result;
+  {
+    ProbeStream s;
+    TPFUSE_LAUNCH(global_access_probe, 1, 32, 16, s.get())(kind, static_cast<unsigned char *>(buffer) + offset);
+    result = s.finish();
+  }
+  tpfuse_emu_free(buffer);
+  return result;
 }
 
 extern "C" int32_t tpfuse_emu_probe_smem_launch(int32_t threads, size_t smem_bytes, int32_t opt_in) {

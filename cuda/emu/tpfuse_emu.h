@@ -133,6 +133,10 @@ int32_t tpfuse_emu_probe_shfl_xor(const float *in, int32_t lane_mask, float *out
 int32_t tpfuse_emu_probe_cp_async(const void *src, uint8_t *out);
 /* A warp whose lanes >= active_lanes have exited before a __shfl_xor_sync: must fail. */
 int32_t tpfuse_emu_probe_partial_warp(int32_t active_lanes);
+/* One thread makes one 16-byte global access `offset` bytes into a 256-byte-aligned buffer:
+ * a load (kind 0), a store (1) or a cp.async source (2). Must fail with
+ * cudaErrorMisalignedAddress unless offset is a multiple of 16. */
+int32_t tpfuse_emu_probe_global_access(int32_t kind, int32_t offset);
 /* A launch of `threads` threads asking for `smem_bytes` of dynamic shared memory, with the
  * opt-in attribute set first when `opt_in`: returns what the launch returned. */
 int32_t tpfuse_emu_probe_smem_launch(int32_t threads, size_t smem_bytes, int32_t opt_in);
