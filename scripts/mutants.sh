@@ -303,11 +303,11 @@ mutant epoch-not-advanced emu_gemm_all_reduce "the fused kernel's launches all u
   fused_flags.cuh '*own.fused_epoch() = st.epoch;' ''
 mutant norm-before-row-complete emu_gemm_all_reduce "the first block to reduce a tile of a strip normalises it" \
   gemm_all_reduce.cu '+ 1u == static_cast<uint32_t>(L.tiles_n);' '+ 1u == 1u;'
-mutant fused-failure-unmarked emu_gemm_all_reduce "the fused kernel's last block leaves a failed launch's outputs" \
+mutant fused-failure-unmarked emu_fused_failures "the fused kernel's last block leaves a failed launch's outputs" \
   fused_flags.cuh '  return st.last && st.failed;' '  return false;'
-mutant fused-no-descriptor-check emu_gemm_all_reduce "the fused kernel accepts a tile flag of another launch's shape" \
+mutant fused-no-descriptor-check emu_fused_failures "the fused kernel accepts a tile flag of another launch's shape" \
   fused_flags.cuh '(v & kDescriptorMask) != descriptor' 'false'
-mutant epoch-window-half-range emu_gemm_all_reduce "the fused kernel takes any flag in the half range after this launch as ready" \
+mutant epoch-window-half-range emu_fused_failures "the fused kernel takes any flag in the half range after this launch as ready" \
   fused_flags.cuh 'return ahead(v) <= 1;' 'return ahead(v) < (kEpochMask >> 1);'
 mutant two-shot-gather-from-rank-0 emu_gemm_all_reduce "two-shot gathers every row from rank 0's area" \
   gemm_all_reduce.cu 'const int owner = row / slice;' 'const int owner = 0;'
@@ -332,9 +332,9 @@ mutant gather-no-sync-before-flag emu_gemm_all_reduce "all-gather + GEMM publish
   all_gather_gemm.cu $'    __syncthreads(); // every thread\'s stores, before the flags\n' ''
 # Co-residency (issue 21, defect 2): launched as plain grids, the blocks that fit start and wait
 # for blocks that cannot; only the residency model and another kernel holding SMs show it.
-mutant fused-launch-not-cooperative emu_gemm_all_reduce "the fused kernels are plain launches (partly resident grids)" \
+mutant fused-launch-not-cooperative emu_fused_failures "the fused kernels are plain launches (partly resident grids)" \
   backend.cuh '__PRETTY_FUNCTION__, grid, block, smem, stream, true)' '__PRETTY_FUNCTION__, grid, block, smem, stream, false)'
-mutant one-shot-rmsnorm-not-cooperative emu_gemm_all_reduce "the one-shot RMSNorm, whose blocks meet, is a plain launch" \
+mutant one-shot-rmsnorm-not-cooperative emu_fused_failures "the one-shot RMSNorm, whose blocks meet, is a plain launch" \
   all_reduce.cu 'TPFUSE_LAUNCH_COOPERATIVE(one_shot_kernel<T>' 'TPFUSE_LAUNCH(one_shot_kernel<T>'
 # Right results, wasted work: only the counters see these.
 mutant gather-tiles-read-a-peer emu_counters "all-gather + GEMM's tiles read the gathered rows from the next rank's area" \
@@ -361,10 +361,12 @@ mutant emu-ldmatrix-banks emu_counters "the emulator counts a phase's bank confl
   emu/warp.cpp '++rows_in_quad[(in[8 * i + r].addr >> 4) & 7]' '++rows_in_quad[(in[8 * i + r].addr >> 2) & 7]'
 mutant emu-registers-free emu_all_reduce "the emulator counts no registers toward an SM's room" \
   emu/residency.cpp 'f.warp_registers = (registers * 32 + kRegisterUnit - 1) / kRegisterUnit * kRegisterUnit;' 'f.warp_registers = 0;'
-mutant emu-cooperative-in-part emu_gemm_all_reduce "the emulator starts a cooperative grid's blocks as they fit" \
+mutant emu-cooperative-in-part emu_fused_failures "the emulator starts a cooperative grid's blocks as they fit" \
   emu/scheduler.cpp 'if (l->cooperative && l->next_block == 0 && !all_blocks_fit(dev, *l)) continue;' ''
 mutant emu-misaligned-accepted emu_ops "the emulator accepts a global access off its size's alignment" \
   emu/device_ops.cpp 'if ((bytes & (bytes - 1)) == 0 && bytes <= 16 && at % bytes != 0) {' 'if (false) {'
+mutant emu-shared-overrun-unchecked emu_ops "the emulator lets a block write past its shared memory" \
+  emu/scheduler.cpp 'if (!overrun.empty() && !b->launch->failed) {' 'if (false) {'
 mutant emu-mma-b-rows emu_ops "the emulated mma reads b1 as k rows 2t..2t+1" \
   emu/warp.cpp 'B[2 * t + 8 * r][g] =' 'B[2 * t + 0 * r][g] ='
 

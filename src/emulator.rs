@@ -390,6 +390,14 @@ pub mod probe {
         probe_result("probe global access", code)
     }
 
+    /// One write through a plain pointer at `index` of 64 bytes of dynamic shared memory
+    /// (`kind` 0) or of a 16-float `__shared__` array (1).
+    pub fn shared_write(kind: i32, index: i32) -> Result<()> {
+        // SAFETY: no pointers.
+        let code = unsafe { sys::tpfuse_emu_probe_shared_write(kind, index) };
+        probe_result("probe shared write", code)
+    }
+
     /// A launch of `threads` threads with `smem_bytes` of dynamic shared memory, opted in
     /// first when `opt_in`.
     pub fn smem_launch(threads: i32, smem_bytes: usize, opt_in: bool) -> Result<()> {

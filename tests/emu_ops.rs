@@ -242,6 +242,20 @@ fn a_misaligned_16_byte_global_access_fails_the_launch() {
     }
 }
 
+/// A write through a plain pointer past a block's dynamic shared memory or past a `__shared__`
+/// array (undefined on a GPU: a fault, or another block's shared memory corrupted) fails the
+/// launch when the block ends; the last element in range does not.
+#[test]
+fn a_write_past_shared_memory_fails_the_launch() {
+    let _s = session("emu_ops", "a_write_past_shared_memory_fails_the_launch");
+    for (kind, len, what) in [(0, 64, "dynamic shared memory"), (1, 16, "a __shared__ array")] {
+        probe::shared_write(kind, len - 1).unwrap_or_else(|e| panic!("the last byte of {what}: {e}"));
+        let err = probe::shared_write(kind, len).expect_err("a write past the end must fail");
+        let text = err.to_string();
+        assert!(text.contains("700") && text.contains("written past"), "{what}: {text}");
+    }
+}
+
 #[test]
 fn shfl_xor_reads_the_butterfly_partner() {
     let _s = session("emu_ops", "shfl_xor_reads_the_butterfly_partner");

@@ -13,7 +13,7 @@ Block &current_block() { return *current_fiber().block; }
 // `bytes` of dynamic shared memory at shared-window address `addr`, checked.
 unsigned char *shared_at(uint32_t addr, size_t bytes) {
   Block &b = current_block();
-  if (static_cast<size_t>(addr) + bytes > b.dynamic_smem.size()) {
+  if (static_cast<size_t>(addr) + bytes > b.dynamic_bytes) {
     fail_launch(cudaErrorIllegalAddress, "shared memory access at " + std::to_string(addr) + " (+" +
                                              std::to_string(bytes) + " bytes) past the block's " +
                                              std::to_string(b.launch->smem) + " bytes of dynamic shared memory");
@@ -73,16 +73,13 @@ void syncthreads() {
 void *block_shared_bytes(const void *tag, size_t bytes, size_t align) {
   Block &b = current_block();
   for (auto &entry : b.statics)
-    if (entry.first == tag) {
-      const uintptr_t raw = reinterpret_cast<uintptr_t>(entry.second.get());
-      return reinterpret_cast<void *>((raw + align - 1) / align * align);
-    }
+    if (entry.tag == tag) return entry.start;
   // A kernel's static shared memory counts toward the block's limit with its dynamic shared
   // memory: 48 KiB in all unless the kernel opted in to more dynamic shared memory
   // (cudaFuncAttributeMaxDynamicSharedMemorySize, whose default is 48 KiB less the static
   // size). A GPU refuses such a launch; here it fails when the block declares the static.
   b.static_bytes += bytes;
-  if (b.dynamic_smem.size() + b.static_bytes > kSmemPerBlockDefault) {
+  if (b.dynamic_bytes + b.static_bytes > kSmemPerBlockDefault) {
     Device &dev = device();
     bool opted_in;
     {
@@ -91,16 +88,39 @@ void *block_shared_bytes(const void *tag, size_t bytes, size_t align) {
     }
     if (!opted_in) {
       fail_launch(cudaErrorInvalidValue,
-                  std::to_string(b.dynamic_smem.size()) + " B of dynamic and " + std::to_string(b.static_bytes) +
+                  std::to_string(b.dynamic_bytes) + " B of dynamic and " + std::to_string(b.static_bytes) +
                       " B of static shared memory exceed 48 KiB without the kernel's opt-in "
                       "(cudaFuncAttributeMaxDynamicSharedMemorySize)");
     }
   }
-  std::unique_ptr<unsigned char[]> storage(new unsigned char[bytes + align]);
-  std::memset(storage.get(), 0xFF, bytes + align);
+  const size_t total = bytes + align + kSharedRedZone;
+  std::unique_ptr<unsigned char[]> storage(new unsigned char[total]);
+  std::memset(storage.get(), 0xFF, total);
   const uintptr_t raw = reinterpret_cast<uintptr_t>(storage.get());
-  b.statics.emplace_back(tag, std::move(storage));
-  return reinterpret_cast<void *>((raw + align - 1) / align * align);
+  unsigned char *start = reinterpret_cast<unsigned char *>((raw + align - 1) / align * align);
+  b.statics.push_back(Block::Static{tag, std::move(storage), start, bytes});
+  return start;
+}
+
+// Whether the kSharedRedZone bytes at p still hold the poison they started with.
+static bool red_zone_intact(const unsigned char *p) {
+  for (size_t i = 0; i < kSharedRedZone; ++i)
+    if (p[i] != 0xFF) return false;
+  return true;
+}
+
+std::string shared_overrun(const Block &b) {
+  if (!b.dynamic_smem.empty() && !red_zone_intact(b.dynamic_smem.data() + b.dynamic_bytes)) {
+    return "shared memory written past the block's " + std::to_string(b.dynamic_bytes) +
+           " bytes of dynamic shared memory (through a plain pointer)";
+  }
+  for (const Block::Static &s : b.statics) {
+    if (!red_zone_intact(s.start + s.bytes)) {
+      return "shared memory written past a " + std::to_string(s.bytes) +
+             "-byte __shared__ variable (through a plain pointer)";
+    }
+  }
+  return "";
 }
 
 unsigned char *dynamic_shared() { return current_block().dynamic_smem.data(); }
@@ -108,7 +128,7 @@ unsigned char *dynamic_shared() { return current_block().dynamic_smem.data(); }
 uint32_t cvta_shared(const void *p) {
   Block &b = current_block();
   const unsigned char *c = static_cast<const unsigned char *>(p);
-  if (c < b.dynamic_smem.data() || c > b.dynamic_smem.data() + b.dynamic_smem.size()) {
+  if (c < b.dynamic_smem.data() || c > b.dynamic_smem.data() + b.dynamic_bytes) {
     fail_launch(cudaErrorIllegalAddress, "__cvta_generic_to_shared of a pointer outside dynamic shared memory");
   }
   return static_cast<uint32_t>(c - b.dynamic_smem.data());

@@ -68,6 +68,19 @@ __global__ void global_access_probe(int kind, unsigned char *at) {
   }
 }
 
+// Thread 0 writes through a plain pointer at `index` of 64 bytes of dynamic shared memory
+// (kind 0) or of a 16-float __shared__ array (kind 1): in range for index < 64 (16).
+__global__ void shared_write_probe(int kind, int index) {
+  TPFUSE_DYNAMIC_SHARED(smem);
+  TPFUSE_SHARED(float[16], floats);
+  if (threadIdx.x != 0) return;
+  if (kind == 0) {
+    smem[index] = 1;
+  } else {
+    floats[index] = 1.0f;
+  }
+}
+
 __global__ void smem_probe(unsigned char *out) {
   TPFUSE_DYNAMIC_SHARED(smem);
   if (threadIdx.x == 0) out[0] = smem[0];
@@ -154,6 +167,12 @@ extern "C" int32_t tpfuse_emu_probe_global_access(int32_t kind, int32_t offset) 
   }
   tpfuse_emu_free(buffer);
   return result;
+}
+
+extern "C" int32_t tpfuse_emu_probe_shared_write(int32_t kind, int32_t index) {
+  ProbeStream s;
+  TPFUSE_LAUNCH(shared_write_probe, 1, 32, 64, s.get())(kind, index);
+  return s.finish();
 }
 
 extern "C" int32_t tpfuse_emu_probe_smem_launch(int32_t threads, size_t smem_bytes, int32_t opt_in) {

@@ -160,7 +160,8 @@ void make_resident(Device &dev, Launch &l, int sm, int first_subpartition) {
   b->order = dev.residency_seq++;
   const int threads = static_cast<int>(l.block.x);
   b->live = threads;
-  b->dynamic_smem.assign(l.smem > 0 ? l.smem : 16, 0xFF);  // poison: NaN in f32, f16 and bf16
+  b->dynamic_bytes = l.smem > 0 ? l.smem : 16;
+  b->dynamic_smem.assign(b->dynamic_bytes + kSharedRedZone, 0xFF);  // poison: NaN in f32, f16 and bf16
   b->warps.resize((threads + 31) / 32);
   for (size_t w = 0; w < b->warps.size(); ++w) b->warps[w].lanes = std::min(32, threads - 32 * static_cast<int>(w));
   b->fibers.reserve(threads);
@@ -265,6 +266,15 @@ void retire(Device &dev) {
       release_block(dev, *b);
     } else if (b->live == 0) {
       trace(dev, *b, "finished");
+      const std::string overrun = shared_overrun(*b);
+      if (!overrun.empty() && !b->launch->failed) {
+        // A GPU may fault at the access, or corrupt its neighbour's shared memory: a failure.
+        Launch &l = *b->launch;
+        l.failed = true;
+        l.code = cudaErrorIllegalAddress;
+        l.error = overrun + " (" + describe(*b) + ")";
+        std::fprintf(stderr, "tpfuse emulator: launch failed: %s\n", l.error.c_str());
+      }
       b->gone = true;
       counters_block_done(*b);
       release_block(dev, *b);

@@ -88,8 +88,18 @@ struct Block {
   int live = 0;
   int at_barrier = 0;
   std::vector<Warp> warps;
+  // Shared memory: the dynamic part (dynamic_bytes of it, then kSharedRedZone poisoned bytes)
+  // and each static one (its tag, its storage, where it starts and its size, the same red zone
+  // after it). A red zone written is a write past the memory (shared_overrun).
   std::vector<unsigned char> dynamic_smem;
-  std::vector<std::pair<const void *, std::unique_ptr<unsigned char[]>>> statics;
+  size_t dynamic_bytes = 0;
+  struct Static {
+    const void *tag;
+    std::unique_ptr<unsigned char[]> storage;
+    unsigned char *start;
+    size_t bytes;
+  };
+  std::vector<Static> statics;
   size_t static_bytes = 0;  // the statics' sizes: with the dynamic size, within the limit
   bool gone = false;  // finished or failed; its SM resources are free
   // The pct schedule (schedules.cpp): blocks run by (demoted ascending, priority descending).
@@ -240,6 +250,10 @@ void sweep(Device &dev);
 // of resumes and leaves dev.progress set when any thread made progress.
 void place_in_schedule(Device &dev, Block &block);
 int run_pass(Device &dev, std::vector<Fiber *> &scratch);
+// The bytes after each of a block's shared memories that it must not write.
+constexpr size_t kSharedRedZone = 256;
+// "" when block b wrote no shared memory past its end, else what it wrote past (device_ops.cpp).
+std::string shared_overrun(const Block &b);
 // Re-checks a block's barrier after a thread arrived at it or exited.
 void release_barrier_if_complete(Block &block);
 // Counters (counters.cpp). A launch leaving its stream's queue (mu held); a block that

@@ -137,6 +137,10 @@ int32_t tpfuse_emu_probe_partial_warp(int32_t active_lanes);
  * a load (kind 0), a store (1) or a cp.async source (2). Must fail with
  * cudaErrorMisalignedAddress unless offset is a multiple of 16. */
 int32_t tpfuse_emu_probe_global_access(int32_t kind, int32_t offset);
+/* Thread 0 writes one element through a plain pointer at `index` of 64 bytes of dynamic shared
+ * memory (kind 0) or of a 16-float __shared__ array (kind 1): past the end, the launch fails
+ * (cudaErrorIllegalAddress) when the block ends. */
+int32_t tpfuse_emu_probe_shared_write(int32_t kind, int32_t index);
 /* A launch of `threads` threads asking for `smem_bytes` of dynamic shared memory, with the
  * opt-in attribute set first when `opt_in`: returns what the launch returned. */
 int32_t tpfuse_emu_probe_smem_launch(int32_t threads, size_t smem_bytes, int32_t opt_in);

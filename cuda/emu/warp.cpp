@@ -99,7 +99,7 @@ void ldmatrix_x4(uint32_t addr, uint32_t &r0, uint32_t &r1, uint32_t &r2, uint32
   const LdmatrixOut out = collective<LdmatrixIn, LdmatrixOut>(
       kLdmatrix, LdmatrixIn{addr}, [](const LdmatrixIn *in, LdmatrixOut *out, Block &b) {
         for (int l = 0; l < 32; ++l) {
-          if (in[l].addr % 16 != 0 || static_cast<size_t>(in[l].addr) + 16 > b.dynamic_smem.size()) {
+          if (in[l].addr % 16 != 0 || static_cast<size_t>(in[l].addr) + 16 > b.dynamic_bytes) {
             fail_launch(cudaErrorMisalignedAddress,
                         "ldmatrix row address " + std::to_string(in[l].addr) + " of lane " + std::to_string(l) +
                             " is not a 16-byte aligned row inside dynamic shared memory");

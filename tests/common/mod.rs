@@ -8,6 +8,8 @@
 pub mod children;
 #[cfg(feature = "emulator")]
 pub mod emu;
+#[cfg(feature = "emulator")]
+pub mod fused;
 pub mod gpu;
 pub mod graphs;
 pub mod ranks;
