@@ -444,4 +444,3 @@ fn ranks_that_launch_different_shapes_get_a_mismatch() {
         }
     }
 }
-

@@ -23,10 +23,8 @@ use common::emu::{launched, session, Ranks};
 use common::fused::*;
 use common::gpu::{assert_close, base_seed, mix_seed, random_vec, TestElement};
 use half::{bf16, f16};
-use std::ffi::c_void;
 use tpfuse::emulator::{abi, DeviceBuffer};
 use tpfuse::reference::{all_reduce_fused_f64, gemm_f64};
-use tpfuse::Element;
 
 /// (world, blocks, shape, epilogue): every m of the issue, tails of n past 16, 32, 64 and
 /// 128 columns and of k past 16, 32 and 64, grids of 1 block per rank (a block with many
@@ -434,4 +432,3 @@ fn an_all_gather_gemm_right_after_a_one_shot_rmsnorm_overlaps_nothing() {
         }
     }
 }
-

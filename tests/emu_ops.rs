@@ -248,11 +248,18 @@ fn a_misaligned_16_byte_global_access_fails_the_launch() {
 #[test]
 fn a_write_past_shared_memory_fails_the_launch() {
     let _s = session("emu_ops", "a_write_past_shared_memory_fails_the_launch");
-    for (kind, len, what) in [(0, 64, "dynamic shared memory"), (1, 16, "a __shared__ array")] {
-        probe::shared_write(kind, len - 1).unwrap_or_else(|e| panic!("the last byte of {what}: {e}"));
+    for (kind, len, what) in [
+        (0, 64, "dynamic shared memory"),
+        (1, 16, "a __shared__ array"),
+    ] {
+        probe::shared_write(kind, len - 1)
+            .unwrap_or_else(|e| panic!("the last byte of {what}: {e}"));
         let err = probe::shared_write(kind, len).expect_err("a write past the end must fail");
         let text = err.to_string();
-        assert!(text.contains("700") && text.contains("written past"), "{what}: {text}");
+        assert!(
+            text.contains("700") && text.contains("written past"),
+            "{what}: {text}"
+        );
     }
 }
 

@@ -3,9 +3,9 @@
 //! data, every rank's launch of it through the C ABI on virtual ranks ([`Ranks`]), and the
 //! unfused sequence it must equal.
 
+use super::assert_same_bits;
 use super::emu::{launched, Ranks};
 use super::gpu::{assert_close, mix_seed, random_vec, TestElement};
-use super::assert_same_bits;
 use std::ffi::c_void;
 use tpfuse::emulator::{self, abi, DeviceBuffer};
 use tpfuse::reference::all_reduce_fused_f64;
@@ -380,4 +380,3 @@ pub fn enqueue_all_gather_gemm<T: TestElement>(
         )
     }
 }
-
