@@ -364,7 +364,7 @@ mutant emu-registers-free emu_all_reduce "the emulator counts no registers towar
 mutant emu-cooperative-in-part emu_fused_failures "the emulator starts a cooperative grid's blocks as they fit" \
   emu/scheduler.cpp 'if (l->cooperative && l->next_block == 0 && !all_blocks_fit(dev, *l)) continue;' ''
 mutant emu-misaligned-accepted emu_ops "the emulator accepts a global access off its size's alignment" \
-  emu/device_ops.cpp 'if ((bytes & (bytes - 1)) == 0 && bytes <= 16 && at % bytes != 0) {' 'if (false) {'
+  emu/device.hpp 'if ((bytes & (bytes - 1)) == 0 && bytes <= 16 && reinterpret_cast<uintptr_t>(p) % bytes != 0) {' 'if (false) {'
 mutant emu-shared-overrun-unchecked emu_ops "the emulator lets a block write past its shared memory" \
   emu/scheduler.cpp 'if (!overrun.empty() && !b->launch->failed) {' 'if (false) {'
 mutant emu-mma-b-rows emu_ops "the emulated mma reads b1 as k rows 2t..2t+1" \

@@ -44,8 +44,14 @@ void shared_zero16(uint32_t dst);
 // ---- Global memory. Loads of other ranks' buffers are plain host loads. The counters
 // (counters.cpp) see every access the kernels make through cuda/common.cuh and cp.async.
 // A global access of `bytes` (1, 2, 4, 8 or 16: one instruction's width) at p fails the
-// launch with cudaErrorMisalignedAddress unless p is aligned to it, as on a GPU.
-void check_aligned(const void *p, size_t bytes);
+// launch with cudaErrorMisalignedAddress unless p is aligned to it, as on a GPU (inline: every
+// load and store of the kernels passes here).
+[[noreturn]] void misaligned_access(const void *p, size_t bytes);
+inline void check_aligned(const void *p, size_t bytes) {
+  if ((bytes & (bytes - 1)) == 0 && bytes <= 16 && reinterpret_cast<uintptr_t>(p) % bytes != 0) {
+    misaligned_access(p, bytes);
+  }
+}
 void count_load(const void *p, size_t bytes);
 void count_store(const void *p, size_t bytes);
 void count_barrier();

@@ -200,13 +200,10 @@ uint64_t clock_cycles() {
 // The destination is undefined from the issue until the wait that completes the copy (PTX
 // ISA: cp.async is a weak operation, unordered until waited for): it reads as 0xFF (NaN)
 // meanwhile, so a stage overwritten while another warp still reads it shows.
-void check_aligned(const void *p, size_t bytes) {
-  const uintptr_t at = reinterpret_cast<uintptr_t>(p);
-  if ((bytes & (bytes - 1)) == 0 && bytes <= 16 && at % bytes != 0) {
-    char why[96];
-    std::snprintf(why, sizeof why, "a %zu-byte global access at %p, not %zu-byte aligned", bytes, p, bytes);
-    fail_launch(cudaErrorMisalignedAddress, why);
-  }
+void misaligned_access(const void *p, size_t bytes) {
+  char why[96];
+  std::snprintf(why, sizeof why, "a %zu-byte global access at %p, not %zu-byte aligned", bytes, p, bytes);
+  fail_launch(cudaErrorMisalignedAddress, why);
 }
 
 void cp_async(uint32_t dst, const void *src, int src_bytes) {
