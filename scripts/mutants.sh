@@ -367,6 +367,8 @@ mutant emu-misaligned-accepted emu_ops "the emulator accepts a global access off
   emu/device.hpp 'if ((bytes & (bytes - 1)) == 0 && bytes <= 16 && reinterpret_cast<uintptr_t>(p) % bytes != 0) {' 'if (false) {'
 mutant emu-shared-overrun-unchecked emu_ops "the emulator lets a block write past its shared memory" \
   emu/scheduler.cpp 'if (!overrun.empty() && !b->launch->failed) {' 'if (false) {'
+mutant emu-arch-ignored emu_ops "the emulator's SMs have an H100's limits whatever the architecture" \
+  emu/residency.cpp '    if (l.arch == arch) return l;' '    if (false) return l;'
 mutant emu-mma-b-rows emu_ops "the emulated mma reads b1 as k rows 2t..2t+1" \
   emu/warp.cpp 'B[2 * t + 8 * r][g] =' 'B[2 * t + 0 * r][g] ='
 

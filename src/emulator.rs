@@ -48,6 +48,10 @@ pub struct Config {
     /// Nanoseconds of virtual time without progress before a deadlock is reported
     /// (TPFUSE_EMU_DEADLOCK_NS, default 60 s).
     pub deadlock_ns: u64,
+    /// The SMs' compute capability, major · 10 + minor (TPFUSE_EMU_ARCH: 80, 86, 89, 90, 100
+    /// or 120; default 90, an H100): their threads, blocks and shared memory, and what the
+    /// device reports. Registers per kernel are sm_90a's on every architecture.
+    pub arch: u32,
 }
 
 /// The configuration in force (the environment's, until [`set_config`]).
@@ -65,6 +69,7 @@ pub fn config() -> Config {
         sms: c.sms as u32,
         schedule,
         deadlock_ns: c.deadlock_ns,
+        arch: c.arch as u32,
     }
 }
 
@@ -81,6 +86,7 @@ pub fn set_config(config: &Config) -> Result<()> {
         schedule: schedule as i32,
         seed,
         deadlock_ns: config.deadlock_ns,
+        arch: i32::try_from(config.arch).unwrap_or(0),
     };
     // SAFETY: reads one plain struct.
     let code = unsafe { sys::tpfuse_emu_set_config(&c) };

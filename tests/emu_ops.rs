@@ -11,7 +11,7 @@ use common::emu::{session, session_with};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use tpfuse::emulator::{probe, Stream};
+use tpfuse::emulator::{self, probe, Stream};
 
 /// groupID and threadID_in_group of a lane, as the ISA names them.
 fn ids(lane: usize) -> (usize, usize) {
@@ -261,6 +261,36 @@ fn a_write_past_shared_memory_fails_the_launch() {
             "{what}: {text}"
         );
     }
+}
+
+/// The SMs' limits follow the configured architecture (`Config::arch`): an A100 (8.0) lets a
+/// block opt in to 163 KiB of shared memory and an H100 (9.0) to 227 KiB; an RTX 3090's SM
+/// (8.6) holds 1536 threads, so two blocks of 1024 never share one, where an H100's SM holds
+/// both. The device reports the compute capability.
+#[test]
+fn the_architecture_sets_the_sms_limits() {
+    let _s = session_with(
+        "emu_ops",
+        "the_architecture_sets_the_sms_limits",
+        1,
+        1_000_000_000,
+    );
+    let with_arch = |arch: u32| {
+        let mut c = emulator::config();
+        c.arch = arch;
+        emulator::set_config(&c).expect("an idle device takes a configuration");
+    };
+    with_arch(80);
+    probe::smem_launch(32, 163 * 1024, true).expect("163 KiB on an A100");
+    probe::smem_launch(32, 200 * 1024, true).expect_err("200 KiB is past an A100's opt-in");
+    with_arch(90);
+    probe::smem_launch(32, 200 * 1024, true).expect("200 KiB on an H100");
+    let stream = emulator::Stream::new();
+    probe::wait_for_last_block(2, &stream).expect("two blocks of 1024 threads share an H100's SM");
+    with_arch(86);
+    let err = probe::wait_for_last_block(2, &stream)
+        .expect_err("an RTX 3090's SM holds one block of 1024 threads");
+    assert!(err.to_string().contains("not resident"), "{err}");
 }
 
 #[test]

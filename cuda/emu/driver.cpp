@@ -157,7 +157,8 @@ CUresult cuDeviceGetPCIBusId(char *bus, int len, CUdevice d) {
   return kSuccess;
 }
 
-// The attributes of an H100 SXM (compute capability 9.0), with the configured SM count.
+// The attributes of an H100 SXM (compute capability 9.0), with the configured SM count, or the
+// configured architecture's SM limits (config.arch).
 CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice d) {
   if (value == nullptr) return kInvalidValue;
   if (d < 0 || d >= device_count()) return kInvalidDevice;
@@ -173,13 +174,14 @@ CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice d) {
   case 16: *value = device().config.sms; break;                    // MULTIPROCESSOR_COUNT
   case 31: *value = 1; break;                                      // CONCURRENT_KERNELS
   case 33: *value = 0xE0 + d; break;                               // PCI_BUS_ID
-  case 39: *value = kThreadsPerSm; break;                          // MAX_THREADS_PER_MULTIPROCESSOR
+  case 39: *value = sm_limits().threads; break;                    // MAX_THREADS_PER_MULTIPROCESSOR
   case 41: *value = 1; break;                                      // UNIFIED_ADDRESSING
-  case 75: *value = 9; break;                                      // COMPUTE_CAPABILITY_MAJOR
-  case 76: *value = 0; break;                                      // COMPUTE_CAPABILITY_MINOR
-  case 81: *value = static_cast<int>(kSmemPerSm); break;           // MAX_SHARED_MEMORY_PER_MULTIPROCESSOR
-  case 97: *value = static_cast<int>(kSmemPerBlockOptIn); break;   // MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
-  case 106: *value = kBlocksPerSm; break;                          // MAX_BLOCKS_PER_MULTIPROCESSOR
+  case 75: *value = sm_limits().arch / 10; break;                  // COMPUTE_CAPABILITY_MAJOR
+  case 76: *value = sm_limits().arch % 10; break;                  // COMPUTE_CAPABILITY_MINOR
+  case 81: *value = static_cast<int>(sm_limits().smem); break;        // MAX_SHARED_MEMORY_PER_MULTIPROCESSOR
+  case 95: *value = 1; break;                                          // COOPERATIVE_LAUNCH
+  case 97: *value = static_cast<int>(sm_limits().smem_opt_in); break; // MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+  case 106: *value = sm_limits().blocks; break;                        // MAX_BLOCKS_PER_MULTIPROCESSOR
   case 115: *value = 1; break;                                     // MEMORY_POOLS_SUPPORTED
   default: *value = 0; break;  // not modelled: reads as absent
   }

@@ -199,11 +199,12 @@ extern "C" int32_t tpfuse_emu_probe_wait_for_last_block(int32_t blocks, void *st
 
 extern "C" int32_t tpfuse_emu_occupy_sms(void *stream, int32_t sms, uint64_t ns) {
   static uint32_t unchanging = 0;
-  constexpr size_t kOptInMaximum = 227 * 1024;  // an H100's (scheduler.hpp)
-  const cudaError_t e = cudaFuncSetAttribute(occupy_sm_probe, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(kOptInMaximum));
+  int opt_in = 0;  // the most a block may have: with the runtime's 1 KiB, the SM's all
+  cudaError_t e = cudaDeviceGetAttribute(&opt_in, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0);
   if (e != cudaSuccess) return e;
-  TPFUSE_LAUNCH(occupy_sm_probe, sms, 32, kOptInMaximum, static_cast<cudaStream_t>(stream))(
+  e = cudaFuncSetAttribute(occupy_sm_probe, cudaFuncAttributeMaxDynamicSharedMemorySize, opt_in);
+  if (e != cudaSuccess) return e;
+  TPFUSE_LAUNCH(occupy_sm_probe, sms, 32, static_cast<size_t>(opt_in), static_cast<cudaStream_t>(stream))(
       &unchanging, ns);
   return cudaGetLastError();
 }

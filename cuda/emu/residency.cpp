@@ -2,7 +2,7 @@
 // 9.0) counts it, and so how many blocks of a kernel an SM holds at once (the occupancy API, and
 // the bound of a cooperative launch).
 //
-// A block holds:
+// A block holds (an H100's limits below; sm_limits() has the other architectures'):
 //   - its warps (64 an SM; a partial warp holds a whole one) and a block slot (32 an SM);
 //   - registers: the kernel's registers per thread on sm_90a (ptxas, kernel_resources.inc),
 //     allocated per warp in units of 256 (so a warp holds 32 x the count rounded up to 8), in
@@ -58,6 +58,28 @@ const KernelResources *resources_of(const std::string &kernel) {
 
 } // namespace
 
+// Per compute capability (CUDA programming guide, "Compute capabilities" table): threads, blocks
+// and shared memory per SM, and the most shared memory one block may opt in to. Registers are
+// 65536 an SM on all of them; the kernels' registers are sm_90a's everywhere (an approximation
+// for the other architectures, whose ptxas counts differ by a few).
+const SmLimits &sm_limits() {
+  static const SmLimits kLimits[] = {
+      {80, 2048, 32, 164 * 1024, 163 * 1024},  {86, 1536, 16, 100 * 1024, 99 * 1024},
+      {89, 1536, 24, 100 * 1024, 99 * 1024},   {90, 2048, 32, 228 * 1024, 227 * 1024},
+      {100, 2048, 32, 228 * 1024, 227 * 1024}, {120, 1536, 32, 100 * 1024, 99 * 1024},
+  };
+  const int arch = device().config.arch;
+  for (const SmLimits &l : kLimits)
+    if (l.arch == arch) return l;
+  return kLimits[3];
+}
+
+bool known_arch(int arch) {
+  for (int a : {80, 86, 89, 90, 100, 120})
+    if (a == arch) return true;
+  return false;
+}
+
 Footprint footprint_of(const char *kernel_name, unsigned threads, size_t dynamic_smem) {
   const KernelResources *k = resources_of(base_name(kernel_name));
   const int registers = k != nullptr ? k->registers : kUnknownRegisters;
@@ -78,8 +100,9 @@ int registers_on(const Footprint &f, int first, int p) {
 } // namespace
 
 int place(const Device &dev, int sm, const Footprint &f) {
-  if (dev.sm_blocks[sm] >= kBlocksPerSm || dev.sm_threads[sm] + 32 * f.warps > kThreadsPerSm ||
-      dev.sm_smem[sm] + f.smem > kSmemPerSm) {
+  const SmLimits &limits = sm_limits();
+  if (dev.sm_blocks[sm] >= limits.blocks || dev.sm_threads[sm] + 32 * f.warps > limits.threads ||
+      dev.sm_smem[sm] + f.smem > limits.smem) {
     return -1;
   }
   // Warp 0 on the sub-partition with the most registers free, the next warps round from it.
@@ -99,8 +122,9 @@ void hold(Device &dev, int sm, const Footprint &f, int first, int sign) {
 
 int blocks_per_sm(const Footprint &f) {
   if (f.warps <= 0) return 0;
-  int n = std::min(kBlocksPerSm, kThreadsPerSm / (32 * f.warps));
-  n = std::min(n, static_cast<int>(kSmemPerSm / f.smem));
+  const SmLimits &limits = sm_limits();
+  int n = std::min(limits.blocks, limits.threads / (32 * f.warps));
+  n = std::min(n, static_cast<int>(limits.smem / f.smem));
   if (f.warp_registers > 0) {
     // Whole warps a sub-partition holds, shared out over the block's warps (the occupancy
     // calculator's cudaOccMaxBlocksPerSMRegsLimit).

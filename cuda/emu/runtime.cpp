@@ -214,6 +214,11 @@ tpfuse_emu_config config_from_env() {
   c.schedule = schedule_from_env();
   c.seed = env_u64("TPFUSE_EMU_SEED", 1);
   c.deadlock_ns = env_u64("TPFUSE_EMU_DEADLOCK_NS", 60ull * 1000 * 1000 * 1000);
+  c.arch = static_cast<int32_t>(env_u64("TPFUSE_EMU_ARCH", 90));
+  if (!known_arch(c.arch)) {
+    std::fprintf(stderr, "tpfuse emulator: TPFUSE_EMU_ARCH=%d is not 80, 86, 89, 90, 100 or 120; using 90\n", c.arch);
+    c.arch = 90;
+  }
   if (c.sms < 1 || c.sms > 1024) c.sms = 132;
   std::atexit(append_report_at_exit);
   return c;
@@ -278,11 +283,11 @@ cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int d) {
   case cudaDevAttrMaxSharedMemoryPerBlock: *value = static_cast<int>(kSmemPerBlockDefault); break;
   case cudaDevAttrWarpSize: *value = 32; break;
   case cudaDevAttrMultiProcessorCount: *value = device().config.sms; break;
-  case cudaDevAttrMaxThreadsPerMultiProcessor: *value = kThreadsPerSm; break;
-  case cudaDevAttrComputeCapabilityMajor: *value = 9; break;
-  case cudaDevAttrComputeCapabilityMinor: *value = 0; break;
-  case cudaDevAttrMaxSharedMemoryPerMultiprocessor: *value = static_cast<int>(kSmemPerSm); break;
-  case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = static_cast<int>(kSmemPerBlockOptIn); break;
+  case cudaDevAttrMaxThreadsPerMultiProcessor: *value = sm_limits().threads; break;
+  case cudaDevAttrComputeCapabilityMajor: *value = sm_limits().arch / 10; break;
+  case cudaDevAttrComputeCapabilityMinor: *value = sm_limits().arch % 10; break;
+  case cudaDevAttrMaxSharedMemoryPerMultiprocessor: *value = static_cast<int>(sm_limits().smem); break;
+  case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = static_cast<int>(sm_limits().smem_opt_in); break;
   default: return cudaErrorInvalidValue;
   }
   return cudaSuccess;
@@ -318,7 +323,7 @@ const char *cudaGetErrorString(cudaError_t e) {
 
 cudaError_t tpfuse_emu_func_set_attribute(const void *func, cudaFuncAttribute attr, int value) {
   if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 ||
-      static_cast<size_t>(value) > kSmemPerBlockOptIn) {
+      static_cast<size_t>(value) > sm_limits().smem_opt_in) {
     return cudaErrorInvalidValue;
   }
   Device &dev = device();
@@ -335,7 +340,7 @@ void tpfuse_emu_get_config(tpfuse_emu_config *out) {
 
 int32_t tpfuse_emu_set_config(const tpfuse_emu_config *config) {
   if (config == nullptr || config->sms < 1 || config->sms > 1024 || config->schedule < 0 || config->schedule > TPFUSE_EMU_SCHEDULE_PCT ||
-      config->deadlock_ns == 0) {
+      config->deadlock_ns == 0 || !known_arch(config->arch)) {
     return cudaErrorInvalidValue;
   }
   Device &dev = device();

@@ -278,10 +278,16 @@ Footprint footprint_of(const char *kernel_name, unsigned threads, size_t dynamic
 int place(const Device &dev, int sm, const Footprint &f);
 void hold(Device &dev, int sm, const Footprint &f, int first, int sign);
 int blocks_per_sm(const Footprint &f);
-constexpr size_t kSmemPerSm = 228 * 1024;
-constexpr size_t kSmemPerBlockOptIn = 227 * 1024;
+// The SMs' limits for the configured architecture (config.arch; residency.cpp).
+struct SmLimits {
+  int arch;          // compute capability, major * 10 + minor
+  int threads;       // per SM
+  int blocks;        // per SM
+  size_t smem;       // shared memory per SM
+  size_t smem_opt_in;  // the most one block may opt in to
+};
+const SmLimits &sm_limits();
+bool known_arch(int arch);
 constexpr size_t kSmemPerBlockDefault = 48 * 1024;
-constexpr int kThreadsPerSm = 2048;
-constexpr int kBlocksPerSm = 32;
 
 } // namespace tpfuse_emu

@@ -32,6 +32,9 @@ typedef struct tpfuse_emu_config {
   uint64_t seed;        /* for RANDOM and PCT (TPFUSE_EMU_SEED, default 1) */
   uint64_t deadlock_ns; /* virtual time without progress after which the device reports a
                            deadlock (TPFUSE_EMU_DEADLOCK_NS, default 60 s) */
+  int32_t arch;         /* the SMs' compute capability, major * 10 + minor: their limits
+                           (threads, blocks, shared memory) and what the device reports
+                           (TPFUSE_EMU_ARCH=80|86|89|90|100|120, default 90: an H100) */
 } tpfuse_emu_config;
 
 /* The configuration in force (read from the environment on first use). */

@@ -24,6 +24,11 @@ pub fn session_with(file: &'static str, test: &'static str, sms: u32, deadlock_n
     let mut config = emulator::config();
     config.sms = sms;
     config.deadlock_ns = deadlock_ns;
+    // The environment's architecture (a test may have set another).
+    config.arch = std::env::var("TPFUSE_EMU_ARCH")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(90);
     // What the previous test left queued (cudarc's frees of its dropped buffers).
     emulator::drain();
     emulator::set_config(&config).expect("emulator idle between tests");
