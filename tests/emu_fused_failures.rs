@@ -42,7 +42,7 @@ fn age_pads(ranks: &mut Ranks, start: u64, stale: u64) {
 #[test]
 fn a_flag_of_a_long_past_launch_is_not_ready() {
     let _s = session(
-        "emu_gemm_all_reduce",
+        "emu_fused_failures",
         "a_flag_of_a_long_past_launch_is_not_ready",
     );
     let world = 3;
@@ -128,7 +128,7 @@ fn fused_launches_fail(
 #[test]
 fn on_a_small_device_the_grid_bound_completes_and_a_grid_past_it_is_refused() {
     let _s = session_with(
-        "emu_gemm_all_reduce",
+        "emu_fused_failures",
         "on_a_small_device_the_grid_bound_completes_and_a_grid_past_it_is_refused",
         2,
         60_000_000_000,
@@ -162,6 +162,27 @@ fn on_a_small_device_the_grid_bound_completes_and_a_grid_past_it_is_refused() {
     }
 }
 
+/// `launch` on fresh ranks (2, grids of 8, `timeout`) while another stream's kernel holds 15
+/// of the device's 16 SMs for `held_ns`; checks that it did not end before that kernel.
+fn while_sms_are_held<R>(
+    timeout: u64,
+    held_ns: u64,
+    what: &str,
+    launch: impl FnOnce(&Ranks) -> R,
+) -> R {
+    let ranks = Ranks::with_capacity(2, 8, timeout, CAPACITY);
+    let other = emulator::Stream::new();
+    other.occupy_sms(15, held_ns).expect("the other kernel");
+    let start = emulator::now_ns();
+    let result = launch(&ranks);
+    other.synchronize().expect("the other kernel");
+    assert!(
+        emulator::now_ns() - start >= held_ns,
+        "{what}: ran before the other kernel ended"
+    );
+    result
+}
+
 /// Another stream's kernel (an engine's, NCCL's, an MPS neighbour's) holds 15 of the device's
 /// 16 SMs for ten times the kernels' deadline while both ranks launch grids of 8 blocks, which
 /// the free SM cannot hold. The launches whose blocks wait for one another are cooperative:
@@ -172,7 +193,7 @@ fn on_a_small_device_the_grid_bound_completes_and_a_grid_past_it_is_refused() {
 #[test]
 fn launches_wait_for_the_sms_another_kernel_holds() {
     let _s = session_with(
-        "emu_gemm_all_reduce",
+        "emu_fused_failures",
         "launches_wait_for_the_sms_another_kernel_holds",
         16,
         60_000_000_000,
@@ -187,16 +208,9 @@ fn launches_wait_for_the_sms_another_kernel_holds() {
     for path in [Path::Fused, Path::TwoShot, Path::Unfused] {
         let idle = Ranks::with_capacity(2, 8, timeout, CAPACITY);
         let (expected, expected_res) = run(&idle, &p, path);
-        let ranks = Ranks::with_capacity(2, 8, timeout, CAPACITY);
-        let other = emulator::Stream::new();
-        other.occupy_sms(15, held_ns).expect("the other kernel");
-        let start = emulator::now_ns();
-        let (got, got_res) = run(&ranks, &p, path);
-        other.synchronize().expect("the other kernel");
-        assert!(
-            emulator::now_ns() - start >= held_ns,
-            "{path:?}: ran before the other kernel ended"
-        );
+        let (got, got_res) = while_sms_are_held(timeout, held_ns, &format!("{path:?}"), |ranks| {
+            run(ranks, &p, path)
+        });
         for r in 0..2 {
             assert_same_bits(
                 &format!("{path:?} rank {r}: out, held vs idle"),
@@ -228,15 +242,7 @@ fn launches_wait_for_the_sms_another_kernel_holds() {
         outs.iter().map(DeviceBuffer::to_vec).collect()
     };
     let expected = gather(&Ranks::with_capacity(2, 8, timeout, CAPACITY));
-    let ranks = Ranks::with_capacity(2, 8, timeout, CAPACITY);
-    let other = emulator::Stream::new();
-    other.occupy_sms(15, held_ns).expect("the other kernel");
-    let start = emulator::now_ns();
-    let got = gather(&ranks);
-    assert!(
-        emulator::now_ns() - start >= held_ns,
-        "all-gather + GEMM ran early"
-    );
+    let got = while_sms_are_held(timeout, held_ns, "all-gather + GEMM", gather);
     for r in 0..2 {
         assert_same_bits(
             &format!("all-gather + GEMM rank {r}: out, held vs idle"),
@@ -251,7 +257,7 @@ fn launches_wait_for_the_sms_another_kernel_holds() {
 #[test]
 fn a_missing_rank_times_out_and_every_output_is_marked() {
     let _s = session(
-        "emu_gemm_all_reduce",
+        "emu_fused_failures",
         "a_missing_rank_times_out_and_every_output_is_marked",
     );
     let timeout = 2_000_000;
@@ -294,7 +300,7 @@ fn a_missing_rank_times_out_and_every_output_is_marked() {
 #[test]
 fn a_missing_rank_is_named_by_the_two_shot_too() {
     let _s = session(
-        "emu_gemm_all_reduce",
+        "emu_fused_failures",
         "a_missing_rank_is_named_by_the_two_shot_too",
     );
     let (world, n, k) = (3, 136, 40);
@@ -325,7 +331,7 @@ fn a_missing_rank_is_named_by_the_two_shot_too() {
 #[test]
 fn the_sequence_parallel_kernels_time_out_on_a_missing_rank() {
     let _s = session(
-        "emu_gemm_all_reduce",
+        "emu_fused_failures",
         "the_sequence_parallel_kernels_time_out_on_a_missing_rank",
     );
     let (world, timeout) = (3, 2_000_000);
@@ -413,7 +419,7 @@ fn the_sequence_parallel_kernels_time_out_on_a_missing_rank() {
 #[test]
 fn ranks_that_launch_different_shapes_get_a_mismatch() {
     let _s = session(
-        "emu_gemm_all_reduce",
+        "emu_fused_failures",
         "ranks_that_launch_different_shapes_get_a_mismatch",
     );
     // Another m; the same shape one-shot on rank 0 and two-shot on rank 1.
