@@ -49,16 +49,11 @@ impl Ranks {
         n: usize,
         blocks: i32,
     ) {
-        let algo = if path == Path::TwoShot {
-            abi::TPFUSE_ALGO_TWO_SHOT
-        } else {
-            abi::TPFUSE_ALGO_ONE_SHOT
-        };
         // SAFETY: both buffers hold n elements and live until the caller synchronizes.
         let code = unsafe {
             abi::tpfuse_all_reduce(
                 abi::TPFUSE_DTYPE_F32 as i32,
-                algo as i32,
+                path.algo(),
                 &self.peers(),
                 &abi::tpfuse_group_args {
                     blocks,
@@ -140,6 +135,17 @@ enum Path {
     Unfused,
 }
 
+impl Path {
+    /// The C ABI's algorithm (the unfused path's all-reduce is one-shot).
+    fn algo(self) -> i32 {
+        if self == Path::TwoShot {
+            abi::TPFUSE_ALGO_TWO_SHOT as i32
+        } else {
+            abi::TPFUSE_ALGO_ONE_SHOT as i32
+        }
+    }
+}
+
 /// One all-reduce of one shape and epilogue, as every rank enqueued it.
 struct Launch<T: TestElement> {
     path: Path,
@@ -197,11 +203,7 @@ fn enqueue<T: TestElement>(ranks: &Ranks, d: &Data<T>, path: Path, label: &str) 
             let code = match path {
                 Path::OneShot | Path::TwoShot => abi::tpfuse_all_reduce(
                     T::DTYPE,
-                    if path == Path::OneShot {
-                        abi::TPFUSE_ALGO_ONE_SHOT
-                    } else {
-                        abi::TPFUSE_ALGO_TWO_SHOT
-                    } as i32,
+                    path.algo(),
                     &peers,
                     &args,
                     input.ptr().cast(),
@@ -866,16 +868,11 @@ fn ranks_that_pass_different_eps_get_a_mismatch_not_different_bits() {
         let outs: Vec<DeviceBuffer<bf16>> = (0..2).map(|_| DeviceBuffer::new(n)).collect();
         let start = emulator::now_ns();
         for (r, eps) in [(0, 1e-5f32), (1, 1e-6f32)] {
-            let algo = if path == Path::OneShot {
-                abi::TPFUSE_ALGO_ONE_SHOT
-            } else {
-                abi::TPFUSE_ALGO_TWO_SHOT
-            };
             // SAFETY: every buffer holds what the shape needs and lives until the checks.
             let code = unsafe {
                 abi::tpfuse_all_reduce(
                     abi::TPFUSE_DTYPE_BF16 as i32,
-                    algo as i32,
+                    path.algo(),
                     &ranks.peers(),
                     &ranks.args(r),
                     inputs[r].ptr().cast(),
