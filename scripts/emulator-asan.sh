@@ -1,25 +1,30 @@
 #!/usr/bin/env bash
 # The emulator suite once under AddressSanitizer: the kernels and the emulator are compiled
-# with -fsanitize=address (TPFUSE_EMU_SANITIZE=address, in their own target directory), and
-# device memory is host memory, so an out-of-bounds access of a kernel is reported.
+# again with -fsanitize=address (the build.sh that build.rs generated, run with
+# TPFUSE_EMU_CXXFLAGS), and every emulator test binary (tests/emu_*.rs, built once for the
+# suite) runs with that library loaded in place of its own. Device memory is host memory, so
+# an out-of-bounds access of a kernel or of the emulator is reported. The Rust test code is
+# not instrumented: the ASan runtime is preloaded first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 eval "$(scripts/setup.sh)"
-export CARGO_TARGET_DIR=target/asan TPFUSE_EMU_SANITIZE=address
-# Only the emulator suite's binaries (tests/emu_*.rs) are built here.
 tests=()
 for f in tests/emu_*.rs; do
   tests+=(--test "$(basename "$f" .rs)")
 done
-json=$(cargo test --features emulator --no-run --message-format=json "${tests[@]}")
+suite=$(scripts/test-binaries.sh --features emulator "${tests[@]}")
+probe=$(head -n 1 <<<"$suite")
+emu_lib=$(ldd "$probe" | grep -o '/[^ ]*/libcuda\.so' | head -n 1 || true)
+build="$(dirname "${emu_lib:-.}")/build.sh"
+[ -f "$build" ] || { echo "emulator-asan: no emulator build script beside ${emu_lib:-libcuda.so}" >&2; exit 1; }
 asan=$(gcc -print-file-name=libasan.so)
 [ -f "$asan" ] || { echo "emulator-asan: no libasan.so ($asan)" >&2; exit 1; }
-status=0
-for f in tests/emu_*.rs; do
-  name=$(basename "$f" .rs)
-  bin=$(grep -o "\"executable\":\"[^\"]*/$name-[0-9a-f]*\"" <<<"$json" | head -n 1 | cut -d'"' -f4)
-  echo "== $name under AddressSanitizer"
-  # The Rust binary is not instrumented: the ASan runtime must be loaded first.
-  LD_PRELOAD=$asan ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 "$bin" --test-threads=1 || status=1
-done
-exit $status
+
+out=target/emulator-asan
+started=$(date +%s)
+TPFUSE_EMU_CXXFLAGS="-fsanitize=address -fno-omit-frame-pointer" bash "$build" cuda "$out"
+echo "== the emulator built with AddressSanitizer in $(($(date +%s) - started)) s"
+# shellcheck disable=SC2086 # one executable per line
+TPFUSE_TEST_PRELOAD="$asan $PWD/$out/libtpfuse_emu.so" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
+  scripts/run-tests.sh $suite
+echo "== the emulator suite under AddressSanitizer in $(($(date +%s) - started)) s"

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The emulator suite: every tests/emu_*.rs with `--features emulator`, under four schedules
-# (forward, reverse, and random and pct with a fresh seed, printed), then the report of the kernel
-# instantiations that ran and a check that every __global__ kernel of cuda/ is among them.
-# Extra arguments go to each cargo test (e.g. a test name filter).
+# (forward, reverse, and random and pct with a fresh seed, printed), then the GPU suite on the
+# emulator, the report of the kernel instantiations that ran and a check that every
+# __global__ kernel of cuda/ is among them. Each test runs as its own process, one per core
+# (scripts/run-tests.sh).
 #   TPFUSE_EMU_SEED=N    the random and pct schedules' seed (default: the time)
 #   TPFUSE_TEST_SEED=N   the tests' data seed (default: the same as TPFUSE_EMU_SEED)
 set -euo pipefail
@@ -19,11 +20,12 @@ seed=${TPFUSE_EMU_SEED:-$(date +%s)}
 # Fresh data every run (the tests' inputs derive from it; a failure prints it).
 export TPFUSE_TEST_SEED=${TPFUSE_TEST_SEED:-$seed}
 echo "== data seed TPFUSE_TEST_SEED=$TPFUSE_TEST_SEED"
+suite=$(scripts/test-binaries.sh --features emulator "${tests[@]}")
 started=$(date +%s)
 for schedule in forward reverse random pct; do
   echo "== emulator suite, schedule $schedule$(case $schedule in random | pct) echo " (TPFUSE_EMU_SEED=$seed)" ;; esac)"
-  TPFUSE_EMU_SCHEDULE=$schedule TPFUSE_EMU_SEED=$seed TPFUSE_EMU_REPORT=$report \
-    cargo test --features emulator "${tests[@]}" "$@"
+  # shellcheck disable=SC2086 # one executable per line
+  TPFUSE_EMU_SCHEDULE=$schedule TPFUSE_EMU_SEED=$seed TPFUSE_EMU_REPORT=$report scripts/run-tests.sh $suite
 done
 echo "== emulator suite: 4 schedules in $(($(date +%s) - started)) s"
 
@@ -38,7 +40,9 @@ for f in tests/gpu_*.rs; do
 done
 gpu_started=$(date +%s)
 echo "== the GPU suite on the emulator: the crate's unit tests, ${gpu[*]}"
-TPFUSE_EMU_REPORT=$report TPFUSE_EMU_SMS=16 cargo test --features emulator "${gpu[@]}"
+gpu_suite=$(scripts/test-binaries.sh --features emulator "${gpu[@]}")
+# shellcheck disable=SC2086
+TPFUSE_EMU_REPORT=$report TPFUSE_EMU_SMS=16 scripts/run-tests.sh $gpu_suite
 echo "== the GPU suite on the emulator in $(($(date +%s) - gpu_started)) s"
 
 # The TP-4 decoder MLP example against its f64 reference (fails on a mismatch); the test

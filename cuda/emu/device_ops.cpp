@@ -230,7 +230,7 @@ void cp_async_wait(int pending) {
       std::memcpy(d, c.src, static_cast<size_t>(c.bytes));
       std::memset(d + c.bytes, 0, 16 - static_cast<size_t>(c.bytes));  // src-size < 16: zero fill
     }
-    f.committed.pop_front();
+    f.committed.erase(f.committed.begin());
   }
 }
 

@@ -1,5 +1,8 @@
 // runtime.cpp: the host side of the CPU emulator: the CUDA runtime calls that tpfuse's
 // launchers make, launch validation and enqueue, and the C ABI of tpfuse_emu.h.
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -82,10 +85,14 @@ void append_report_at_exit() {
   const char *path = std::getenv("TPFUSE_EMU_REPORT");
   if (path == nullptr || *path == '\0') return;
   const std::string text = report_text();
-  if (FILE *f = std::fopen(path, "a")) {
-    std::fputs(text.c_str(), f);
-    std::fclose(f);
+  // One write(2) with O_APPEND: test processes that run at once (scripts/run-tests.sh) append
+  // whole reports, never interleaved lines.
+  const int fd = ::open(path, O_WRONLY | O_APPEND | O_CREAT, 0644);
+  if (fd < 0) return;
+  if (::write(fd, text.data(), text.size()) != static_cast<ssize_t>(text.size())) {
+    std::fprintf(stderr, "tpfuse emulator: TPFUSE_EMU_REPORT=%s: short write\n", path);
   }
+  ::close(fd);
 }
 
 cudaError_t fail(cudaError_t code, const char *why, const LaunchSpec &spec) {

@@ -118,7 +118,7 @@ void set_clock(Device &dev, uint64_t ns) {
 } // namespace
 
 void resume(Device &dev, Fiber *f) {
-  dev.current = f;
+  running_fiber = f;
 #ifdef TPFUSE_EMU_ASAN
   void *fake = nullptr;
   __sanitizer_start_switch_fiber(&fake, f->stack, f->stack_bytes);
@@ -128,7 +128,7 @@ void resume(Device &dev, Fiber *f) {
   __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
 #endif
   f->context = t.fctx;
-  dev.current = nullptr;
+  running_fiber = nullptr;
   set_clock(dev, dev.clock_ns + 1);
 }
 
@@ -495,18 +495,16 @@ Device &device() {
   return *dev;
 }
 
-Fiber &current_fiber() {
-  Fiber *f = device().current;
-  if (f == nullptr) {
-    std::fprintf(stderr, "tpfuse emulator: device code called outside a kernel\n");
-    std::abort();
-  }
-  return *f;
+Fiber *running_fiber = nullptr;
+
+void called_outside_a_kernel() {
+  std::fprintf(stderr, "tpfuse emulator: device code called outside a kernel\n");
+  std::abort();
 }
 
 void yield_to_scheduler() {
   Device &dev = device();
-  Fiber *f = dev.current;
+  Fiber *f = running_fiber;
 #ifdef TPFUSE_EMU_ASAN
   __sanitizer_start_switch_fiber(&f->asan_fake_stack, scheduler_stack_bottom, scheduler_stack_size);
 #endif

@@ -48,7 +48,7 @@ struct Fiber {
   const void *polled[2] = {nullptr, nullptr};  // the two most recent addresses polled
   uint64_t polled_value[2] = {0, 0};
   std::vector<Copy> open_group;
-  std::deque<std::vector<Copy>> committed;
+  std::vector<std::vector<Copy>> committed;  // oldest first (few: a vector allocates nothing empty)
   void *asan_fake_stack = nullptr;
 };
 
@@ -199,7 +199,6 @@ struct Device {
   uint64_t clock_ns = 0;  // virtual time (atomic reads from the host: now_ns)
   uint64_t idle_ns = 0, idle_jump_ns = 0;
   bool progress = false;
-  Fiber *current = nullptr;
   void *scheduler_context = nullptr;
   std::vector<void *> free_stacks;
 };
@@ -212,7 +211,15 @@ constexpr int kMaxDevices = 16;
 int emulated_devices();
 // The configuration the environment asks for (TPFUSE_EMU_*), read when the device starts.
 tpfuse_emu_config config_from_env();
-Fiber &current_fiber();
+// The fiber the device thread is running; null between fibers. Read on every global access
+// (counters, thread indices): a plain global, not a member of device() behind its guard.
+extern Fiber *running_fiber;
+[[noreturn]] void called_outside_a_kernel();
+inline Fiber &current_fiber() {
+  Fiber *f = running_fiber;
+  if (__builtin_expect(f == nullptr, 0)) called_outside_a_kernel();
+  return *f;
+}
 // Leaves the fiber for the scheduler; returns when the scheduler resumes it.
 void yield_to_scheduler();
 // Ends the current launch with an error (reported at the stream's synchronize); the fiber is
