@@ -38,8 +38,10 @@ template <typename T> __device__ __forceinline__ T ld_global(const T *p) {
 #ifdef TPFUSE_EMULATOR
   ::tpfuse_emu::check_aligned(p, sizeof(T));
   ::tpfuse_emu::count_load(p, sizeof(T));
-#endif
+  return ::tpfuse_emu::load_global(p);
+#else
   return *p;
+#endif
 }
 
 template <typename T> __device__ __forceinline__ T ld_global_cg(const T *p) {
@@ -54,8 +56,10 @@ template <typename T> __device__ __forceinline__ void st_global(T *p, const T &v
 #ifdef TPFUSE_EMULATOR
   ::tpfuse_emu::check_aligned(p, sizeof(T));
   ::tpfuse_emu::count_store(p, sizeof(T));
-#endif
+  ::tpfuse_emu::store_global(p, v);
+#else
   *p = v;
+#endif
 }
 
 // A cross-rank barrier passed (cuda/barrier.cuh): counted by the emulator, nothing on a GPU.

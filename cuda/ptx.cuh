@@ -3,9 +3,10 @@
 // docs/emulator.md); the kernels call only these functions, never asm directly.
 //
 // The emulated twins follow the PTX ISA's definition of each instruction (sections cited
-// below); what the emulator cannot reproduce is listed in docs/emulator.md: the memory-order
-// qualifiers become host atomics on a strongly ordered CPU, and the arithmetic inside one
-// mma is a documented model.
+// below); what the emulator cannot reproduce is listed in docs/emulator.md. Every twin of a
+// strong operation names the instruction's order and scope (tpfuse_emu::Order, Scope: no
+// defaults), which the weak-memory mode (TPFUSE_EMU_MEMORY=weak) honours and the default
+// sequentially consistent mode ignores; the arithmetic inside one mma is a documented model.
 #pragma once
 
 #include <stdint.h>
@@ -19,7 +20,7 @@ namespace tpfuse {
 
 __device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t *p) {
 #ifdef TPFUSE_EMULATOR
-  return ::tpfuse_emu::poll_load(p, __ATOMIC_ACQUIRE);
+  return ::tpfuse_emu::strong_load(p, ::tpfuse_emu::Order::Acquire, ::tpfuse_emu::Scope::Sys);
 #else
   uint32_t v;
   asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -29,7 +30,7 @@ __device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t *p) {
 
 __device__ __forceinline__ void st_release_sys(uint32_t *p, uint32_t v) {
 #ifdef TPFUSE_EMULATOR
-  ::tpfuse_emu::signal_store(p, v);
+  ::tpfuse_emu::strong_store(p, v, ::tpfuse_emu::Order::Release, ::tpfuse_emu::Scope::Sys);
 #else
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 #endif
@@ -37,7 +38,7 @@ __device__ __forceinline__ void st_release_sys(uint32_t *p, uint32_t v) {
 
 __device__ __forceinline__ void st_relaxed_sys(uint32_t *p, uint32_t v) {
 #ifdef TPFUSE_EMULATOR
-  ::tpfuse_emu::signal_store(p, v);
+  ::tpfuse_emu::strong_store(p, v, ::tpfuse_emu::Order::Relaxed, ::tpfuse_emu::Scope::Sys);
 #else
   asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 #endif
@@ -45,7 +46,7 @@ __device__ __forceinline__ void st_relaxed_sys(uint32_t *p, uint32_t v) {
 
 __device__ __forceinline__ uint32_t ld_relaxed_sys(const uint32_t *p) {
 #ifdef TPFUSE_EMULATOR
-  return ::tpfuse_emu::poll_load(p, __ATOMIC_RELAXED);
+  return ::tpfuse_emu::strong_load(p, ::tpfuse_emu::Order::Relaxed, ::tpfuse_emu::Scope::Sys);
 #else
   uint32_t v;
   asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -59,7 +60,7 @@ __device__ __forceinline__ uint32_t ld_relaxed_sys(const uint32_t *p) {
 // one operation per element), so a load sees one store's whole value.
 __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t *p) {
 #ifdef TPFUSE_EMULATOR
-  return ::tpfuse_emu::poll_load(p, __ATOMIC_ACQUIRE);
+  return ::tpfuse_emu::strong_load(p, ::tpfuse_emu::Order::Acquire, ::tpfuse_emu::Scope::Sys);
 #else
   uint64_t v;
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
@@ -69,7 +70,7 @@ __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t *p) {
 
 __device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t *p) {
 #ifdef TPFUSE_EMULATOR
-  return ::tpfuse_emu::poll_load(p, __ATOMIC_RELAXED);
+  return ::tpfuse_emu::strong_load(p, ::tpfuse_emu::Order::Relaxed, ::tpfuse_emu::Scope::Sys);
 #else
   uint64_t v;
   asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
@@ -79,7 +80,7 @@ __device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t *p) {
 
 __device__ __forceinline__ void st_release_sys(uint64_t *p, uint64_t v) {
 #ifdef TPFUSE_EMULATOR
-  ::tpfuse_emu::signal_store(p, v);
+  ::tpfuse_emu::strong_store(p, v, ::tpfuse_emu::Order::Release, ::tpfuse_emu::Scope::Sys);
 #else
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 #endif
@@ -116,7 +117,7 @@ __device__ __forceinline__ uint64_t clock_cycles() {
 // st.release.sys to the same word. Returns the old value.
 __device__ __forceinline__ uint32_t atomic_cas_sys(uint32_t *p, uint32_t expected, uint32_t desired) {
 #ifdef TPFUSE_EMULATOR
-  return ::tpfuse_emu::atomic_cas(p, expected, desired);
+  return ::tpfuse_emu::atomic_cas(p, expected, desired, ::tpfuse_emu::Order::Relaxed, ::tpfuse_emu::Scope::Sys);
 #else
   uint32_t old;
   asm volatile("atom.relaxed.sys.global.cas.b32 %0, [%1], %2, %3;" : "=r"(old) : "l"(p), "r"(expected), "r"(desired) : "memory");
@@ -129,7 +130,7 @@ __device__ __forceinline__ uint32_t atomic_cas_sys(uint32_t *p, uint32_t expecte
 // released (the read-modify-writes of one location form a release sequence).
 __device__ __forceinline__ uint32_t atomic_add_acq_rel_gpu(uint32_t *p, uint32_t v) {
 #ifdef TPFUSE_EMULATOR
-  return ::tpfuse_emu::atomic_add_acq_rel(p, v);
+  return ::tpfuse_emu::atomic_add(p, v, ::tpfuse_emu::Order::AcqRel, ::tpfuse_emu::Scope::Gpu);
 #else
   uint32_t old;
   asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");

@@ -4,5 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 eval "$(scripts/setup.sh)"
-# The test profile (optimised): the build scripts/test.sh made, reused.
-exec cargo run --quiet --profile test --bin tpfuse -- doctor "$@"
+exec cargo run --quiet --release --bin tpfuse -- doctor "$@"

@@ -22,7 +22,8 @@ asan=$(gcc -print-file-name=libasan.so)
 
 out=target/emulator-asan
 started=$(date +%s)
-TPFUSE_EMU_CXXFLAGS="-fsanitize=address -fno-omit-frame-pointer" bash "$build" cuda "$out"
+# -g1: line tables for the reports, a quarter less compile time than -g.
+TPFUSE_EMU_CXXFLAGS="-fsanitize=address -fno-omit-frame-pointer -g1" bash "$build" cuda "$out"
 echo "== the emulator built with AddressSanitizer in $(($(date +%s) - started)) s"
 # shellcheck disable=SC2086 # one executable per line
 TPFUSE_TEST_PRELOAD="$asan $PWD/$out/libtpfuse_emu.so" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The emulator suite: every tests/emu_*.rs with `--features emulator`, under four schedules
-# (forward, reverse, and random and pct with a fresh seed, printed), then the GPU suite on the
-# emulator, the report of the kernel instantiations that ran and a check that every
-# __global__ kernel of cuda/ is among them. Each test runs as its own process, one per core
+# (forward, reverse, and random and pct with a fresh seed, printed; forward and random under
+# the weak memory model), then the GPU suite on the emulator, the report of the kernel
+# instantiations that ran and a check that every __global__ kernel of cuda/ is among them. Each test runs as its own process, one per core
 # (scripts/run-tests.sh).
 #   TPFUSE_EMU_SEED=N    the random and pct schedules' seed (default: the time)
 #   TPFUSE_TEST_SEED=N   the tests' data seed (default: the same as TPFUSE_EMU_SEED)
@@ -22,10 +22,15 @@ export TPFUSE_TEST_SEED=${TPFUSE_TEST_SEED:-$seed}
 echo "== data seed TPFUSE_TEST_SEED=$TPFUSE_TEST_SEED"
 suite=$(scripts/test-binaries.sh --features emulator "${tests[@]}")
 started=$(date +%s)
-for schedule in forward reverse random pct; do
-  echo "== emulator suite, schedule $schedule$(case $schedule in random | pct) echo " (TPFUSE_EMU_SEED=$seed)" ;; esac)"
+# Forward and random run under the weak memory model (TPFUSE_EMU_MEMORY: weak, each weak load
+# the oldest value the PTX model allows; weak-random, any of them), reverse and pct under
+# sequentially consistent memory.
+for pass in forward:weak reverse:sc random:weak-random pct:sc; do
+  schedule=${pass%%:*} memory=${pass#*:}
+  echo "== emulator suite, schedule $schedule$(case $schedule in random | pct) echo " (TPFUSE_EMU_SEED=$seed)" ;; esac), memory $memory"
   # shellcheck disable=SC2086 # one executable per line
-  TPFUSE_EMU_SCHEDULE=$schedule TPFUSE_EMU_SEED=$seed TPFUSE_EMU_REPORT=$report scripts/run-tests.sh $suite
+  TPFUSE_EMU_SCHEDULE=$schedule TPFUSE_EMU_SEED=$seed TPFUSE_EMU_MEMORY=$memory TPFUSE_EMU_REPORT=$report \
+    scripts/run-tests.sh $suite
 done
 echo "== emulator suite: 4 schedules in $(($(date +%s) - started)) s"
 

@@ -10,7 +10,9 @@
 #   scripts/mutants.sh NAME...    only those
 #
 # A mutant names its catcher as BINARY::TEST, run in the forward schedule, or
-# BINARY::TEST@SCHEDULE:SEED (a bug that only an adversarial interleaving shows). The
+# BINARY::TEST@SCHEDULE:SEED (a bug that only an adversarial interleaving shows), either with
+# the suffix +weak or +weak-random for a bug that only the weak-memory mode shows (a missing
+# release, acquire, barrier or scope: TPFUSE_EMU_MEMORY). The
 # baseline (cuda/ unmutated, built the same way) must pass every catcher first, so a catch is
 # the mutant's doing. The tests' data is the tests' fixed default (TPFUSE_TEST_SEED unset):
 # a catch replays. The emulator suite runs the same tests on fresh data under every schedule.
@@ -102,11 +104,15 @@ apply() {
   done
 }
 
-# Runs catcher SPEC (BINARY::TEST[@SCHEDULE:SEED]) against $work/NAME's library: 0 when it
-# passes, 1 when it fails, 2 when it cannot run.
+# Runs catcher SPEC (BINARY::TEST[@SCHEDULE:SEED][+MEMORY]) against $work/NAME's library: 0
+# when it passes, 1 when it fails, 2 when it cannot run.
 run_test() {
   local name=$1 spec=$2
-  local binary=${spec%%::*} rest=${spec#*::} bin schedule=forward seed=1
+  local binary=${spec%%::*} rest=${spec#*::} bin schedule=forward seed=1 memory=sc
+  if [ "${rest%+*}" != "$rest" ]; then
+    memory=${rest##*+}
+    rest=${rest%+*}
+  fi
   local test=${rest%@*}
   if [ "$rest" != "$test" ]; then
     schedule=${rest#*@}
@@ -124,7 +130,7 @@ run_test() {
     return 2
   fi
   LD_PRELOAD="$work/$name/out/libtpfuse_emu.so" TPFUSE_EMU_SCHEDULE=$schedule TPFUSE_EMU_SEED=$seed \
-    timeout 600 "$bin" --exact "$test" >"$work/$name/test.log" 2>&1 || return 1
+    TPFUSE_EMU_MEMORY=$memory timeout 600 "$bin" --exact "$test" >"$work/$name/test.log" 2>&1 || return 1
   return 0
 }
 
@@ -349,6 +355,30 @@ mutant embedding-positive-zero-mask emu_vocab_embedding::lookup_copies_the_rank_
   vocab_embedding.cu 'id < vocab ? uint16_t{0x8000} : nan_bits' 'id < vocab ? uint16_t{0x0000} : nan_bits'
 mutant embedding-padding-row-looked-up emu_vocab_embedding::lookup_copies_the_rank_s_rows_and_masks_the_rest "an id past the vocabulary reads the rank's padding row" \
   vocab_embedding.cu 'if (id < vocab && offset < rows) {' 'if (offset < rows) {'
+# Orders and scopes (issue 22): each weakens one synchronisation of the PTX memory model;
+# only the weak-memory mode (+weak) sees stale data or reports the scope.
+mutant barrier-flag-relaxed emu_all_reduce::all_gather_every_world+weak "the cross-rank barrier's flag stored relaxed, not release" \
+  barrier.cuh '      st_release_sys(theirs.flag(blockIdx.x, g_.rank), value);' '      st_relaxed_sys(theirs.flag(blockIdx.x, g_.rank), value);'
+mutant barrier-acquire-relaxed emu_all_reduce::all_gather_every_world+weak "the cross-rank barrier's flag read relaxed, not acquire" \
+  barrier.cuh '        (void)ld_acquire_sys(flag); // the acquire of step 3' '        (void)ld_relaxed_sys(flag); // the acquire of step 3'
+mutant barrier-no-sync-after-acquire emu_all_reduce::all_gather_every_world+weak "the block reads peers' data without the __syncthreads after the acquiring threads" \
+  barrier.cuh $'    __syncthreads();\n    const bool passed = *failures_ == 0;' $'    const bool passed = *failures_ == 0;'
+mutant release-sys-to-gpu emu_all_reduce::all_gather_every_world+weak "st.release.sys made st.release.gpu (peers on other GPUs)" \
+  ptx.cuh $'Order::Release, ::tpfuse_emu::Scope::Sys);\n#else\n  asm volatile("st.release.sys.global.u32' $'Order::Release, ::tpfuse_emu::Scope::Gpu);\n#else\n  asm volatile("st.release.gpu.global.u32'
+mutant acquire-sys-to-gpu emu_all_reduce::all_gather_every_world+weak "ld.acquire.sys made ld.acquire.gpu (peers on other GPUs)" \
+  ptx.cuh $'Order::Acquire, ::tpfuse_emu::Scope::Sys);\n#else\n  uint32_t v;\n  asm volatile("ld.acquire.sys.global.u32' $'Order::Acquire, ::tpfuse_emu::Scope::Gpu);\n#else\n  uint32_t v;\n  asm volatile("ld.acquire.gpu.global.u32'
+mutant meet-generation-relaxed emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue+weak "the rank's blocks meet on a generation stored relaxed, not release" \
+  barrier.cuh '        st_release_sys(generation, seen + 1u);' '        st_relaxed_sys(generation, seen + 1u);'
+mutant counter-acq-rel-relaxed emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue+weak "atom.acq_rel.gpu made atom.relaxed.gpu (the blocks' meeting and the fused counters)" \
+  ptx.cuh $'::tpfuse_emu::Order::AcqRel, ::tpfuse_emu::Scope::Gpu);\n#else\n  uint32_t old;\n  asm volatile("atom.acq_rel.gpu' $'::tpfuse_emu::Order::Relaxed, ::tpfuse_emu::Scope::Gpu);\n#else\n  uint32_t old;\n  asm volatile("atom.relaxed.gpu'
+mutant counter-gpu-to-cta emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue+weak "atom.acq_rel.gpu made atom.acq_rel.cta (blocks of one rank)" \
+  ptx.cuh $'::tpfuse_emu::Order::AcqRel, ::tpfuse_emu::Scope::Gpu);\n#else\n  uint32_t old;\n  asm volatile("atom.acq_rel.gpu' $'::tpfuse_emu::Order::AcqRel, ::tpfuse_emu::Scope::Cta);\n#else\n  uint32_t old;\n  asm volatile("atom.acq_rel.cta'
+mutant fused-flag-release-relaxed emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16+weak "the fused kernels' u64 flags stored relaxed, not release" \
+  ptx.cuh $'Order::Release, ::tpfuse_emu::Scope::Sys);\n#else\n  asm volatile("st.release.sys.global.u64' $'Order::Relaxed, ::tpfuse_emu::Scope::Sys);\n#else\n  asm volatile("st.relaxed.sys.global.u64'
+mutant fused-flag-acquire-relaxed emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16+weak "the fused kernels' flags read relaxed, not acquire" \
+  fused_flags.cuh '    const uint64_t v = ld_acquire_sys(flag); // the acquire' '    const uint64_t v = ld_relaxed_sys(flag); // the acquire'
+mutant fused-no-sync-after-acquire emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16+weak "the fused block reads a unit without the __syncthreads after the acquiring threads" \
+  fused_flags.cuh $'  __syncthreads();\n  const bool ok = st.failed == 0;' $'  const bool ok = st.failed == 0;'
 # The emulator's own twins: a wrong emulation must fail its own tests.
 mutant emu-cp-async-lands-early emu_ops::cp_async_lands_whole_groups_at_the_wait_that_completes_them "the emulator lands every cp.async group at any wait" \
   emu/device_ops.cpp 'while (f.committed.size() > static_cast<size_t>(pending)) {' 'while (!f.committed.empty()) {'
@@ -361,7 +391,7 @@ mutant emu-cooperative-in-part emu_fused_failures::launches_wait_for_the_sms_ano
 # (In common.cuh, not emu/device.hpp: the mutants rebuild the units that include an edited file
 # from cuda/, and device.hpp is reached only through the shims of emu/include.)
 mutant emu-misaligned-accepted emu_ops::a_misaligned_16_byte_global_access_fails_the_launch "the emulator accepts a load off its size's alignment" \
-  common.cuh $'  ::tpfuse_emu::check_aligned(p, sizeof(T));\n  ::tpfuse_emu::count_load(p, sizeof(T));\n#endif\n  return *p;' $'  ::tpfuse_emu::count_load(p, sizeof(T));\n#endif\n  return *p;'
+  common.cuh $'  ::tpfuse_emu::check_aligned(p, sizeof(T));\n  ::tpfuse_emu::count_load(p, sizeof(T));\n  return ::tpfuse_emu::load_global(p);' $'  ::tpfuse_emu::count_load(p, sizeof(T));\n  return ::tpfuse_emu::load_global(p);'
 mutant emu-shared-overrun-unchecked emu_ops::a_write_past_shared_memory_fails_the_launch "the emulator lets a block write past its shared memory" \
   emu/scheduler.cpp 'if (!overrun.empty() && !b->launch->failed) {' 'if (false) {'
 mutant emu-arch-ignored emu_ops::the_architecture_sets_the_sms_limits "the emulator's SMs have an H100's limits whatever the architecture" \

@@ -13,6 +13,7 @@
 pub use crate::ffi::kernels as abi;
 
 pub mod counters;
+pub mod litmus;
 
 use crate::error::{Error, Result};
 use crate::ffi::emu as sys;
@@ -36,6 +37,21 @@ pub enum Schedule {
     Pct(u64),
 }
 
+/// How the emulated device's global memory orders the kernels' accesses (docs/emulator.md,
+/// "Weak memory").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Memory {
+    /// Sequentially consistent: every load reads the newest value.
+    Sc,
+    /// The PTX memory model: a weak load reads the oldest value the model allows it (the
+    /// newest one its thread has synchronised with), so a missing release, acquire, barrier
+    /// or scope shows as stale data.
+    Weak,
+    /// The PTX memory model, each weak load reading any value the model allows, drawn from
+    /// the schedule's seed.
+    WeakRandom,
+}
+
 /// The emulated device: how many SMs it has (each holds up to 2048 threads, 32 blocks and
 /// 228 KiB of shared memory, like an H100's), the scheduling order, and the virtual time
 /// without progress after which it reports a deadlock.
@@ -52,6 +68,8 @@ pub struct Config {
     /// or 120; default 90, an H100): their threads, blocks and shared memory, and what the
     /// device reports. Registers per kernel are sm_90a's on every architecture.
     pub arch: u32,
+    /// Global memory's ordering (TPFUSE_EMU_MEMORY=sc|weak|weak-random, default sc).
+    pub memory: Memory,
 }
 
 /// The configuration in force (the environment's, until [`set_config`]).
@@ -65,11 +83,17 @@ pub fn config() -> Config {
         sys::TPFUSE_EMU_SCHEDULE_PCT => Schedule::Pct(c.seed),
         _ => Schedule::Forward,
     };
+    let memory = match c.memory as u32 {
+        sys::TPFUSE_EMU_MEMORY_WEAK => Memory::Weak,
+        sys::TPFUSE_EMU_MEMORY_WEAK_RANDOM => Memory::WeakRandom,
+        _ => Memory::Sc,
+    };
     Config {
         sms: c.sms as u32,
         schedule,
         deadlock_ns: c.deadlock_ns,
         arch: c.arch as u32,
+        memory,
     }
 }
 
@@ -87,6 +111,11 @@ pub fn set_config(config: &Config) -> Result<()> {
         seed,
         deadlock_ns: config.deadlock_ns,
         arch: i32::try_from(config.arch).unwrap_or(0),
+        memory: match config.memory {
+            Memory::Sc => sys::TPFUSE_EMU_MEMORY_SC,
+            Memory::Weak => sys::TPFUSE_EMU_MEMORY_WEAK,
+            Memory::WeakRandom => sys::TPFUSE_EMU_MEMORY_WEAK_RANDOM,
+        } as i32,
     };
     // SAFETY: reads one plain struct.
     let code = unsafe { sys::tpfuse_emu_set_config(&c) };
@@ -194,6 +223,13 @@ impl Stream {
     /// The handle a kernel launcher takes (`void *stream`).
     pub fn raw(&self) -> *mut c_void {
         self.raw
+    }
+
+    /// Makes this stream virtual rank `rank`'s: its launches are that rank's (the counters'
+    /// peer bytes) and its own GPU (the scope `.gpu` of the weak memory model).
+    pub fn set_rank(&self, rank: usize) {
+        // SAFETY: a stream of this emulator.
+        unsafe { sys::tpfuse_emu_tag_stream(self.raw, rank as i32) }
     }
 
     /// Runs the device until everything enqueued on this stream has completed; the stream's

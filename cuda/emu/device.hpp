@@ -55,22 +55,46 @@ inline void check_aligned(const void *p, size_t bytes) {
 void count_load(const void *p, size_t bytes);
 void count_store(const void *p, size_t bytes);
 void count_barrier();
+
+// ---- The PTX memory model's qualifiers: every twin of a strong operation in cuda/ptx.cuh
+// names its order and scope (no defaults: a twin without them does not compile).
+enum class Order { Relaxed, Acquire, Release, AcqRel, SeqCst };
+enum class Scope { Cta, Gpu, Sys };
+
+// ---- Weak memory (TPFUSE_EMU_MEMORY=weak|weak-random; weak_memory.cpp): the kernels' weak
+// global accesses (cuda/common.cuh) go through these while it is on.
+extern bool weak_memory;
+void weak_load(const void *p, void *out, size_t bytes);
+void weak_store(void *p, const void *v, size_t bytes);
+// A kernel's weak global load and store (cuda/common.cuh, __ldcg).
 template <typename T> inline T load_global(const T *p) {
   T v;
-  memcpy(static_cast<void *>(&v), static_cast<const void *>(p), sizeof(T));
+  if (weak_memory) {
+    weak_load(p, &v, sizeof(T));
+  } else {
+    memcpy(static_cast<void *>(&v), static_cast<const void *>(p), sizeof(T));
+  }
   return v;
 }
+template <typename T> inline void store_global(T *p, const T &v) {
+  if (weak_memory) {
+    weak_store(p, &v, sizeof(T));
+  } else {
+    memcpy(static_cast<void *>(p), static_cast<const void *>(&v), sizeof(T));
+  }
+}
 
-// ---- Flags and atomics: host atomics, each a scheduling point.
-uint32_t poll_load(const uint32_t *p, int memory_order);
-uint64_t poll_load(const uint64_t *p, int memory_order);
-void signal_store(uint32_t *p, uint32_t v);
-void signal_store(uint64_t *p, uint64_t v);
-int atomic_add(int *p, int v);
-unsigned atomic_add(unsigned *p, unsigned v);
-unsigned atomic_add_acq_rel(unsigned *p, unsigned v);
-int atomic_cas(int *p, int expected, int desired);
-unsigned atomic_cas(unsigned *p, unsigned expected, unsigned desired);
+// ---- Strong operations: flags and atomics, each a scheduling point (loads let the others
+// run first, so a poll reads the freshest value).
+uint32_t strong_load(const uint32_t *p, Order o, Scope s);
+uint64_t strong_load(const uint64_t *p, Order o, Scope s);
+void strong_store(uint32_t *p, uint32_t v, Order o, Scope s);
+void strong_store(uint64_t *p, uint64_t v, Order o, Scope s);
+int atomic_add(int *p, int v, Order o, Scope s);
+unsigned atomic_add(unsigned *p, unsigned v, Order o, Scope s);
+int atomic_cas(int *p, int expected, int desired, Order o, Scope s);
+unsigned atomic_cas(unsigned *p, unsigned expected, unsigned desired, Order o, Scope s);
+void fence(Order o, Scope s);
 uint64_t global_timer_ns();
 // The emulated SM clock: virtual time at kClockKhz (an H100 SXM's peak, what
 // CU_DEVICE_ATTRIBUTE_CLOCK_RATE reports). It runs on when a stream's %globaltimer is frozen.

@@ -136,52 +136,73 @@ uint32_t cvta_shared(const void *p) {
 
 void shared_zero16(uint32_t dst) { std::memset(shared_at(dst, 16), 0, 16); }
 
+namespace {
+
 // A flag's load (32 or 64 bits), polled: others run first, so the value read is the freshest.
-template <typename U> U poll_flag(const U *p, int memory_order) {
+template <typename U> U poll_flag(const U *p, Order o, Scope s) {
   Fiber &f = current_fiber();
   if (f.polled[0] != p && f.polled[1] != p) device().progress = true;  // a new wait begins
   yield_to_scheduler();
-  const U v = __atomic_load_n(p, memory_order);
+  const U v = __atomic_load_n(p, o == Order::Relaxed ? __ATOMIC_RELAXED : __ATOMIC_ACQUIRE);
   note_poll(f, p, v);
+  if (weak_memory && is_global(p)) memory_strong_read(p, sizeof(U), o, s);
   return v;
 }
 
-uint32_t poll_load(const uint32_t *p, int memory_order) { return poll_flag(p, memory_order); }
-uint64_t poll_load(const uint64_t *p, int memory_order) { return poll_flag(p, memory_order); }
-
-void signal_store(uint32_t *p, uint32_t v) {
-  __atomic_store_n(p, v, __ATOMIC_RELEASE);
-  observable_step();
-}
-void signal_store(uint64_t *p, uint64_t v) {
-  __atomic_store_n(p, v, __ATOMIC_RELEASE);
+template <typename U> void store_flag(U *p, U v, Order o, Scope s) {
+  if (weak_memory && is_global(p)) {
+    memory_strong_write(p, &v, sizeof(U), o, s);
+  } else {
+    __atomic_store_n(p, v, __ATOMIC_RELEASE);
+  }
   observable_step();
 }
 
-int atomic_add(int *p, int v) {
-  const int old = __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+template <typename U, typename Op> U read_modify_write(U *p, Order o, Scope s, Op op) {
+  static_assert(sizeof(U) == 4, "32-bit atomics");
+  U old;
+  if (weak_memory && is_global(p)) {
+    const uint32_t was = memory_rmw(reinterpret_cast<uint32_t *>(p), o, s, [&](uint32_t x) {
+      U u;
+      std::memcpy(&u, &x, 4);
+      const U r = op(u);
+      uint32_t y;
+      std::memcpy(&y, &r, 4);
+      return y;
+    });
+    std::memcpy(&old, &was, 4);
+  } else {
+    // One device thread performs every atomic: a load and a store are one indivisible step.
+    old = __atomic_load_n(p, __ATOMIC_ACQUIRE);
+    __atomic_store_n(p, op(old), __ATOMIC_RELEASE);
+  }
   observable_step();
   return old;
 }
-unsigned atomic_add(unsigned *p, unsigned v) {
-  const unsigned old = __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
-  observable_step();
-  return old;
+
+} // namespace
+
+uint32_t strong_load(const uint32_t *p, Order o, Scope s) { return poll_flag(p, o, s); }
+uint64_t strong_load(const uint64_t *p, Order o, Scope s) { return poll_flag(p, o, s); }
+void strong_store(uint32_t *p, uint32_t v, Order o, Scope s) { store_flag(p, v, o, s); }
+void strong_store(uint64_t *p, uint64_t v, Order o, Scope s) { store_flag(p, v, o, s); }
+
+int atomic_add(int *p, int v, Order o, Scope s) {
+  return read_modify_write(p, o, s, [v](int x) { return static_cast<int>(static_cast<unsigned>(x) + static_cast<unsigned>(v)); });
 }
-unsigned atomic_add_acq_rel(unsigned *p, unsigned v) {
-  const unsigned old = __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL);
-  observable_step();
-  return old;
+unsigned atomic_add(unsigned *p, unsigned v, Order o, Scope s) {
+  return read_modify_write(p, o, s, [v](unsigned x) { return x + v; });
 }
-int atomic_cas(int *p, int expected, int desired) {
-  __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
-  observable_step();
-  return expected;  // the old value: unchanged on success, the current one on failure
+int atomic_cas(int *p, int expected, int desired, Order o, Scope s) {
+  return read_modify_write(p, o, s, [=](int x) { return x == expected ? desired : x; });
 }
-unsigned atomic_cas(unsigned *p, unsigned expected, unsigned desired) {
-  __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+unsigned atomic_cas(unsigned *p, unsigned expected, unsigned desired, Order o, Scope s) {
+  return read_modify_write(p, o, s, [=](unsigned x) { return x == expected ? desired : x; });
+}
+
+void fence(Order o, Scope s) {
+  if (weak_memory) memory_fence(o, s);
   observable_step();
-  return expected;
 }
 
 uint64_t global_timer_ns() {
@@ -196,7 +217,7 @@ uint64_t clock_cycles() {
 
 // cp.async copies of a thread form its open group until a commit; wait_group(n) lands
 // committed groups, oldest first, until at most n are pending (PTX ISA, cp.async.wait_group).
-// The source is read when the copy lands.
+// The source is read when the copy lands (sc), or at the issue (weak memory).
 // The destination is undefined from the issue until the wait that completes the copy (PTX
 // ISA: cp.async is a weak operation, unordered until waited for): it reads as 0xFF (NaN)
 // meanwhile, so a stage overwritten while another warp still reads it shows.
@@ -213,7 +234,14 @@ void cp_async(uint32_t dst, const void *src, int src_bytes) {
   check_aligned(src, 16);
   std::memset(shared_at(dst, 16), 0xFF, 16);
   if (src_bytes > 0) count_load(src, static_cast<size_t>(src_bytes));
-  current_fiber().open_group.push_back(Copy{dst, src, src_bytes});
+  Copy c{dst, src, src_bytes};
+  // Weak memory: the source is read now, under this thread's view (when between the issue and
+  // the wait a cp.async reads is unspecified; the issue is the earliest).
+  if (weak_memory && src_bytes > 0) {
+    memory_cp_async_source(src, c.data);
+    c.read = true;
+  }
+  current_fiber().open_group.push_back(c);
 }
 
 void cp_async_commit() {
@@ -227,7 +255,7 @@ void cp_async_wait(int pending) {
   while (f.committed.size() > static_cast<size_t>(pending)) {
     for (const Copy &c : f.committed.front()) {
       unsigned char *d = shared_at(c.dst, 16);
-      std::memcpy(d, c.src, static_cast<size_t>(c.bytes));
+      std::memcpy(d, c.read ? c.data : c.src, static_cast<size_t>(c.bytes));
       std::memset(d + c.bytes, 0, 16 - static_cast<size_t>(c.bytes));  // src-size < 16: zero fill
     }
     f.committed.erase(f.committed.begin());

@@ -215,6 +215,15 @@ int emulated_devices() {
   return count;
 }
 
+int32_t memory_from_env() {
+  const char *v = std::getenv("TPFUSE_EMU_MEMORY");
+  if (v == nullptr || *v == '\0' || std::strcmp(v, "sc") == 0) return TPFUSE_EMU_MEMORY_SC;
+  if (std::strcmp(v, "weak") == 0) return TPFUSE_EMU_MEMORY_WEAK;
+  if (std::strcmp(v, "weak-random") == 0) return TPFUSE_EMU_MEMORY_WEAK_RANDOM;
+  std::fprintf(stderr, "tpfuse emulator: TPFUSE_EMU_MEMORY=%s is not sc, weak or weak-random; using sc\n", v);
+  return TPFUSE_EMU_MEMORY_SC;
+}
+
 tpfuse_emu_config config_from_env() {
   tpfuse_emu_config c{};
   c.sms = static_cast<int32_t>(env_u64("TPFUSE_EMU_SMS", 132));
@@ -227,6 +236,7 @@ tpfuse_emu_config config_from_env() {
     c.arch = 90;
   }
   if (c.sms < 1 || c.sms > 1024) c.sms = 132;
+  c.memory = memory_from_env();
   std::atexit(append_report_at_exit);
   return c;
 }
@@ -347,7 +357,8 @@ void tpfuse_emu_get_config(tpfuse_emu_config *out) {
 
 int32_t tpfuse_emu_set_config(const tpfuse_emu_config *config) {
   if (config == nullptr || config->sms < 1 || config->sms > 1024 || config->schedule < 0 || config->schedule > TPFUSE_EMU_SCHEDULE_PCT ||
-      config->deadlock_ns == 0 || !known_arch(config->arch)) {
+      config->deadlock_ns == 0 || !known_arch(config->arch) || config->memory < TPFUSE_EMU_MEMORY_SC ||
+      config->memory > TPFUSE_EMU_MEMORY_WEAK_RANDOM) {
     return cudaErrorInvalidValue;
   }
   Device &dev = device();
@@ -358,6 +369,7 @@ int32_t tpfuse_emu_set_config(const tpfuse_emu_config *config) {
   dev.work_done.wait(lk, [&] { return dev.parked; });
   dev.config = *config;
   dev.rng.seed(config->seed);
+  configure_memory(config->memory, config->seed);
   dev.pct_steps = dev.demotions = 0;
   const size_t sms = static_cast<size_t>(config->sms) * emulated_devices();
   dev.sm_threads.assign(sms, 0);

@@ -174,6 +174,7 @@ void make_resident(Device &dev, Launch &l, int sm, int first_subpartition) {
     f->context = ctx::make_fcontext(static_cast<char *>(f->stack) + kStackBytes, kStackBytes, fiber_entry);
     b->fibers.push_back(std::move(f));
   }
+  if (weak_memory) memory_block_start(*b);
   hold(dev, sm, l.footprint, first_subpartition, 1);
   ++l.resident;
   place_in_schedule(dev, *b);
@@ -244,6 +245,7 @@ void release_block(Device &dev, Block &b) {
 void complete(Device &dev, Stream &s) {
   std::lock_guard<std::mutex> lk(dev.mu);
   std::unique_ptr<Launch> l = std::move(s.running);
+  if (weak_memory) memory_launch_done(*l);  // a kernel boundary: its writes are everyone's
   if (l->failed) dev.last_failure = l->error;
   counters_launch_done(dev, *l);
   if (l->failed && s.error == cudaSuccess) {
@@ -482,6 +484,7 @@ Device &device() {
     Device *d = new Device();  // never destroyed: the device thread outlives main's statics
     d->config = config_from_env();
     d->rng.seed(d->config.seed);
+    configure_memory(d->config.memory, d->config.seed);
     const size_t sms = static_cast<size_t>(d->config.sms) * emulated_devices();
     d->sm_threads.assign(sms, 0);
     d->sm_blocks.assign(sms, 0);
@@ -531,6 +534,7 @@ void fail_launch(cudaError_t code, const std::string &why) {
 
 void release_barrier_if_complete(Block &b) {
   if (b.at_barrier == 0 || b.at_barrier != b.live) return;
+  if (weak_memory) memory_barrier(b);  // bar.sync: each thread's writes before it, everyone's
   for (auto &f : b.fibers)
     if (f->state == FiberState::AtBarrier) f->state = FiberState::Ready;
   b.at_barrier = 0;

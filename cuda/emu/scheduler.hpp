@@ -22,6 +22,8 @@
 
 #include <cuda_runtime.h>
 
+#include "device.hpp"
+#include "memory_model.hpp"
 #include "tpfuse_emu.h"
 
 namespace tpfuse_emu {
@@ -36,6 +38,8 @@ struct Copy {  // one cp.async
   uint32_t dst;
   const void *src;
   int bytes;
+  bool read = false;           // weak memory: the source was read at the issue, into data
+  unsigned char data[16] = {};
 };
 
 struct Fiber {
@@ -50,6 +54,7 @@ struct Fiber {
   std::vector<Copy> open_group;
   std::vector<std::vector<Copy>> committed;  // oldest first (few: a vector allocates nothing empty)
   void *asan_fake_stack = nullptr;
+  std::unique_ptr<ThreadMemory> memory;  // weak memory only (weak_memory.cpp)
 };
 
 // The exchange area of one warp's collective: each lane's operands, then each lane's result.
@@ -105,6 +110,7 @@ struct Block {
   // The pct schedule (schedules.cpp): blocks run by (demoted ascending, priority descending).
   uint64_t priority = 0;
   uint64_t demoted = 0;
+  std::unique_ptr<BlockMemory> memory;  // weak memory only (weak_memory.cpp)
 };
 
 // What one block of a launch holds of its SM while resident (residency.cpp).
@@ -141,6 +147,7 @@ struct Launch {
   bool failed = false;
   std::string error;
   cudaError_t code = cudaSuccess;
+  uint64_t memory_id = 0;  // weak memory: its id once a block ran (weak_memory.cpp)
 };
 
 struct Stream {
@@ -220,6 +227,21 @@ inline Fiber &current_fiber() {
   if (__builtin_expect(f == nullptr, 0)) called_outside_a_kernel();
   return *f;
 }
+// ---- Weak memory (weak_memory.cpp; `weak_memory` and the device-code side are in device.hpp).
+// Sets the mode (TPFUSE_EMU_MEMORY_*) and drops every version: only while nothing runs.
+void configure_memory(int32_t mode, uint64_t seed);
+// Whether p, accessed by the running thread, is global memory (not its block's shared memory).
+bool is_global(const void *p);
+void memory_block_start(Block &b);   // a block became resident
+void memory_barrier(Block &b);       // its bar.sync completed
+void memory_launch_done(Launch &l);  // a launch completed: its writes are everyone's
+// The bookkeeping of the strong operations (device_ops.cpp performs their scheduling).
+void memory_strong_read(const void *p, size_t bytes, Order o, Scope s);
+void memory_strong_write(void *p, const void *v, size_t bytes, Order o, Scope s);
+uint32_t memory_rmw(uint32_t *p, Order o, Scope s, const std::function<uint32_t(uint32_t)> &op);
+void memory_fence(Order o, Scope s);
+void memory_cp_async_source(const void *src, unsigned char (&data)[16]);
+
 // Leaves the fiber for the scheduler; returns when the scheduler resumes it.
 void yield_to_scheduler();
 // Ends the current launch with an error (reported at the stream's synchronize); the fiber is

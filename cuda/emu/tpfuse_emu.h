@@ -35,7 +35,15 @@ typedef struct tpfuse_emu_config {
   int32_t arch;         /* the SMs' compute capability, major * 10 + minor: their limits
                            (threads, blocks, shared memory) and what the device reports
                            (TPFUSE_EMU_ARCH=80|86|89|90|100|120, default 90: an H100) */
+  int32_t memory;       /* TPFUSE_EMU_MEMORY_* (TPFUSE_EMU_MEMORY=sc|weak|weak-random, default sc):
+                           global memory sequentially consistent, or under the PTX memory model
+                           with each weak load reading the oldest value the model allows
+                           (weak) or a random one of those (weak-random, drawn from seed) */
 } tpfuse_emu_config;
+
+#define TPFUSE_EMU_MEMORY_SC 0
+#define TPFUSE_EMU_MEMORY_WEAK 1
+#define TPFUSE_EMU_MEMORY_WEAK_RANDOM 2
 
 /* The configuration in force (read from the environment on first use). */
 void tpfuse_emu_get_config(tpfuse_emu_config *out);
@@ -156,6 +164,23 @@ int32_t tpfuse_emu_probe_wait_for_last_block(int32_t blocks, void *stream);
  * made meanwhile find `sms` fewer SMs (what an engine's kernel, NCCL's, or an MPS neighbour's
  * does to a GPU). Returns the launch's error. */
 int32_t tpfuse_emu_occupy_sms(void *stream, int32_t sms, uint64_t ns);
+
+/* Litmus tests of the PTX memory model (cuda/emu/litmus.cpp), for the weak-memory modes. */
+#define TPFUSE_EMU_LITMUS_MP 0   /* T0: x = 1; flag = 1.  T1: r0 = flag; r1 = x */
+#define TPFUSE_EMU_LITMUS_SB 1   /* T0: x = 1; r0 = y.  T1: y = 1; r1 = x (fence.sc between) */
+#define TPFUSE_EMU_LITMUS_LB 2   /* T0: r0 = x; y = 1.  T1: r1 = y; x = 1 */
+#define TPFUSE_EMU_LITMUS_CORR 3 /* T0: x = 1.  T1: r0 = x; r1 = x (strong) */
+#define TPFUSE_EMU_LITMUS_WRC 4  /* T0: x = 1.  T1: r0 = x; y = 1.  T2: r1 = y; r2 = x */
+#define TPFUSE_EMU_LITMUS_IRIW 5 /* T0: x = 1.  T1: y = 1.  T2: r0 = x; r1 = y.  T3: r2 = y; r3 = x */
+/* Runs litmus test `test` `runs` times; outcomes[k] (16 counters) counts the runs whose
+ * registers r_i were non-zero exactly for the bits i of k. variant 0: synchronised as the model
+ * requires (release/acquire, fence.sc); 1: not (relaxed, no fence); 2: synchronised at a scope
+ * that does not include the other thread. placement 0: each thread a block of one launch on
+ * one GPU (scopes .gpu, narrow .cta); 1: each thread its own launch on its own virtual GPU
+ * (scopes .sys, narrow .gpu). Returns 0, or the first failed launch's error with its message
+ * in `error` (NUL-terminated, truncated to error_cap). */
+int32_t tpfuse_emu_litmus(int32_t test, int32_t variant, int32_t placement, uint32_t runs, uint32_t *outcomes,
+                          char *error, size_t error_cap);
 
 #ifdef __cplusplus
 }

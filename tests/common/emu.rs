@@ -4,7 +4,7 @@
 
 use std::ffi::c_void;
 use std::sync::{Mutex, MutexGuard};
-use tpfuse::emulator::{self, abi, Config, DeviceBuffer, Fault, Schedule, Stream};
+use tpfuse::emulator::{self, abi, Config, DeviceBuffer, Fault, Memory, Schedule, Stream};
 
 static DEVICE: Mutex<()> = Mutex::new(());
 
@@ -24,7 +24,8 @@ pub fn session_with(file: &'static str, test: &'static str, sms: u32, deadlock_n
     let mut config = emulator::config();
     config.sms = sms;
     config.deadlock_ns = deadlock_ns;
-    // The environment's architecture (a test may have set another).
+    // The environment's architecture and memory model (a test may have set others).
+    config.memory = memory_from_env();
     config.arch = std::env::var("TPFUSE_EMU_ARCH")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -51,6 +52,15 @@ pub fn session(file: &'static str, test: &'static str) -> Session {
 /// whole SM: 512 threads of 78 registers on sm_90a).
 pub const SESSION_SMS: u32 = 32;
 
+/// TPFUSE_EMU_MEMORY (sc, weak or weak-random; default sc).
+pub fn memory_from_env() -> Memory {
+    match std::env::var("TPFUSE_EMU_MEMORY").as_deref() {
+        Ok("weak") => Memory::Weak,
+        Ok("weak-random") => Memory::WeakRandom,
+        _ => Memory::Sc,
+    }
+}
+
 fn deadlock_ns_from_env() -> u64 {
     std::env::var("TPFUSE_EMU_DEADLOCK_NS")
         .ok()
@@ -59,6 +69,13 @@ fn deadlock_ns_from_env() -> u64 {
 }
 
 impl Session {
+    /// The same session under another memory model.
+    pub fn with_memory(mut self, memory: Memory) -> Session {
+        self.config.memory = memory;
+        emulator::set_config(&self.config).expect("emulator idle between tests");
+        self
+    }
+
     /// The command line that reruns this test with its schedule and data seed.
     pub fn repro(&self) -> String {
         let schedule = match self.config.schedule {
@@ -67,11 +84,16 @@ impl Session {
             Schedule::Random(seed) => format!("TPFUSE_EMU_SCHEDULE=random TPFUSE_EMU_SEED={seed}"),
             Schedule::Pct(seed) => format!("TPFUSE_EMU_SCHEDULE=pct TPFUSE_EMU_SEED={seed}"),
         };
+        let memory = match self.config.memory {
+            Memory::Sc => "",
+            Memory::Weak => " TPFUSE_EMU_MEMORY=weak",
+            Memory::WeakRandom => " TPFUSE_EMU_MEMORY=weak-random",
+        };
         let data = std::env::var("TPFUSE_TEST_SEED")
             .map(|s| format!(" TPFUSE_TEST_SEED={s}"))
             .unwrap_or_default();
         format!(
-            "{schedule}{data} cargo test --features emulator --test {} -- {} --exact",
+            "{schedule}{memory}{data} cargo test --features emulator --test {} -- {} --exact",
             self.file, self.test
         )
     }
@@ -134,7 +156,13 @@ impl Ranks {
             host_errors: (0..world)
                 .map(|_| DeviceBuffer::from_slice(&[0u32]))
                 .collect(),
-            streams: (0..world).map(|_| Stream::new()).collect(),
+            streams: (0..world)
+                .map(|rank| {
+                    let s = Stream::new();
+                    s.set_rank(rank);
+                    s
+                })
+                .collect(),
             capacity,
         }
     }

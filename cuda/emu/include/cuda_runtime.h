@@ -101,13 +101,19 @@ inline float __shfl_xor_sync(unsigned mask, float v, int lane_mask, int width = 
   return ::tpfuse_emu::shfl_xor(mask, v, lane_mask, width);
 }
 
-inline int atomicAdd(int *p, int v) { return ::tpfuse_emu::atomic_add(p, v); }
-inline unsigned atomicAdd(unsigned *p, unsigned v) { return ::tpfuse_emu::atomic_add(p, v); }
+// CUDA's atomicAdd and atomicCAS: atom.relaxed.gpu (the CUDA C++ guide's atomic functions are
+// relaxed, device scope).
+inline int atomicAdd(int *p, int v) {
+  return ::tpfuse_emu::atomic_add(p, v, ::tpfuse_emu::Order::Relaxed, ::tpfuse_emu::Scope::Gpu);
+}
+inline unsigned atomicAdd(unsigned *p, unsigned v) {
+  return ::tpfuse_emu::atomic_add(p, v, ::tpfuse_emu::Order::Relaxed, ::tpfuse_emu::Scope::Gpu);
+}
 inline int atomicCAS(int *p, int expected, int desired) {
-  return ::tpfuse_emu::atomic_cas(p, expected, desired);
+  return ::tpfuse_emu::atomic_cas(p, expected, desired, ::tpfuse_emu::Order::Relaxed, ::tpfuse_emu::Scope::Gpu);
 }
 inline unsigned atomicCAS(unsigned *p, unsigned expected, unsigned desired) {
-  return ::tpfuse_emu::atomic_cas(p, expected, desired);
+  return ::tpfuse_emu::atomic_cas(p, expected, desired, ::tpfuse_emu::Order::Relaxed, ::tpfuse_emu::Scope::Gpu);
 }
 
 // A load "cached globally" (L2 only): a plain load here; peers' data is host memory.

@@ -1,0 +1,511 @@
+// weak_memory.cpp: TPFUSE_EMU_MEMORY=weak and weak-random, global memory under the PTX ISA's
+// memory consistency model as far as tpfuse's kernels use it (memory_model.hpp says how; the
+// sections cited are the PTX ISA's "Memory Consistency Model" chapter).
+//
+// Memory itself always holds the newest value of every word: host code, copies and the `sc`
+// mode read it. While launches run, each word they write keeps its versions here, in
+// coherence order (the order the device thread performed the writes), and a kernel's weak
+// load picks among them by the reading thread's view. A launch's completion commits its
+// versions (a kernel boundary: everything after it sees them) and drops the ones nobody can
+// read any more.
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <sstream>
+
+#include "scheduler.hpp"
+
+namespace tpfuse_emu {
+
+bool weak_memory = false;
+
+namespace {
+
+struct Version {
+  uint32_t value;   // the word after this write
+  uint64_t number;  // its place in the word's coherence order (1, 2, ...)
+  uint64_t launch, block;
+  uint32_t thread, epoch, seq;
+  bool strong;
+  Order order;
+  Scope scope;
+  int gpu;
+  unsigned block_index;
+  std::shared_ptr<const View> release;  // what a release pattern carried (null otherwise)
+};
+
+struct Word {
+  uint32_t base;  // the committed value before the first version
+  uint64_t next_number = 1;
+  std::vector<Version> versions;
+};
+
+// The words with versions, by 4 KiB page: one hash lookup per page (and none for a load in
+// the page looked up last), then an index.
+constexpr uintptr_t kPageWords = 1024;
+struct Page {
+  uint32_t used = 0;
+  std::unique_ptr<Word> words[kPageWords];
+};
+
+struct State {
+  bool random = false;
+  std::mt19937_64 rng;
+  uint64_t next_launch = 1;
+  std::unordered_map<uintptr_t, std::unique_ptr<Page>> pages;
+  uintptr_t last_key = ~uintptr_t{0};
+  Page *last_page = nullptr;
+  std::vector<uint8_t> done;                                     // by memory launch id
+  std::unordered_map<uint64_t, std::vector<uintptr_t>> written;  // launch id -> words
+  View sc_sys;                                                   // fence.sc orders, per scope instance
+  std::unordered_map<int, View> sc_gpu;
+  std::unordered_map<uint64_t, View> sc_cta;
+};
+
+State &state() {
+  static State *s = new State();  // device thread only; never destroyed (like device())
+  return *s;
+}
+
+bool committed(uint64_t launch) {
+  const State &st = state();
+  return launch < st.done.size() && st.done[launch] != 0;
+}
+
+uintptr_t word_of(const void *p) { return reinterpret_cast<uintptr_t>(p) & ~uintptr_t{3}; }
+
+// ---- Views.
+
+const BlockMark *find_block(const View &v, uint64_t block) {
+  auto it = std::lower_bound(v.blocks.begin(), v.blocks.end(), block,
+                             [](const BlockMark &m, uint64_t b) { return m.block < b; });
+  return it != v.blocks.end() && it->block == block ? &*it : nullptr;
+}
+
+BlockMark &block_mark(View &v, uint64_t block, uint64_t launch) {
+  auto it = std::lower_bound(v.blocks.begin(), v.blocks.end(), block,
+                             [](const BlockMark &m, uint64_t b) { return m.block < b; });
+  if (it == v.blocks.end() || it->block != block) it = v.blocks.insert(it, BlockMark{block, launch, 0, {}});
+  return *it;
+}
+
+void mark_thread(BlockMark &m, uint32_t thread, uint32_t seq) {
+  auto it = std::lower_bound(m.threads.begin(), m.threads.end(), thread,
+                             [](const ThreadMark &t, uint32_t x) { return t.thread < x; });
+  if (it != m.threads.end() && it->thread == thread) {
+    it->seq = std::max(it->seq, seq);
+  } else {
+    m.threads.insert(it, ThreadMark{thread, seq});
+  }
+}
+
+void add_point(View &v, uintptr_t word, uint64_t number) {
+  auto it = std::lower_bound(v.points.begin(), v.points.end(), word,
+                             [](const Point &p, uintptr_t w) { return p.word < w; });
+  if (it != v.points.end() && it->word == word) {
+    it->number = std::max(it->number, number);
+  } else {
+    v.points.insert(it, Point{word, number});
+  }
+}
+
+// into := into ⊔ from, leaving out the marks of committed launches (everyone sees those).
+void join(View &into, const View &from) {
+  for (const BlockMark &m : from.blocks) {
+    if (committed(m.launch)) continue;
+    BlockMark &to = block_mark(into, m.block, m.launch);
+    to.epoch_floor = std::max(to.epoch_floor, m.epoch_floor);
+    for (const ThreadMark &t : m.threads) mark_thread(to, t.thread, t.seq);
+  }
+  for (const Point &p : from.points) add_point(into, p.word, p.number);
+}
+
+bool covers(const View &v, const Version &x) {
+  if (const BlockMark *m = find_block(v, x.block)) {
+    if (x.epoch < m->epoch_floor) return true;
+    for (const ThreadMark &t : m->threads)
+      if (t.thread == x.thread) return x.seq <= t.seq;
+  }
+  return false;
+}
+
+bool covers_point(const View &v, uintptr_t word, uint64_t number) {
+  auto it = std::lower_bound(v.points.begin(), v.points.end(), word,
+                             [](const Point &p, uintptr_t w) { return p.word < w; });
+  return it != v.points.end() && it->word == word && number <= it->number;
+}
+
+ThreadMemory &thread_memory(Fiber &f) {
+  if (!f.memory) f.memory = std::make_unique<ThreadMemory>();
+  return *f.memory;
+}
+
+BlockMemory &block_memory(Block &b) {
+  if (!b.memory) memory_block_start(b);
+  return *b.memory;
+}
+
+uint64_t launch_id(Launch &l) {
+  if (l.memory_id == 0) {
+    State &st = state();
+    l.memory_id = st.next_launch++;
+    if (st.done.size() <= l.memory_id) st.done.resize(l.memory_id + 1024, 0);
+  }
+  return l.memory_id;
+}
+
+// Whether fiber f has seen version x of `word` (program order, its block's view, its own).
+bool seen(Fiber &f, const Version &x, uintptr_t word) {
+  if (committed(x.launch)) return true;
+  Block &b = *f.block;
+  if (x.block == b.order && x.thread == f.tid.x) return true;
+  const View &bv = block_memory(b).view;
+  if (covers(bv, x) || covers_point(bv, word, x.number)) return true;
+  return f.memory && (covers(f.memory->acquired, x) || covers_point(f.memory->acquired, word, x.number));
+}
+
+// Whether scope `s` of thread (gpu, block) includes the thread (gpu2, block2).
+bool includes(Scope s, int gpu, uint64_t block, int gpu2, uint64_t block2) {
+  switch (s) {
+  case Scope::Cta: return block == block2;
+  case Scope::Gpu: return gpu == gpu2;
+  case Scope::Sys: return true;
+  }
+  return false;
+}
+
+bool morally_strong(const Version &x, Fiber &f, Scope reader) {
+  const int gpu = block_memory(*f.block).gpu;
+  return x.strong && includes(x.scope, x.gpu, x.block, gpu, f.block->order) &&
+         includes(reader, gpu, f.block->order, x.gpu, x.block);
+}
+
+const char *scope_name(Scope s) { return s == Scope::Cta ? "cta" : s == Scope::Gpu ? "gpu" : "sys"; }
+const char *order_name(Order o) {
+  switch (o) {
+  case Order::Relaxed: return "relaxed";
+  case Order::Acquire: return "acquire";
+  case Order::Release: return "release";
+  case Order::AcqRel: return "acq_rel";
+  case Order::SeqCst: return "sc";
+  }
+  return "?";
+}
+bool acquires(Order o) { return o == Order::Acquire || o == Order::AcqRel || o == Order::SeqCst; }
+bool releases(Order o) { return o == Order::Release || o == Order::AcqRel || o == Order::SeqCst; }
+
+// The view a release by f carries: what f has seen, and its own writes so far.
+std::shared_ptr<const View> release_view(Fiber &f) {
+  Block &b = *f.block;
+  ThreadMemory &t = thread_memory(f);
+  auto v = std::make_shared<View>(block_memory(b).view);
+  join(*v, t.acquired);
+  mark_thread(block_mark(*v, b.order, launch_id(*b.launch)), f.tid.x, t.seq);
+  ++t.seq;  // its later writes are not released by this
+  return v;
+}
+
+Page *find_page(uintptr_t w, bool create) {
+  State &st = state();
+  const uintptr_t key = w / (4 * kPageWords);
+  if (key == st.last_key) return st.last_page;
+  auto it = st.pages.find(key);
+  Page *page = nullptr;
+  if (it != st.pages.end()) {
+    page = it->second.get();
+  } else if (create) {
+    page = (st.pages[key] = std::make_unique<Page>()).get();
+  } else {
+    return nullptr;
+  }
+  st.last_key = key;
+  st.last_page = page;
+  return page;
+}
+
+// Word w's history, or null when it has none (memory holds its committed value).
+Word *find_word(uintptr_t w) {
+  Page *page = find_page(w, false);
+  return page == nullptr ? nullptr : page->words[(w / 4) % kPageWords].get();
+}
+
+Word &word_entry(uintptr_t w) {
+  Page *page = find_page(w, true);
+  std::unique_ptr<Word> &slot = page->words[(w / 4) % kPageWords];
+  if (!slot) {
+    slot = std::make_unique<Word>();
+    std::memcpy(&slot->base, reinterpret_cast<const void *>(w), 4);
+    ++page->used;
+  }
+  return *slot;
+}
+
+void erase_word(uintptr_t w) {
+  State &st = state();
+  const uintptr_t key = w / (4 * kPageWords);
+  auto it = st.pages.find(key);
+  if (it == st.pages.end()) return;
+  Page &page = *it->second;
+  std::unique_ptr<Word> &slot = page.words[(w / 4) % kPageWords];
+  if (!slot) return;
+  slot.reset();
+  if (--page.used == 0) {
+    if (st.last_key == key) {
+      st.last_key = ~uintptr_t{0};
+      st.last_page = nullptr;
+    }
+    st.pages.erase(it);
+  }
+}
+
+// Appends the version memory now holds at word w, written by f.
+Version &push_version(Fiber &f, uintptr_t w, bool strong, Order o, Scope s) {
+  State &st = state();
+  Block &b = *f.block;
+  const uint64_t launch = launch_id(*b.launch);
+  Word &word = word_entry(w);
+  if (word.versions.empty() || word.versions.back().launch != launch) st.written[launch].push_back(w);
+  Version x{};
+  std::memcpy(&x.value, reinterpret_cast<const void *>(w), 4);
+  x.number = word.next_number++;
+  x.launch = launch;
+  x.block = b.order;
+  x.thread = f.tid.x;
+  x.epoch = block_memory(b).epoch;
+  x.seq = f.memory ? f.memory->seq : 0;
+  x.strong = strong;
+  x.order = o;
+  x.scope = s;
+  x.gpu = block_memory(b).gpu;
+  x.block_index = b.idx.x;
+  word.versions.push_back(std::move(x));
+  return word.versions.back();
+}
+
+// The value a weak load by f reads at word w.
+uint32_t weak_value(Fiber &f, uintptr_t w) {
+  State &st = state();
+  Word *found = find_word(w);
+  if (found == nullptr) {
+    uint32_t v;
+    std::memcpy(&v, reinterpret_cast<const void *>(w), 4);
+    return v;
+  }
+  Word &word = *found;
+  const auto &vs = word.versions;
+  // The newest version f has seen (-1: the committed base): the oldest it may read.
+  int k = static_cast<int>(vs.size()) - 1;
+  while (k >= 0 && !seen(f, vs[k], w)) --k;
+  if (!st.random) return k < 0 ? word.base : vs[k].value;
+  // weak-random: any version from there on, never older than one this thread read before
+  // (coherence of reads, CoRR).
+  ThreadMemory &t = thread_memory(f);
+  auto floor = t.read_floor.find(w);
+  int lo = k;
+  if (floor != t.read_floor.end()) {
+    while (lo + 1 < static_cast<int>(vs.size()) && (lo < 0 || vs[lo].number < floor->second)) ++lo;
+  }
+  const int n = static_cast<int>(vs.size());
+  const int pick = lo + static_cast<int>(st.rng() % static_cast<uint64_t>(n - lo));
+  if (pick < 0) return word.base;
+  if (pick > k) t.read_floor[w] = vs[pick].number;
+  return vs[pick].value;
+}
+
+[[noreturn]] void narrow_scope(Fiber &f, const Version &x, Order o, Scope s, uintptr_t w) {
+  std::ostringstream why;
+  why << "an acquire (ld/atom ." << order_name(o) << "." << scope_name(s) << ") on GPU " << block_memory(*f.block).gpu
+      << ", block " << f.block->idx.x << ", thread " << f.tid.x << " read at " << reinterpret_cast<const void *>(w)
+      << " the value of a release (." << order_name(x.order) << "." << scope_name(x.scope) << ") on GPU " << x.gpu
+      << ", block " << x.block_index << ", thread " << x.thread
+      << ": their scopes do not include each other (not morally strong), so nothing is synchronised";
+  fail_launch(cudaErrorLaunchFailure, why.str());
+}
+
+// A strong read by f of words [p, p + bytes) in memory now: observation, and the acquire.
+void observe(Fiber &f, const void *p, size_t bytes, Order o, Scope s) {
+  ThreadMemory &t = thread_memory(f);
+  for (uintptr_t w = word_of(p); w < reinterpret_cast<uintptr_t>(p) + bytes; w += 4) {
+    const Word *word = find_word(w);
+    if (word == nullptr || word->versions.empty()) continue;  // committed
+    const Version &x = word->versions.back();
+    if (!x.strong) continue;  // a weak write: a data race, nothing is ordered by it
+    if (!morally_strong(x, f, s)) {
+      if (acquires(o) && x.release) narrow_scope(f, x, o, s, w);
+      continue;
+    }
+    add_point(t.acquired, w, x.number);  // causality: x precedes what follows this read
+    if (x.release) join(acquires(o) ? t.acquired : t.observed, *x.release);
+  }
+}
+
+bool in_shared(const Block &b, const void *p) {
+  const unsigned char *c = static_cast<const unsigned char *>(p);
+  if (!b.dynamic_smem.empty() && c >= b.dynamic_smem.data() && c < b.dynamic_smem.data() + b.dynamic_smem.size()) {
+    return true;
+  }
+  for (const Block::Static &s : b.statics)
+    if (c >= s.start && c < s.start + s.bytes) return true;
+  return false;
+}
+
+} // namespace
+
+void configure_memory(int32_t mode, uint64_t seed) {
+  State &st = state();
+  weak_memory = mode != TPFUSE_EMU_MEMORY_SC;
+  st.random = mode == TPFUSE_EMU_MEMORY_WEAK_RANDOM;
+  st.rng.seed(seed ^ 0x5eed3e3017ull);
+  st.pages.clear();
+  st.last_key = ~uintptr_t{0};
+  st.last_page = nullptr;
+  st.written.clear();
+  st.sc_sys = View{};
+  st.sc_gpu.clear();
+  st.sc_cta.clear();
+}
+
+bool is_global(const void *p) {
+  Fiber *f = running_fiber;
+  return f != nullptr && !in_shared(*f->block, p);
+}
+
+void memory_block_start(Block &b) {
+  b.memory = std::make_unique<BlockMemory>();
+  const Stream &s = *b.launch->stream;
+  b.memory->gpu = s.rank >= 0 ? s.rank : 1000 + s.device;
+  launch_id(*b.launch);
+}
+
+void memory_barrier(Block &b) {
+  BlockMemory &m = block_memory(b);
+  for (auto &f : b.fibers) {
+    if (!f->memory) continue;
+    join(m.view, f->memory->acquired);
+    f->memory->acquired = View{};
+  }
+  ++m.epoch;
+  block_mark(m.view, b.order, launch_id(*b.launch)).epoch_floor = m.epoch;
+}
+
+void memory_launch_done(Launch &l) {
+  if (l.memory_id == 0) return;
+  State &st = state();
+  st.done[l.memory_id] = 1;
+  auto it = st.written.find(l.memory_id);
+  if (it == st.written.end()) return;
+  for (uintptr_t w : it->second) {
+    Word *found = find_word(w);
+    if (found == nullptr) continue;
+    Word &word = *found;
+    int k = static_cast<int>(word.versions.size()) - 1;
+    while (k >= 0 && !committed(word.versions[k].launch)) --k;
+    if (k < 0) continue;
+    word.base = word.versions[k].value;
+    word.versions.erase(word.versions.begin(), word.versions.begin() + k + 1);
+    if (word.versions.empty()) erase_word(w);
+  }
+  st.written.erase(it);
+}
+
+void weak_load(const void *p, void *out, size_t bytes) {
+  Fiber &f = current_fiber();
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(p), end = begin + bytes;
+  unsigned char *o = static_cast<unsigned char *>(out);
+  if (state().pages.empty()) {
+    std::memcpy(out, p, bytes);
+    return;
+  }
+  for (uintptr_t w = word_of(p); w < end; w += 4) {
+    const uint32_t v = weak_value(f, w);
+    const unsigned char *vb = reinterpret_cast<const unsigned char *>(&v);
+    for (uintptr_t a = std::max(w, begin); a < std::min(w + 4, end); ++a) o[a - begin] = vb[a - w];
+  }
+}
+
+void weak_store(void *p, const void *v, size_t bytes) {
+  Fiber &f = current_fiber();
+  if (in_shared(*f.block, p)) {
+    std::memcpy(p, v, bytes);
+    return;
+  }
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(p), end = begin + bytes;
+  for (uintptr_t w = word_of(p); w < end; w += 4) word_entry(w);  // the bases, before the write
+  std::memcpy(p, v, bytes);
+  for (uintptr_t w = word_of(p); w < end; w += 4) push_version(f, w, false, Order::Relaxed, Scope::Cta);
+}
+
+void memory_strong_read(const void *p, size_t bytes, Order o, Scope s) {
+  observe(current_fiber(), p, bytes, o, s);
+}
+
+void memory_strong_write(void *p, const void *v, size_t bytes, Order o, Scope s) {
+  Fiber &f = current_fiber();
+  ThreadMemory &t = thread_memory(f);
+  std::shared_ptr<const View> carried;
+  if (releases(o)) {
+    carried = release_view(f);
+  } else if (t.fenced) {
+    carried = t.fenced;  // fence.release; st.relaxed: a release pattern (8.8, form 3)
+  }
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(p), end = begin + bytes;
+  for (uintptr_t w = word_of(p); w < end; w += 4) word_entry(w);
+  if (bytes == 8) {
+    uint64_t x;
+    std::memcpy(&x, v, 8);
+    __atomic_store_n(static_cast<uint64_t *>(p), x, __ATOMIC_RELEASE);
+  } else {
+    uint32_t x;
+    std::memcpy(&x, v, 4);
+    __atomic_store_n(static_cast<uint32_t *>(p), x, __ATOMIC_RELEASE);
+  }
+  for (uintptr_t w = word_of(p); w < end; w += 4) push_version(f, w, true, o, s).release = carried;
+}
+
+uint32_t memory_rmw(uint32_t *p, Order o, Scope s, const std::function<uint32_t(uint32_t)> &op) {
+  Fiber &f = current_fiber();
+  const uintptr_t w = word_of(p);
+  Word &word = word_entry(w);
+  // The read half: the newest value (an atomic reads the last write in coherence order).
+  std::shared_ptr<const View> before;
+  if (!word.versions.empty() && morally_strong(word.versions.back(), f, s)) before = word.versions.back().release;
+  observe(f, p, 4, acquires(o) ? Order::Acquire : Order::Relaxed, s);
+  const uint32_t old = __atomic_load_n(p, __ATOMIC_ACQUIRE);
+  // The write half: a release carries f's view; any RMW carries on the release it read
+  // (observation order through atomic operations, 8.9.2).
+  ThreadMemory &t = thread_memory(f);
+  std::shared_ptr<const View> carried = releases(o) ? release_view(f) : t.fenced;
+  if (before) {
+    auto v = std::make_shared<View>(carried ? *carried : View{});
+    join(*v, *before);
+    carried = v;
+  }
+  __atomic_store_n(p, op(old), __ATOMIC_RELEASE);
+  push_version(f, w, true, o, s).release = carried;
+  return old;
+}
+
+void memory_fence(Order o, Scope s) {
+  State &st = state();
+  Fiber &f = current_fiber();
+  ThreadMemory &t = thread_memory(f);
+  if (acquires(o)) {
+    join(t.acquired, t.observed);  // ld.relaxed; fence: an acquire pattern (8.8, form 3)
+    t.observed = View{};
+  }
+  View *sc = nullptr;
+  if (o == Order::SeqCst) {
+    // fence.sc: the fences of one scope instance are totally ordered (Fence-SC order); a
+    // later one synchronises with every earlier one (8.9.4).
+    sc = s == Scope::Sys ? &st.sc_sys : s == Scope::Gpu ? &st.sc_gpu[block_memory(*f.block).gpu] : &st.sc_cta[f.block->order];
+    join(t.acquired, *sc);
+  }
+  if (releases(o)) {
+    t.fenced = release_view(f);
+    if (sc != nullptr) join(*sc, *t.fenced);
+  }
+}
+
+void memory_cp_async_source(const void *src, unsigned char (&data)[16]) { weak_load(src, data, 16); }
+
+} // namespace tpfuse_emu

@@ -1,0 +1,148 @@
+//! The PTX memory model's litmus tests on the emulator's weak-memory modes
+//! (`TPFUSE_EMU_MEMORY=weak|weak-random`, docs/emulator.md "Weak memory"): with the
+//! synchronisation the model requires, the forbidden outcome never appears; without it, or at
+//! a scope too narrow, the weak modes produce it (or report the narrow scope) within the
+//! test's runs. Each shape runs across the blocks of one GPU and across virtual GPUs.
+
+#![cfg(feature = "emulator")]
+
+mod common;
+
+use common::emu::{session, Session};
+use tpfuse::emulator::litmus::{self, Placement, Shape, Sync};
+use tpfuse::emulator::Memory;
+
+const RUNS: u32 = 200;
+const PLACEMENTS: [Placement; 2] = [Placement::Ctas, Placement::Gpus];
+
+/// The outcome the model forbids when the threads synchronise (bit i: register r_i was 1).
+fn forbidden(shape: Shape) -> usize {
+    match shape {
+        Shape::Mp | Shape::CoRr => 0b01, // r0 = 1, r1 = 0
+        Shape::Sb => 0b00,               // r0 = r1 = 0
+        Shape::Lb => 0b11,               // r0 = r1 = 1
+        Shape::Wrc => 0b011,             // r0 = r1 = 1, r2 = 0
+        Shape::Iriw => 0b0101,           // r0 = 1, r1 = 0, r2 = 1, r3 = 0
+    }
+}
+
+fn outcomes(shape: Shape, sync: Sync, placement: Placement, runs: u32) -> [u32; 16] {
+    litmus::run(shape, sync, placement, runs)
+        .unwrap_or_else(|e| panic!("{shape:?} {sync:?} {placement:?}: {e}"))
+}
+
+fn weak_session(test: &'static str, memory: Memory) -> Session {
+    session("emu_litmus", test).with_memory(memory)
+}
+
+#[test]
+fn synchronised_shapes_never_show_the_forbidden_outcome() {
+    for memory in [Memory::Weak, Memory::WeakRandom] {
+        let _s = weak_session(
+            "synchronised_shapes_never_show_the_forbidden_outcome",
+            memory,
+        );
+        for placement in PLACEMENTS {
+            for shape in [Shape::Mp, Shape::Sb, Shape::Wrc, Shape::Iriw, Shape::CoRr] {
+                let o = outcomes(shape, Sync::Required, placement, RUNS);
+                assert_eq!(
+                    o[forbidden(shape)],
+                    0,
+                    "{memory:?} {shape:?} {placement:?}: the forbidden outcome appeared ({o:?})"
+                );
+                assert_eq!(o.iter().sum::<u32>(), RUNS, "{shape:?}: every run counted");
+            }
+        }
+    }
+}
+
+#[test]
+fn without_synchronisation_the_weak_mode_shows_the_forbidden_outcome() {
+    let _s = weak_session(
+        "without_synchronisation_the_weak_mode_shows_the_forbidden_outcome",
+        Memory::Weak,
+    );
+    for placement in PLACEMENTS {
+        for shape in [Shape::Mp, Shape::Sb, Shape::Wrc] {
+            let o = outcomes(shape, Sync::Missing, placement, RUNS);
+            assert!(
+                o[forbidden(shape)] > 0,
+                "{shape:?} {placement:?} without release/acquire or fence: never weak ({o:?})"
+            );
+        }
+    }
+}
+
+/// IRIW's readers disagree only when a weak load may read a write its thread has not
+/// synchronised with: the random mode, not the oldest-value one.
+#[test]
+fn iriw_readers_disagree_under_weak_random_loads() {
+    let _s = weak_session(
+        "iriw_readers_disagree_under_weak_random_loads",
+        Memory::WeakRandom,
+    );
+    for placement in PLACEMENTS {
+        let o = outcomes(Shape::Iriw, Sync::Missing, placement, 1000);
+        assert!(o[forbidden(Shape::Iriw)] > 0, "{placement:?}: {o:?}");
+    }
+}
+
+#[test]
+fn an_acquire_of_a_release_at_too_narrow_a_scope_is_reported_with_both_sides() {
+    let _s = weak_session(
+        "an_acquire_of_a_release_at_too_narrow_a_scope_is_reported_with_both_sides",
+        Memory::Weak,
+    );
+    for (placement, scope) in [(Placement::Ctas, ".cta"), (Placement::Gpus, ".gpu")] {
+        let err = litmus::run(Shape::Mp, Sync::NarrowScope, placement, 1)
+            .expect_err("an acquire that reads a release of too narrow a scope must fail");
+        let msg = err.to_string();
+        for needle in [
+            "not morally strong",
+            "an acquire",
+            "a release",
+            scope,
+            "thread 0",
+        ] {
+            assert!(
+                msg.contains(needle),
+                "{placement:?}: {msg:?} lacks {needle:?}"
+            );
+        }
+    }
+    // fence.sc at a scope that leaves the other thread out orders nothing.
+    for placement in PLACEMENTS {
+        let o = outcomes(Shape::Sb, Sync::NarrowScope, placement, RUNS);
+        assert!(
+            o[forbidden(Shape::Sb)] > 0,
+            "SB with narrow fences {placement:?}: {o:?}"
+        );
+    }
+}
+
+/// Limit: a load reads only writes already made (no load buffering): LB's r0 = r1 = 1, which
+/// the model allows, never appears (docs/emulator.md).
+#[test]
+fn load_buffering_is_a_limit_the_emulator_never_shows() {
+    for memory in [Memory::Weak, Memory::WeakRandom] {
+        let _s = weak_session("load_buffering_is_a_limit_the_emulator_never_shows", memory);
+        for placement in PLACEMENTS {
+            let o = outcomes(Shape::Lb, Sync::Missing, placement, RUNS);
+            assert_eq!(
+                o[forbidden(Shape::Lb)],
+                0,
+                "{memory:?} {placement:?}: {o:?}"
+            );
+        }
+    }
+}
+
+/// The sequentially consistent mode cannot show a missing release: why the weak modes exist.
+#[test]
+fn the_sc_mode_never_shows_message_passing_fail() {
+    let _s = weak_session("the_sc_mode_never_shows_message_passing_fail", Memory::Sc);
+    for placement in PLACEMENTS {
+        let o = outcomes(Shape::Mp, Sync::Missing, placement, RUNS);
+        assert_eq!(o[forbidden(Shape::Mp)], 0, "{placement:?}: {o:?}");
+    }
+}
