@@ -51,6 +51,15 @@ fn synchronised_shapes_never_show_the_forbidden_outcome() {
                     "{memory:?} {shape:?} {placement:?}: the forbidden outcome appeared ({o:?})"
                 );
                 assert_eq!(o.iter().sum::<u32>(), RUNS, "{shape:?}: every run counted");
+                // Not vacuous: the readers saw the flag (their bounded waits did not all
+                // time out) and, through it, the data.
+                if let Some(all_seen) = match shape {
+                    Shape::Mp => Some(0b11),
+                    Shape::Wrc => Some(0b111),
+                    _ => None,
+                } {
+                    assert!(o[all_seen] > 0, "{memory:?} {shape:?} {placement:?}: {o:?}");
+                }
             }
         }
     }

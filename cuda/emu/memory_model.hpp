@@ -13,8 +13,10 @@
 //   pattern wrote, both morally strong (scopes that include each other): the reader's view
 //   joins the view the release carried; a strong read of a morally strong write (causality
 //   order: the write comes before everything after the read); fence.sc (an order over the
-//   fences of one scope instance); kernel completion (a finished launch's writes are seen by
-//   everyone).
+//   fences of one scope instance); kernel completion: a view holds a completion frontier, the
+//   count of launch completions it has seen (a launch starts with the count then, a release
+//   carries it), and a finished launch's writes are seen by the views whose frontier reaches
+//   its completion (a launch on its stream after it, or a thread that synchronised with one).
 #pragma once
 
 #include <cstdint>
@@ -46,9 +48,9 @@ struct Point {
 };
 
 struct View {
+  uint64_t frontier = 0;          // launch completions seen: every launch that completed by then
   std::vector<BlockMark> blocks;  // sorted by block
   std::vector<Point> points;      // sorted by word
-  bool empty() const { return blocks.empty() && points.empty(); }
 };
 
 // A thread's part (Fiber::memory).

@@ -32,11 +32,11 @@ struct Version {
   int gpu;
   unsigned block_index;
   std::shared_ptr<const View> release;  // what a release pattern carried (null otherwise)
+  bool releases = false;                // this write is a release pattern's (not only a carrier)
 };
 
 struct Word {
-  uint32_t base;  // the committed value before the first version
-  uint64_t next_number = 1;
+  uint32_t base;  // the value before the first version, seen by every running thread
   std::vector<Version> versions;
 };
 
@@ -55,7 +55,10 @@ struct State {
   std::unordered_map<uintptr_t, std::unique_ptr<Page>> pages;
   uintptr_t last_key = ~uintptr_t{0};
   Page *last_page = nullptr;
-  std::vector<uint8_t> done;                                     // by memory launch id
+  uint64_t next_number = 1;                                      // versions, in coherence order
+  uint64_t completions = 0;                                      // launches completed so far
+  std::vector<uint64_t> completed_at;                            // by launch id: its completion (0: running)
+  std::vector<uint64_t> started_at;                              // by launch id: completions before it started
   std::unordered_map<uint64_t, std::vector<uintptr_t>> written;  // launch id -> words
   View sc_sys;                                                   // fence.sc orders, per scope instance
   std::unordered_map<int, View> sc_gpu;
@@ -67,9 +70,12 @@ State &state() {
   return *s;
 }
 
-bool committed(uint64_t launch) {
+// Whether launch `launch` completed within completion frontier `frontier` (a kernel boundary
+// the view has passed).
+bool completed_within(uint64_t launch, uint64_t frontier) {
   const State &st = state();
-  return launch < st.done.size() && st.done[launch] != 0;
+  const uint64_t at = launch < st.completed_at.size() ? st.completed_at[launch] : 0;
+  return at != 0 && at <= frontier;
 }
 
 uintptr_t word_of(const void *p) { return reinterpret_cast<uintptr_t>(p) & ~uintptr_t{3}; }
@@ -109,10 +115,11 @@ void add_point(View &v, uintptr_t word, uint64_t number) {
   }
 }
 
-// into := into ⊔ from, leaving out the marks of committed launches (everyone sees those).
+// into := into ⊔ from, leaving out the marks of launches its frontier has seen complete.
 void join(View &into, const View &from) {
+  into.frontier = std::max(into.frontier, from.frontier);
   for (const BlockMark &m : from.blocks) {
-    if (committed(m.launch)) continue;
+    if (completed_within(m.launch, into.frontier)) continue;
     BlockMark &to = block_mark(into, m.block, m.launch);
     to.epoch_floor = std::max(to.epoch_floor, m.epoch_floor);
     for (const ThreadMark &t : m.threads) mark_thread(to, t.thread, t.seq);
@@ -149,17 +156,22 @@ uint64_t launch_id(Launch &l) {
   if (l.memory_id == 0) {
     State &st = state();
     l.memory_id = st.next_launch++;
-    if (st.done.size() <= l.memory_id) st.done.resize(l.memory_id + 1024, 0);
+    if (st.completed_at.size() <= l.memory_id) {
+      st.completed_at.resize(l.memory_id + 1024, 0);
+      st.started_at.resize(l.memory_id + 1024, 0);
+    }
+    st.started_at[l.memory_id] = st.completions;
   }
   return l.memory_id;
 }
 
 // Whether fiber f has seen version x of `word` (program order, its block's view, its own).
 bool seen(Fiber &f, const Version &x, uintptr_t word) {
-  if (committed(x.launch)) return true;
   Block &b = *f.block;
-  if (x.block == b.order && x.thread == f.tid.x) return true;
   const View &bv = block_memory(b).view;
+  const uint64_t frontier = f.memory ? std::max(bv.frontier, f.memory->acquired.frontier) : bv.frontier;
+  if (completed_within(x.launch, frontier)) return true;
+  if (x.block == b.order && x.thread == f.tid.x) return true;
   if (covers(bv, x) || covers_point(bv, word, x.number)) return true;
   return f.memory && (covers(f.memory->acquired, x) || covers_point(f.memory->acquired, word, x.number));
 }
@@ -267,7 +279,7 @@ Version &push_version(Fiber &f, uintptr_t w, bool strong, Order o, Scope s) {
   if (word.versions.empty() || word.versions.back().launch != launch) st.written[launch].push_back(w);
   Version x{};
   std::memcpy(&x.value, reinterpret_cast<const void *>(w), 4);
-  x.number = word.next_number++;
+  x.number = st.next_number++;
   x.launch = launch;
   x.block = b.order;
   x.thread = f.tid.x;
@@ -331,7 +343,7 @@ void observe(Fiber &f, const void *p, size_t bytes, Order o, Scope s) {
     const Version &x = word->versions.back();
     if (!x.strong) continue;  // a weak write: a data race, nothing is ordered by it
     if (!morally_strong(x, f, s)) {
-      if (acquires(o) && x.release) narrow_scope(f, x, o, s, w);
+      if (acquires(o) && x.releases) narrow_scope(f, x, o, s, w);
       continue;
     }
     add_point(t.acquired, w, x.number);  // causality: x precedes what follows this read
@@ -374,7 +386,9 @@ void memory_block_start(Block &b) {
   b.memory = std::make_unique<BlockMemory>();
   const Stream &s = *b.launch->stream;
   b.memory->gpu = s.rank >= 0 ? s.rank : 1000 + s.device;
-  launch_id(*b.launch);
+  // A kernel boundary: the launch sees every launch completed before it started (those
+  // before it on its stream among them).
+  b.memory->view.frontier = state().started_at[launch_id(*b.launch)];
 }
 
 void memory_barrier(Block &b) {
@@ -391,7 +405,24 @@ void memory_barrier(Block &b) {
 void memory_launch_done(Launch &l) {
   if (l.memory_id == 0) return;
   State &st = state();
-  st.done[l.memory_id] = 1;
+  st.completed_at[l.memory_id] = ++st.completions;
+  // The oldest frontier a running launch may still read by: versions completed within it are
+  // seen by everyone, so the older ones can go.
+  uint64_t oldest = st.completions;
+  bool running = false;
+  for (const Stream *s : device().active) {
+    if (s->running && s->running.get() != &l && s->running->memory_id != 0) {
+      oldest = std::min(oldest, st.started_at[s->running->memory_id]);
+      running = true;
+    }
+  }
+  if (!running) {  // nothing runs: memory holds what everyone sees
+    st.pages.clear();
+    st.last_key = ~uintptr_t{0};
+    st.last_page = nullptr;
+    st.written.clear();
+    return;
+  }
   auto it = st.written.find(l.memory_id);
   if (it == st.written.end()) return;
   for (uintptr_t w : it->second) {
@@ -399,7 +430,7 @@ void memory_launch_done(Launch &l) {
     if (found == nullptr) continue;
     Word &word = *found;
     int k = static_cast<int>(word.versions.size()) - 1;
-    while (k >= 0 && !committed(word.versions[k].launch)) --k;
+    while (k >= 0 && !completed_within(word.versions[k].launch, oldest)) --k;
     if (k < 0) continue;
     word.base = word.versions[k].value;
     word.versions.erase(word.versions.begin(), word.versions.begin() + k + 1);
@@ -459,7 +490,11 @@ void memory_strong_write(void *p, const void *v, size_t bytes, Order o, Scope s)
     std::memcpy(&x, v, 4);
     __atomic_store_n(static_cast<uint32_t *>(p), x, __ATOMIC_RELEASE);
   }
-  for (uintptr_t w = word_of(p); w < end; w += 4) push_version(f, w, true, o, s).release = carried;
+  for (uintptr_t w = word_of(p); w < end; w += 4) {
+    Version &x = push_version(f, w, true, o, s);
+    x.release = carried;
+    x.releases = carried != nullptr;
+  }
 }
 
 uint32_t memory_rmw(uint32_t *p, Order o, Scope s, const std::function<uint32_t(uint32_t)> &op) {
@@ -475,13 +510,16 @@ uint32_t memory_rmw(uint32_t *p, Order o, Scope s, const std::function<uint32_t(
   // (observation order through atomic operations, 8.9.2).
   ThreadMemory &t = thread_memory(f);
   std::shared_ptr<const View> carried = releases(o) ? release_view(f) : t.fenced;
+  const bool is_release = carried != nullptr;
   if (before) {
     auto v = std::make_shared<View>(carried ? *carried : View{});
     join(*v, *before);
     carried = v;
   }
   __atomic_store_n(p, op(old), __ATOMIC_RELEASE);
-  push_version(f, w, true, o, s).release = carried;
+  Version &x = push_version(f, w, true, o, s);
+  x.release = carried;
+  x.releases = is_release;
   return old;
 }
 
