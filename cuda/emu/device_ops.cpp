@@ -238,7 +238,7 @@ void cp_async(uint32_t dst, const void *src, int src_bytes) {
   // Weak memory: the source is read now, under this thread's view (when between the issue and
   // the wait a cp.async reads is unspecified; the issue is the earliest).
   if (weak_memory && src_bytes > 0) {
-    memory_cp_async_source(src, c.data);
+    weak_load(src, c.data, 16);
     c.read = true;
   }
   current_fiber().open_group.push_back(c);

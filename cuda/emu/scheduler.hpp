@@ -240,7 +240,6 @@ void memory_strong_read(const void *p, size_t bytes, Order o, Scope s);
 void memory_strong_write(void *p, const void *v, size_t bytes, Order o, Scope s);
 uint32_t memory_rmw(uint32_t *p, Order o, Scope s, const std::function<uint32_t(uint32_t)> &op);
 void memory_fence(Order o, Scope s);
-void memory_cp_async_source(const void *src, unsigned char (&data)[16]);
 
 // Leaves the fiber for the scheduler; returns when the scheduler resumes it.
 void yield_to_scheduler();

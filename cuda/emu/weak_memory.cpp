@@ -80,39 +80,37 @@ bool completed_within(uint64_t launch, uint64_t frontier) {
 
 uintptr_t word_of(const void *p) { return reinterpret_cast<uintptr_t>(p) & ~uintptr_t{3}; }
 
-// ---- Views.
+// ---- Views: sorted vectors of marks and points, one entry per key.
 
-const BlockMark *find_block(const View &v, uint64_t block) {
-  auto it = std::lower_bound(v.blocks.begin(), v.blocks.end(), block,
-                             [](const BlockMark &m, uint64_t b) { return m.block < b; });
-  return it != v.blocks.end() && it->block == block ? &*it : nullptr;
+uint64_t key_of(const BlockMark &m) { return m.block; }
+uint32_t key_of(const ThreadMark &t) { return t.thread; }
+uintptr_t key_of(const Point &p) { return p.word; }
+
+// v's entry with key k, or null.
+template <typename E, typename K> const E *find(const std::vector<E> &v, K k) {
+  auto it = std::lower_bound(v.begin(), v.end(), k, [](const E &e, K x) { return key_of(e) < x; });
+  return it != v.end() && key_of(*it) == k ? &*it : nullptr;
 }
 
-BlockMark &block_mark(View &v, uint64_t block, uint64_t launch) {
-  auto it = std::lower_bound(v.blocks.begin(), v.blocks.end(), block,
-                             [](const BlockMark &m, uint64_t b) { return m.block < b; });
-  if (it == v.blocks.end() || it->block != block) it = v.blocks.insert(it, BlockMark{block, launch, 0, {}});
+// v's entry with key k, inserted as `absent` when there is none.
+template <typename E, typename K> E &entry(std::vector<E> &v, K k, E absent) {
+  auto it = std::lower_bound(v.begin(), v.end(), k, [](const E &e, K x) { return key_of(e) < x; });
+  if (it == v.end() || key_of(*it) != k) it = v.insert(it, std::move(absent));
   return *it;
 }
 
+BlockMark &block_mark(View &v, uint64_t block, uint64_t launch) {
+  return entry(v.blocks, block, BlockMark{block, launch, 0, {}});
+}
+
 void mark_thread(BlockMark &m, uint32_t thread, uint32_t seq) {
-  auto it = std::lower_bound(m.threads.begin(), m.threads.end(), thread,
-                             [](const ThreadMark &t, uint32_t x) { return t.thread < x; });
-  if (it != m.threads.end() && it->thread == thread) {
-    it->seq = std::max(it->seq, seq);
-  } else {
-    m.threads.insert(it, ThreadMark{thread, seq});
-  }
+  ThreadMark &t = entry(m.threads, thread, ThreadMark{thread, seq});
+  t.seq = std::max(t.seq, seq);
 }
 
 void add_point(View &v, uintptr_t word, uint64_t number) {
-  auto it = std::lower_bound(v.points.begin(), v.points.end(), word,
-                             [](const Point &p, uintptr_t w) { return p.word < w; });
-  if (it != v.points.end() && it->word == word) {
-    it->number = std::max(it->number, number);
-  } else {
-    v.points.insert(it, Point{word, number});
-  }
+  Point &p = entry(v.points, word, Point{word, number});
+  p.number = std::max(p.number, number);
 }
 
 // into := into ⊔ from, leaving out the marks of launches its frontier has seen complete.
@@ -128,18 +126,16 @@ void join(View &into, const View &from) {
 }
 
 bool covers(const View &v, const Version &x) {
-  if (const BlockMark *m = find_block(v, x.block)) {
-    if (x.epoch < m->epoch_floor) return true;
-    for (const ThreadMark &t : m->threads)
-      if (t.thread == x.thread) return x.seq <= t.seq;
-  }
-  return false;
+  const BlockMark *m = find(v.blocks, x.block);
+  if (m == nullptr) return false;
+  if (x.epoch < m->epoch_floor) return true;
+  const ThreadMark *t = find(m->threads, x.thread);
+  return t != nullptr && x.seq <= t->seq;
 }
 
 bool covers_point(const View &v, uintptr_t word, uint64_t number) {
-  auto it = std::lower_bound(v.points.begin(), v.points.end(), word,
-                             [](const Point &p, uintptr_t w) { return p.word < w; });
-  return it != v.points.end() && it->word == word && number <= it->number;
+  const Point *p = find(v.points, word);
+  return p != nullptr && number <= p->number;
 }
 
 ThreadMemory &thread_memory(Fiber &f) {
@@ -544,6 +540,5 @@ void memory_fence(Order o, Scope s) {
   }
 }
 
-void memory_cp_async_source(const void *src, unsigned char (&data)[16]) { weak_load(src, data, 16); }
 
 } // namespace tpfuse_emu
