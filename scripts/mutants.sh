@@ -388,6 +388,10 @@ mutant emu-registers-free emu_all_reduce::registers_hold_an_sm_and_a_cooperative
   emu/residency.cpp 'f.warp_registers = (registers * 32 + kRegisterUnit - 1) / kRegisterUnit * kRegisterUnit;' 'f.warp_registers = 0;'
 mutant emu-cooperative-in-part emu_fused_failures::launches_wait_for_the_sms_another_kernel_holds "the emulator starts a cooperative grid's blocks as they fit" \
   emu/scheduler.cpp 'if (l->cooperative && l->next_block == 0 && !all_blocks_fit(dev, *l)) continue;' ''
+mutant emu-weak-acquire-ignored emu_litmus::synchronised_shapes_never_show_the_forbidden_outcome "the weak mode's acquire does not join the release's view" \
+  emu/weak_memory.cpp 'if (x.release) join(acquires(o) ? t.acquired : t.observed, *x.release);' 'if (x.release) join(t.observed, *x.release);'
+mutant emu-weak-bar-sync-ignored emu_all_reduce::all_gather_every_world+weak "the weak mode's bar.sync shares no view among the block's threads" \
+  emu/scheduler.cpp '  if (weak_memory) memory_barrier(b);' ''
 # (In common.cuh, not emu/device.hpp: the mutants rebuild the units that include an edited file
 # from cuda/, and device.hpp is reached only through the shims of emu/include.)
 mutant emu-misaligned-accepted emu_ops::a_misaligned_16_byte_global_access_fails_the_launch "the emulator accepts a load off its size's alignment" \
