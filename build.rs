@@ -25,9 +25,25 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const DEFAULT_ARCHS: &str = "sm_80,sm_86,sm_89,sm_90a,sm_100a,sm_120a,compute_80";
-const INSTALL_HINT: &str = "Run `scripts/setup.sh` (it installs what is missing: libclang-dev \
-     with apt and, without a CUDA toolkit, the pinned CUDA 13.0 and NCCL wheels into .venv), \
-     then build through `scripts/test.sh`, or export NVCC / CUDA_HOME / NCCL_HOME yourself.";
+/// The CUDA 13.0 and NCCL wheels from PyPI that build tpfuse without a system toolkit; the same
+/// pins as scripts/setup.sh (tests/cpu_build.rs checks).
+const WHEELS: &str = "nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88 \
+     nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85 nvidia-nccl-cu13==2.28.9";
+
+/// What to run when something is missing.
+fn install_hint() -> String {
+    format!(
+        "To install what is missing, one of:
+  - a CUDA toolkit from NVIDIA (13.0 or newer; 12.8 or newer for a driver older than R580),
+    with its bin/ on PATH (or CUDA_HOME set; cudarc's build runs the `nvcc` on PATH), and NCCL
+    (libnccl-dev, or NCCL_HOME);
+  - no root needed, the pinned wheels from PyPI (found in python3's site-packages):
+      python3 -m pip install {WHEELS}
+      export PATH=\"$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])')/cu13/bin:$PATH\"
+  - in a checkout of tpfuse: eval \"$(scripts/setup.sh)\" (the wheels into .venv, and libclang).
+libclang for bindgen: apt-get install libclang-dev (or set LIBCLANG_PATH)."
+    )
+}
 
 fn main() {
     for var in [
@@ -85,8 +101,9 @@ fn main() {
     }
     if !missing.is_empty() {
         eprintln!(
-            "\ntpfuse build: missing {}.\n{INSTALL_HINT}\n",
-            missing.join("; and ")
+            "\ntpfuse build: missing {}.\n{}\n",
+            missing.join("; and "),
+            install_hint()
         );
         std::process::exit(1);
     }
@@ -144,14 +161,65 @@ fn find_nvcc() -> Result<PathBuf, String> {
     candidates
         .into_iter()
         .flatten()
+        .chain(wheel_dirs().into_iter().map(|d| d.join("cu13/bin/nvcc")))
         .find_map(executable)
         .ok_or_else(|| {
-            "nvcc (searched NVCC, CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda)".to_string()
+            "nvcc (searched NVCC, CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda, the nvidia wheels \
+             of python3 and of the crate's .venv)"
+                .to_string()
         })
+}
+
+/// The `nvidia` package directories of the CUDA wheels: python3's (`pip install
+/// nvidia-cuda-nvcc==...`) and the crate's own .venv (scripts/setup.sh).
+fn wheel_dirs() -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = run_capture(
+        Command::new("python3").args(["-c", "import nvidia\nfor p in nvidia.__path__: print(p)"]),
+    )
+    .map(|out| out.lines().map(PathBuf::from).collect())
+    .unwrap_or_default();
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/lib");
+    if let Ok(pythons) = std::fs::read_dir(venv) {
+        dirs.extend(
+            pythons
+                .flatten()
+                .map(|p| p.path().join("site-packages/nvidia")),
+        );
+    }
+    dirs
 }
 
 /// The directory holding nccl.h: explicit settings first, then the toolkit, the Python
 /// wheel layout next to it (`site-packages/nvidia/{cu13,nccl}`), then the system.
+/// Cargo's job count for this build (NUM_JOBS), else the cores.
+fn jobs() -> usize {
+    env::var("NUM_JOBS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .or_else(|| std::thread::available_parallelism().ok().map(usize::from))
+        .unwrap_or(1)
+        .max(1)
+}
+
+/// `f` of every item, at most `jobs` at a time, in the items' order.
+fn in_parallel<T: Sync, R: Send>(items: &[T], jobs: usize, f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let done = std::sync::Mutex::new(Vec::with_capacity(items.len()));
+    std::thread::scope(|s| {
+        for _ in 0..jobs.min(items.len()) {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(item) = items.get(i) else { break };
+                let r = f(item);
+                done.lock().expect("a compile thread panicked").push((i, r));
+            });
+        }
+    });
+    let mut done = done.into_inner().expect("a compile thread panicked");
+    done.sort_by_key(|(i, _)| *i);
+    done.into_iter().map(|(_, r)| r).collect()
+}
+
 fn find_nccl_include(nvcc: Option<&Path>) -> Option<PathBuf> {
     let root = nvcc
         .and_then(|n| n.parent()?.parent())
@@ -282,31 +350,30 @@ fn compile_kernels(
     }
     let compiler = build.get_compiler();
 
-    // Each .cu is compiled on its own thread with the command cc configured, so that the
-    // ptxas report of each file is captured whole (nvcc's own --threads would interleave it).
-    let results: Vec<(PathBuf, PathBuf, std::process::Output)> = std::thread::scope(|s| {
-        let handles: Vec<_> = sources
-            .iter()
-            .map(|src| {
-                let obj = out.join(format!(
-                    "{}.o",
-                    src.file_stem().unwrap_or_default().to_string_lossy()
-                ));
-                let mut cmd = compiler.to_command();
-                cmd.arg("-c").arg(src).arg("-o").arg(&obj);
-                s.spawn(move || {
-                    let output = cmd.output().unwrap_or_else(|e| {
-                        panic!("tpfuse build: could not run {}: {e}", nvcc.display())
-                    });
-                    (src.clone(), obj, output)
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("compiler thread"))
-            .collect()
-    });
+    // Each .cu is compiled by its own nvcc, with the command cc configured, so that the ptxas
+    // report of each file is captured whole (nvcc's own --threads would interleave it); at most
+    // cargo's job count (NUM_JOBS) at a time.
+    let compile = |src: &PathBuf| {
+        let obj = out.join(format!(
+            "{}.o",
+            src.file_stem().unwrap_or_default().to_string_lossy()
+        ));
+        let output = compiler
+            .to_command()
+            .arg("-c")
+            .arg(src)
+            .arg("-o")
+            .arg(&obj)
+            .output()
+            .unwrap_or_else(|e| panic!("tpfuse build: could not run {}: {e}", nvcc.display()));
+        (src.clone(), obj, output)
+    };
+    // The largest files first (the longest compiles: gemm_all_reduce.cu takes a third of the
+    // build), so that no long compile starts last; the results in file order.
+    let mut by_size = sources.clone();
+    by_size.sort_by_key(|p| std::cmp::Reverse(std::fs::metadata(p).map_or(0, |m| m.len())));
+    let mut results = in_parallel(&by_size, jobs(), compile);
+    results.sort_by(|a, b| a.0.cmp(&b.0));
 
     let mut rows = Vec::new();
     for (src, obj, output) in &results {
@@ -521,8 +588,9 @@ fn build_for_emulator(cuda_dir: &Path) {
     }
     if !missing.is_empty() {
         eprintln!(
-            "\ntpfuse build (emulator): missing {}.\n{INSTALL_HINT}\n",
-            missing.join("; and ")
+            "\ntpfuse build (emulator): missing {}.\n{}\n",
+            missing.join("; and "),
+            install_hint()
         );
         std::process::exit(1);
     }
@@ -576,7 +644,7 @@ fn build_for_emulator(cuda_dir: &Path) {
 
     // No GPU code was built: an empty ptxas report, and the build facts say so.
     write_report(&[], &out);
-    println!("cargo:rustc-env=TPFUSE_BUILD_ARCHS=emulator");
+    println!("cargo:rustc-env=TPFUSE_BUILD_ARCHS=");
     println!(
         "cargo:rustc-env=TPFUSE_BUILD_NVCC=none (CPU emulator: {})",
         cxx.display()
@@ -613,7 +681,8 @@ read -r -a extra <<<"${{TPFUSE_EMU_CXXFLAGS:-}}"
 read -r -a kernel_extra <<<"${{TPFUSE_EMU_KERNEL_CXXFLAGS:-}}"
 flags=(-x c++ -std=c++17 -O2 -g -fPIC -fno-strict-aliasing -ffp-contract=off -DTPFUSE_EMULATOR
        -Wno-unknown-pragmas -I"$cuda/emu/include" -I"$cuda" -I"$cuda/emu" -I"{nccl}" "${{extra[@]}}")
-jobs_max=$(nproc 2>/dev/null || echo 2)
+# cargo's job count (NUM_JOBS, set for build scripts), else the cores.
+jobs_max=${{NUM_JOBS:-$(nproc 2>/dev/null || echo 2)}}
 for src in "$cuda"/*.cu "$cuda"/emu/*.cpp; do
   obj="$out/obj/$(basename "$src").o"
   [ -f "$obj" ] && continue

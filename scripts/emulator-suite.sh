@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The emulator suite: every tests/emu_*.rs with `--features emulator`, under four schedules
 # (forward, reverse, and random and pct with a fresh seed, printed; forward and random under
-# the weak memory model), then the GPU suite on the emulator, the report of the kernel
-# instantiations that ran and a check that every __global__ kernel of cuda/ is among them. Each test runs as its own process, one per core
-# (scripts/run-tests.sh).
+# the weak memory model), then the GPU suite on the emulator, the rest of `cargo test
+# --features emulator` (tests/cpu_*.rs, the binaries, the doc tests), the report of the kernel
+# instantiations that ran and a check that every __global__ kernel of cuda/ is among them.
+# Each emulator test runs as its own process, one per core (scripts/run-tests.sh).
 #   TPFUSE_EMU_SEED=N    the random and pct schedules' seed (default: the time)
 #   TPFUSE_TEST_SEED=N   the tests' data seed (default: the same as TPFUSE_EMU_SEED)
 set -euo pipefail
@@ -49,6 +50,17 @@ gpu_suite=$(scripts/test-binaries.sh --features emulator "${gpu[@]}")
 # shellcheck disable=SC2086
 TPFUSE_EMU_REPORT=$report TPFUSE_EMU_SMS=16 scripts/run-tests.sh $gpu_suite
 echo "== the GPU suite on the emulator in $(($(date +%s) - gpu_started)) s"
+
+# The rest of `cargo test --features emulator` (the command a newcomer types): every test
+# target the passes above did not run (tests/cpu_*.rs, the binaries' unit tests) and the doc
+# tests, under the same feature. With the passes above, every target of that command has run.
+rest=(--bins)
+for f in tests/*.rs; do
+  case $(basename "$f") in emu_* | gpu_*) ;; *) rest+=(--test "$(basename "$f" .rs)") ;; esac
+done
+echo "== the rest of cargo test --features emulator: ${rest[*]}, doc tests"
+cargo test --features emulator "${rest[@]}"
+cargo test --features emulator --doc
 
 # The TP-4 decoder MLP example against its f64 reference (fails on a mismatch); the test
 # profile reuses the GPU suite's build.

@@ -24,13 +24,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 eval "$(scripts/setup.sh)"
 unset TPFUSE_TEST_SEED
-export TPFUSE_EMU_CXXFLAGS=-g0 TPFUSE_EMU_KERNEL_CXXFLAGS=-O0
 # A mutant that hangs a wait without a deadline is reported after 1 s of virtual time
 # instead of the default 60 s.
 export TPFUSE_EMU_DEADLOCK_NS=${TPFUSE_EMU_DEADLOCK_NS:-1000000000}
 
 echo "mutants: building the emulator tests" >&2
+# With the environment the emulator suite built them in: build.rs reruns when the emulator's
+# flags change, so the flags below are set only after this build (else this build and the
+# next script's would each recompile the emulator).
 json=$(cargo test --features emulator --no-run --message-format=json 2>/dev/null)
+export TPFUSE_EMU_CXXFLAGS=-g0 TPFUSE_EMU_KERNEL_CXXFLAGS=-O0
 test_binary() {
   grep -o "\"executable\":\"[^\"]*/$1-[0-9a-f]*\"" <<<"$json" | head -n 1 | cut -d'"' -f4
 }

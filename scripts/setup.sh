@@ -109,3 +109,10 @@ else
   echo "export NCCL_HOME=$nv/nccl"
   echo "export TPFUSE_NCCL_LIB=$nv/nccl/lib/libnccl.so.2"
 fi
+
+# cudarc's build (its default CUDA version, `cuda-version-from-build-system`) runs the `nvcc`
+# on PATH: put the toolkit's bin/ first unless that nvcc is already the one found.
+nvcc_used=${nvcc_path:-$nv/cu13/bin/nvcc}
+if [ "$(command -v nvcc 2>/dev/null)" != "$nvcc_used" ]; then
+  echo "export PATH=$(dirname "$nvcc_used"):\$PATH"
+fi

@@ -2,9 +2,13 @@
 //! resource report of every kernel (registers, spills, stack, shared memory).
 
 /// The architectures the kernels were compiled for, e.g. `["sm_80", ..., "compute_80"]`
-/// (`compute_*` entries are PTX, JIT-compiled by the driver for GPUs not listed).
+/// (`compute_*` entries are PTX, JIT-compiled by the driver for GPUs not listed); none for
+/// the emulator ([`EMULATED`]).
 pub fn architectures() -> Vec<&'static str> {
-    env!("TPFUSE_BUILD_ARCHS").split(',').collect()
+    env!("TPFUSE_BUILD_ARCHS")
+        .split(',')
+        .filter(|a| !a.is_empty())
+        .collect()
 }
 
 /// The nvcc that compiled the kernels.
@@ -72,6 +76,32 @@ pub fn kernels() -> Vec<String> {
     names.sort();
     names.dedup();
     names
+}
+
+/// Whether this build runs its kernels on the crate's CPU emulator (cargo feature `emulator`):
+/// then no GPU code was compiled, [`architectures`] and [`kernel_resources`] are empty, and
+/// the "CUDA driver" is the emulator (docs/emulator.md).
+pub const EMULATED: bool = cfg!(feature = "emulator");
+
+/// The oldest CUDA driver this build's kernels launch on, as the driver's CUDA version
+/// (major, 0), with the Linux driver branch that first provides it: the CUDA runtime the
+/// kernels link statically works on any driver of its major version or newer (NVIDIA's minor
+/// version compatibility: CUDA 13.x needs R580 or newer, 12.x R525 or newer). `None` for the
+/// emulator, which is its own driver.
+///
+/// Within the major version, a driver older than the runtime's minor version runs the
+/// compiled architectures but cannot JIT the build's PTX (`compute_*`) for other GPUs.
+pub fn minimum_driver() -> Option<((u32, u32), &'static str)> {
+    if EMULATED {
+        return None;
+    }
+    let (major, _) = cudart_version();
+    let branch = match major {
+        13 => "R580",
+        12 => "R525",
+        _ => "the driver of that CUDA release",
+    };
+    Some(((major, 0), branch))
 }
 
 /// The CUDA runtime version the kernels were built against, as (major, minor).

@@ -6,10 +6,18 @@ use cudarc::driver::{sys, CudaContext, CudaStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Whether `libcuda.so` can be loaded on this machine.
+/// Whether the CUDA driver library can be loaded in this process.
+///
+/// Asked of the dynamic loader, not of cudarc: cudarc's own check exists only when it loads
+/// the driver at run time, and an engine may link it instead (cudarc's `dynamic-linking`, as
+/// candle does). A library already in the process (linked, or the emulator's) answers first:
+/// `libcuda.so` is the name it is linked by, `libcuda.so.1` the driver's file.
 pub fn driver_present() -> bool {
-    // SAFETY: only tries to dlopen the driver library; nothing is called.
-    unsafe { sys::is_culib_present() }
+    ["libcuda.so", "libcuda.so.1"].iter().any(|name| {
+        // SAFETY: loading the driver library runs its initialisers, which have no
+        // preconditions; nothing is called, and the handle is closed again.
+        unsafe { libloading::Library::new(name) }.is_ok()
+    })
 }
 
 /// Returns [`Error::NoCudaDriver`] unless the driver library loads.

@@ -29,8 +29,44 @@ fn doctor_reports_build_nccl_and_driver_and_exits_zero() {
     ] {
         assert!(text.contains(section), "missing {section}:\n{text}");
     }
-    assert!(text.contains("reduce_ranks_kernel<float>"), "{text}");
+    if tpfuse::build_info::EMULATED {
+        // The emulator build says what it is, not that GPU kernels are missing.
+        assert!(text.contains("the CPU emulator"), "{text}");
+        assert!(
+            text.contains("CUDA architectures  none (emulated)"),
+            "{text}"
+        );
+        assert!(!text.contains("linked statically"), "{text}");
+        assert!(!text.contains("NO kernels"), "{text}");
+        assert!(!text.contains("rebuild with"), "{text}");
+    } else {
+        assert!(text.contains("reduce_ranks_kernel<float>"), "{text}");
+        assert!(text.contains("linked statically"), "{text}");
+    }
     assert!(text.contains("found "), "NCCL should be found:\n{text}");
+}
+
+#[test]
+#[cfg_attr(
+    not(feature = "emulator"),
+    ignore = "asserts the emulator build's report (cargo feature `emulator`)"
+)]
+fn doctor_describes_the_emulator_as_the_driver() {
+    let o = tpfuse(&["doctor"], &[]);
+    let text = stdout(&o);
+    assert!(o.status.success(), "{text}");
+    assert!(text.contains("emulated on the CPU"), "{text}");
+    assert!(text.contains("(the CPU emulator"), "{text}");
+    assert!(text.contains("Verdict"), "{text}");
+    let o = tpfuse(&["doctor", "--json"], &[]);
+    let value: serde_json::Value = serde_json::from_str(&stdout(&o)).expect("JSON");
+    assert_eq!(value["build"]["emulated"], true, "{value}");
+    assert_eq!(
+        value["build"]["architectures"],
+        serde_json::json!([]),
+        "{value}"
+    );
+    assert_eq!(value["cuda_driver"]["found"], true, "{value}");
 }
 
 #[test]
@@ -42,19 +78,39 @@ fn doctor_explains_a_machine_without_a_gpu() {
     let text = stdout(&tpfuse(&["doctor"], &[]));
     assert!(text.contains("no NVIDIA driver"), "{text}");
     assert!(text.contains("an NVIDIA driver and GPU"), "{text}");
+    // What does run here.
+    assert!(
+        text.contains("cargo run --features emulator --bin tpfuse -- selftest"),
+        "{text}"
+    );
+    let o = tpfuse(&["doctor", "--json"], &[]);
+    let value: serde_json::Value = serde_json::from_str(&stdout(&o)).expect("JSON");
+    assert_eq!(value["build"]["emulated"], false, "{value}");
+    let minimum = &value["build"]["minimum_driver"];
+    let (major, _) = tpfuse::build_info::cudart_version();
+    assert_eq!(minimum["cuda"], format!("{major}.0"), "{value}");
+    assert_eq!(
+        value["cuda_driver"]["sufficient"],
+        serde_json::Value::Null,
+        "{value}"
+    );
 }
 
 #[test]
 fn doctor_build_lists_every_kernel_with_its_resources() {
     let text = stdout(&tpfuse(&["doctor", "--build"], &[]));
-    assert!(text.contains("spill stores"), "{text}");
     assert!(text.contains("GEMM paths per architecture"), "{text}");
-    for arch in tpfuse::build_info::architectures() {
+    for (arch, _) in tpfuse::ops::gemm::gemm_paths() {
         let row = text
             .lines()
             .find(|l| l.trim_start().starts_with(arch) && l.contains("sm80-"));
         assert!(row.is_some(), "no GEMM path row for {arch}:\n{text}");
     }
+    if tpfuse::build_info::EMULATED {
+        assert!(text.contains("ptxas resource report: none"), "{text}");
+        return;
+    }
+    assert!(text.contains("spill stores"), "{text}");
     for k in tpfuse::build_info::kernel_resources() {
         let row = text
             .lines()

@@ -262,8 +262,12 @@ pub fn select_config(
 /// The GEMM paths this build has for each compiled architecture, in build order, e.g.
 /// `("sm_90a", [Sm80SmallM, Sm80Tiled])`. `compute_*` entries are PTX that the driver compiles
 /// for newer GPUs; they carry the same paths. (A future sm_90a wgmma path is listed here for
-/// `sm_90a` only.)
+/// `sm_90a` only.) The emulator build has one row, `("emulator", [Sm80SmallM, Sm80Tiled])`:
+/// it runs the sm80 paths on the CPU.
 pub fn gemm_paths() -> Vec<(&'static str, Vec<GemmPath>)> {
+    if crate::build_info::EMULATED {
+        return vec![("emulator", vec![GemmPath::Sm80SmallM, GemmPath::Sm80Tiled])];
+    }
     crate::build_info::architectures()
         .into_iter()
         .map(|arch| {

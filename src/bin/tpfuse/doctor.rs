@@ -65,6 +65,8 @@ struct Facts {
     unique_ids: Result<(), String>,
     driver_present: bool,
     driver_version: Option<String>,
+    /// Whether the driver is new enough for this build (`None`: no driver, or the emulator).
+    driver_sufficient: Option<bool>,
     devices: Result<Vec<Device>, String>,
     topology: TopologySource,
     missing: Vec<String>,
@@ -127,13 +129,32 @@ fn gather(topology: TopologySource) -> Facts {
         _ => {}
     }
     let driver_present = tpfuse::device::driver_present();
-    let driver_version = tpfuse::device::driver_version()
-        .ok()
-        .map(|(a, b)| format!("{a}.{b}"));
+    let driver = tpfuse::device::driver_version().ok();
+    let driver_sufficient = driver_sufficient(driver);
+    if let (Some((major, minor)), Some(((need_major, need_minor), branch))) =
+        (driver, build_info::minimum_driver())
+    {
+        if driver_sufficient == Some(false) {
+            missing.push(format!(
+                "a CUDA driver for CUDA {need_major}.{need_minor} or newer ({branch} or newer): \
+                 this one is CUDA {major}.{minor}, and this build's kernels (CUDA {} runtime, \
+                 linked statically) fail to launch on it. Update the driver, or build tpfuse \
+                 with a CUDA {major}.x toolkit (12.8 or newer) first on PATH (README, \
+                 \"Drivers and toolkits\")",
+                runtime_text()
+            ));
+        }
+    }
+    let driver_version = driver.map(|(a, b)| format!("{a}.{b}"));
     let devices = if driver_present {
         devices(&mut missing)
     } else {
-        missing.push("an NVIDIA driver and GPU (only needed to run kernels)".into());
+        missing.push(
+            "an NVIDIA driver and GPU, to run kernels. What runs here: the CPU tests, and every \
+             kernel on the crate's CPU emulator (`cargo run --features emulator --bin tpfuse \
+             -- selftest`)"
+                .into(),
+        );
         Ok(Vec::new())
     };
     if let TopologySource::Machine(Discovery::Broken(e)) = &topology {
@@ -147,10 +168,24 @@ fn gather(topology: TopologySource) -> Facts {
         unique_ids,
         driver_present,
         driver_version,
+        driver_sufficient,
         devices,
         topology,
         missing,
     }
+}
+
+/// Whether `driver` (its CUDA version) runs this build's kernels; `None` without a driver or
+/// on the emulator.
+fn driver_sufficient(driver: Option<(u32, u32)>) -> Option<bool> {
+    let ((need_major, need_minor), _) = build_info::minimum_driver()?;
+    driver.map(|v| v >= (need_major, need_minor))
+}
+
+/// The CUDA runtime the kernels link, e.g. "13.0".
+fn runtime_text() -> String {
+    let (major, minor) = build_info::cudart_version();
+    format!("{major}.{minor}")
 }
 
 /// A topology recorded by `tpfuse doctor --json` (its "topology" field) or a bare one.
@@ -196,7 +231,9 @@ fn devices(missing: &mut Vec<String>) -> Result<Vec<Device>, String> {
                 .and_then(|n| n.parse::<i32>().ok())
                 .is_some_and(|n| n <= major * 10 + minor)
         });
-        let kernels = if native {
+        let kernels = if build_info::EMULATED {
+            "emulated on the CPU"
+        } else if native {
             "native code"
         } else if ptx {
             "PTX, JIT-compiled at first use"
@@ -238,7 +275,16 @@ fn print_text(out: &mut impl Write, facts: &Facts, build_report: bool) -> io::Re
     writeln!(out, "\nCUDA driver")?;
     if facts.driver_present {
         if let Some(v) = &facts.driver_version {
-            writeln!(out, "  driver              CUDA {v}")?;
+            let verdict = match (facts.driver_sufficient, build_info::minimum_driver()) {
+                (_, None) => " (the CPU emulator, this build's own libcuda.so)".to_string(),
+                (Some(false), Some(((a, b), branch))) => format!(
+                    ": TOO OLD for this build, which needs CUDA {a}.{b} or newer ({branch} or newer)"
+                ),
+                (_, Some(((a, b), branch))) => {
+                    format!(" (this build needs CUDA {a}.{b} or newer: {branch} or newer)")
+                }
+            };
+            writeln!(out, "  driver              CUDA {v}{verdict}")?;
         }
         match &facts.devices {
             Ok(devices) => {
@@ -306,32 +352,46 @@ fn print_indented(out: &mut impl Write, text: &str) -> io::Result<()> {
 
 fn print_build(out: &mut impl Write, facts: &Facts, build_report: bool) -> io::Result<()> {
     writeln!(out, "Build")?;
-    writeln!(
-        out,
-        "  CUDA architectures  {}",
-        build_info::architectures().join(", ")
-    )?;
-    let (rt_major, rt_minor) = build_info::cudart_version();
-    writeln!(
-        out,
-        "  nvcc                {} ({})",
-        build_info::NVCC_RELEASE,
-        build_info::NVCC
-    )?;
-    writeln!(
-        out,
-        "  CUDA runtime        {rt_major}.{rt_minor}, linked statically"
-    )?;
-    let kernels = build_info::kernels();
-    let spilling = facts.resources.iter().filter(|k| k.spills()).count();
-    writeln!(
-        out,
-        "  kernels             {} ({} kernel x architecture builds, {spilling} with spills)",
-        kernels.len(),
-        facts.resources.len(),
-    )?;
-    for k in &kernels {
-        writeln!(out, "    {k}")?;
+    if build_info::EMULATED {
+        writeln!(
+            out,
+            "  kernels run on      the CPU emulator (cargo feature `emulator`): cuda/ compiled as\n  \
+             {:20}host C++ with the emulator, which is also this build's CUDA driver; no GPU\n  \
+             {:20}code. `tpfuse selftest` runs every kernel family here (docs/emulator.md)",
+            "", ""
+        )?;
+        writeln!(out, "  CUDA architectures  none (emulated)")?;
+        writeln!(out, "  compiler            {}", build_info::NVCC)?;
+    } else {
+        writeln!(
+            out,
+            "  CUDA architectures  {}",
+            build_info::architectures().join(", ")
+        )?;
+        writeln!(
+            out,
+            "  nvcc                {} ({})",
+            build_info::NVCC_RELEASE,
+            build_info::NVCC
+        )?;
+        writeln!(
+            out,
+            "  CUDA runtime        {}, linked statically",
+            runtime_text()
+        )?;
+    }
+    if !build_info::EMULATED {
+        let kernels = build_info::kernels();
+        let spilling = facts.resources.iter().filter(|k| k.spills()).count();
+        writeln!(
+            out,
+            "  kernels             {} ({} kernel x architecture builds, {spilling} with spills)",
+            kernels.len(),
+            facts.resources.len(),
+        )?;
+        for k in &kernels {
+            writeln!(out, "    {k}")?;
+        }
     }
     writeln!(out, "  nccl.h              {}", build_info::NCCL_HEADER)?;
     if !build_report {
@@ -352,6 +412,13 @@ fn print_build(out: &mut impl Write, facts: &Facts, build_report: bool) -> io::R
             names.join(", ")
         };
         writeln!(out, "  {arch:<12} {names}")?;
+    }
+    if build_info::EMULATED {
+        writeln!(
+            out,
+            "\n  ptxas resource report: none (the emulator build compiles no GPU code)"
+        )?;
+        return Ok(());
     }
     writeln!(
         out,
@@ -420,6 +487,9 @@ fn to_json(facts: &Facts) -> Value {
     json!({
         "tpfuse_version": env!("CARGO_PKG_VERSION"),
         "build": {
+            "emulated": build_info::EMULATED,
+            "minimum_driver": build_info::minimum_driver()
+                .map(|((a, b), branch)| json!({ "cuda": format!("{a}.{b}"), "branch": branch })),
             "architectures": build_info::architectures(),
             "nvcc": build_info::NVCC,
             "nvcc_release": build_info::NVCC_RELEASE,
@@ -431,6 +501,7 @@ fn to_json(facts: &Facts) -> Value {
         "cuda_driver": {
             "found": facts.driver_present,
             "version": facts.driver_version,
+            "sufficient": facts.driver_sufficient,
             "devices": devices,
         },
         "nvml": nvml,
