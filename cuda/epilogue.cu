@@ -34,11 +34,18 @@ __global__ void __launch_bounds__(kThreads)
 
 } // namespace
 
+// One block per row, at most kMaxRmsNormBlocks of them; beyond that the blocks loop over the
+// rows (row += gridDim.x). 4096 blocks are several waves on any current GPU (an SM holds at
+// most 2048 threads: 4 blocks of kThreads = 512, so 132 SMs hold 528), so the cap costs no
+// parallelism,
+// and a row is still normalised by one block alone: the same bits for any grid.
+constexpr size_t kMaxRmsNormBlocks = 4096;
+
 template <typename T>
 int launch_rms_norm(const T *x, const T *gamma, float eps, T *out, size_t rows, size_t hidden,
                     cudaStream_t stream, FailureWords failure) {
   if (rows == 0 || hidden == 0) return cudaSuccess;
-  const unsigned grid = rows < 65535 ? static_cast<unsigned>(rows) : 65535u;
+  const unsigned grid = static_cast<unsigned>(rows < kMaxRmsNormBlocks ? rows : kMaxRmsNormBlocks);
   TPFUSE_LAUNCH(rms_norm_kernel<T>, grid, kThreads, 0, stream)(x, gamma, eps, out, rows, hidden,
                                                                failure);
   return cudaGetLastError();

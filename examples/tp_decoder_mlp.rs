@@ -430,7 +430,7 @@ fn forward(groups: &[TpGroup], layers: &[Layers], x: &[T], attn: &[T]) -> tpfuse
         layers[r].o_proj.forward_residual_rmsnorm(
             &groups[r],
             &b.attn,
-            &mut b.partial,
+            Some(&mut b.partial),
             &mut b.residual,
             norm,
             &mut b.normed,
@@ -471,7 +471,7 @@ fn forward(groups: &[TpGroup], layers: &[Layers], x: &[T], attn: &[T]) -> tpfuse
         layers[r].down_proj.forward_residual_rmsnorm(
             &groups[r],
             &b.act,
-            &mut b.partial,
+            Some(&mut b.partial),
             &mut b.residual,
             norm,
             &mut b.out,

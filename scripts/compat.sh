@@ -20,6 +20,10 @@ root=$PWD
 eval "$(scripts/setup.sh)"
 export TPFUSE_SKIP_KERNELS=1
 export CARGO_TARGET_DIR=$root/target/compat/target
+# cudarc's static-linking bundles libstdc++.a, which rustc looks for on its -L path. Set for
+# every case: the flags are part of every crate's fingerprint, and one set lets the cases
+# share the crates they have in common.
+export RUSTFLAGS="${RUSTFLAGS:-} -L native=$(dirname "$(g++ -print-file-name=libstdc++.a)")"
 
 # manifest CASE CUDARC_LINE: the scratch crate's Cargo.toml.
 manifest() {
@@ -79,10 +83,6 @@ for case in "${cases[@]}"; do
     oldest) cargo update --quiet -p cudarc --precise 0.19.0 ;;
     esac
     echo "== compat $case: cudarc $(cargo tree --quiet -i cudarc --depth 0 | head -n 1 | awk '{print $2}')"
-    case $case in
-    # cudarc's static-linking bundles libstdc++.a, which rustc looks for on its -L path.
-    static) export RUSTFLAGS="${RUSTFLAGS:-} -L native=$(dirname "$(g++ -print-file-name=libstdc++.a)")" ;;
-    esac
     cargo check --quiet
   ) && echo "== compat $case: ok in $(($(date +%s) - started)) s" || {
     echo "== compat $case: FAILED" >&2

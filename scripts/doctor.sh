@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 eval "$(scripts/setup.sh)"
-exec cargo run --quiet --release --bin tpfuse -- doctor "$@"
+# The dev profile (optimised, Cargo.toml): what `cargo test` built is reused.
+exec cargo run --quiet --bin tpfuse -- doctor "$@"

@@ -239,6 +239,8 @@ mutant failed-output-unmarked emu_all_reduce::a_failed_two_shot_marks_out_and_re
   failure.cuh 'if (p == nullptr) return;' 'return;'
 mutant no-host-publish emu_all_reduce::a_missing_rank_times_out_on_every_survivor_within_the_deadline "a failed launch does not publish its error word to the host" \
   barrier.cuh 'if (g.host_error != nullptr) st_release_sys' 'if (false) st_release_sys'
+mutant rmsnorm-blocks-do-not-loop gpu_epilogue::rms_norm_loops_over_more_rows_than_a_launch_has_blocks "the RMSNorm blocks normalise one row each and leave the rows past the grid" \
+  epilogue.cu 'row < rows; row += gridDim.x' 'row < rows && row < gridDim.x; row += gridDim.x'
 mutant rmsnorm-after-failure emu_all_reduce::a_failed_two_shot_marks_out_and_residual_through_its_rmsnorm "the two-shot RMSNorm normalises a failed launch's marker" \
   epilogue.cu 'if (failed) {' 'if (false) {'
 mutant residual-not-written emu_all_reduce::a_late_rank_within_the_deadline_gives_the_right_result "the epilogue does not write the residual back" \

@@ -57,6 +57,28 @@ pub fn open(ordinal: usize) -> Result<Arc<CudaContext>> {
     CudaContext::new(ordinal).map_err(cuda("opening the device"))
 }
 
+/// Errors when `stream` is one of CUDA's special handles (the legacy default stream, null or
+/// `CU_STREAM_LEGACY`, or `CU_STREAM_PER_THREAD`), which cannot carry a rank: the legacy
+/// stream waits for every other blocking stream of the context (virtual ranks would wait for
+/// each other until the deadline), and the per-thread handle means another stream on every
+/// thread (a group shared between threads would lose its order).
+pub(crate) fn check_rank_stream(arg: &str, stream: &CudaStream) -> Result<()> {
+    let handle = stream.cu_stream() as usize;
+    let name = match handle {
+        0 => "the legacy default stream (null)",
+        1 => "the legacy default stream (CU_STREAM_LEGACY)",
+        2 => "the per-thread default stream (CU_STREAM_PER_THREAD)",
+        _ => return Ok(()),
+    };
+    Err(Error::invalid(
+        arg,
+        format!(
+            "{name} cannot carry a rank: give a stream the engine created (cuStreamCreate, \
+             CudaContext::new_stream)"
+        ),
+    ))
+}
+
 /// Makes the context of `stream` current on this thread (the launchers use the runtime API,
 /// which works on the current context).
 pub(crate) fn bind(stream: &CudaStream) -> Result<()> {

@@ -66,6 +66,11 @@ pub enum Error {
         required: &'static str,
     },
 
+    /// An engine's communicator cannot be used: it is only valid in the NCCL library that
+    /// made it, and the NCCL libraries in this process do not say which one that is.
+    #[error("the engine's NCCL communicator cannot be used: {0}")]
+    NcclLibraryMismatch(String),
+
     /// An NCCL call failed.
     #[error("{call} failed: {result} ({message}){}", last_error_suffix(.last))]
     Nccl {

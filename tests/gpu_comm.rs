@@ -284,6 +284,51 @@ fn world_one_abort_makes_the_communicator_unusable() {
 }
 
 #[test]
+#[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU: NCCL")]
+fn an_engines_communicator_is_borrowed_never_destroyed() {
+    // The engine's communicator: one tpfuse made here, handed over as a raw ncclComm_t.
+    let engine = world_one(CommOptions::default());
+    let stream = open_gpu0().new_stream().expect("the engine's stream");
+    // SAFETY: `engine` outlives `borrowed`, and the two are never used at once.
+    let borrowed =
+        unsafe { Comm::from_raw(engine.as_raw(), stream.clone(), CommOptions::default()) }
+            .unwrap_or_else(|e| panic!("from_raw: {e}"));
+    assert!(!borrowed.is_owned() && engine.is_owned());
+    assert!(Arc::ptr_eq(borrowed.stream(), &stream));
+    assert_eq!((borrowed.rank(), borrowed.world()), (0, 1));
+    borrowed
+        .sanity_check()
+        .expect("a collective on the borrowed communicator");
+    // A healthy borrowed communicator dropped: nothing is finalized or destroyed.
+    drop(borrowed);
+    engine
+        .sanity_check()
+        .expect("the engine's communicator after a borrowed one was dropped");
+    // SAFETY: as above.
+    let borrowed =
+        unsafe { Comm::from_raw(engine.as_raw(), stream.clone(), CommOptions::default()) }
+            .unwrap_or_else(|e| panic!("from_raw again: {e}"));
+    // An abort of the borrowed one only marks it unusable; drop destroys nothing.
+    borrowed.abort();
+    assert!(borrowed.is_broken());
+    assert!(matches!(
+        borrowed.sanity_check(),
+        Err(Error::CommUnusable(_))
+    ));
+    drop(borrowed);
+    engine
+        .sanity_check()
+        .expect("the engine's communicator still works");
+    // A null communicator is refused.
+    // SAFETY: null is refused before any use.
+    let null = unsafe { Comm::from_raw(std::ptr::null_mut(), stream, CommOptions::default()) };
+    assert!(
+        matches!(null, Err(Error::InvalidArgument { .. })),
+        "{null:?}"
+    );
+}
+
+#[test]
 #[cfg_attr(not(feature = "gpu-tests"), ignore = "needs a CUDA GPU")]
 fn world_one_init_variants() {
     // On the engine's own stream: the communicator uses exactly that stream.

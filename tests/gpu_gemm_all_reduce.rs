@@ -543,7 +543,7 @@ fn bad_calls() {
         RowParallelLinear::from_host(g, spec.clone(), HostWeight::new(&full, n, 2 * k), None)
             .expect("layer")
             .with_fusion(Fusion::Fused)
-            .forward(g, &xs[0], &mut parts[0], &mut outs[0]);
+            .forward(g, &xs[0], Some(&mut parts[0]), &mut outs[0]);
     expect_invalid_saying(
         "forced",
         forced,
@@ -551,7 +551,7 @@ fn bad_calls() {
         &["forces the fused", "capacity"],
     );
     let ran = round(&groups, "auto falls back", |r| {
-        layers[r].forward(&groups[r], &xs[r], &mut parts[r], &mut outs[r])
+        layers[r].forward(&groups[r], &xs[r], Some(&mut parts[r]), &mut outs[r])
     });
     assert!(matches!(ran[0], RowParallelPath::Unfused(_)), "{ran:?}");
 

@@ -187,7 +187,7 @@ fn row_parallel_layer_with_residual_rmsnorm_replays_in_a_cuda_graph() {
                 gamma: &gammas[r],
                 eps: EPS,
             };
-            layers[r].forward_residual_rmsnorm(&groups[r], x, partial, residual, norm, out)
+            layers[r].forward_residual_rmsnorm(&groups[r], x, Some(partial), residual, norm, out)
         };
         new_inputs(&mut xs, &mut residuals, 0);
         round(&groups, &format!("{label} eager warm-up"), |r| {

@@ -62,6 +62,7 @@ use std::sync::Arc;
 use tpfuse::ops::gemm::GemmElement;
 use tpfuse::ops::linear::{
     ColumnParallelLinear, Fusion, MergedColumnParallelLinear, RowParallelLinear, RowParallelPath,
+    Workspace,
 };
 use tpfuse::ops::{Algorithm, RmsNorm};
 use tpfuse::reference::{all_reduce_epilogue_exact, gated_mlp_f64, gemm_f64, rms_norm_f64};
@@ -294,12 +295,23 @@ fn mlp_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usize) {
         let label = format!("{label} {fusion:?} {algo:?}");
         let mut partials: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * hidden);
         let mut outs: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * hidden);
+        // A fused call is given no workspace: it needs none.
+        let needs = layers[0]
+            .1
+            .needs_partial(&groups[0], m)
+            .expect("needs_partial");
         let ran = round(&groups, &label, |r| {
+            let partial = needs.then_some(&mut partials[r] as &mut dyn Workspace<T>);
             layers[r]
                 .1
-                .forward(&groups[r], &first.act[r], &mut partials[r], &mut outs[r])
+                .forward(&groups[r], &first.act[r], partial, &mut outs[r])
         });
         assert!(ran.iter().all(|a| *a == ran[0]), "{label}: {ran:?}");
+        assert_eq!(
+            needs,
+            matches!(ran[0], RowParallelPath::Unfused(_)),
+            "{label}"
+        );
         match (fusion, algo) {
             (Fusion::Unfused, Algorithm::OneShot) => {
                 assert_eq!(
@@ -422,7 +434,7 @@ fn mlp_rmsnorm_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usi
             );
             layers[r]
                 .1
-                .forward_residual_rmsnorm(&groups[r], x, p, res, norm, o)
+                .forward_residual_rmsnorm(&groups[r], x, Some(p), res, norm, o)
         });
         let h: Vec<Vec<T>> = download_ranks(&groups, &residuals);
         let out: Vec<Vec<T>> = download_ranks(&groups, &outs);
@@ -809,9 +821,27 @@ fn bad_calls_are_refused_before_anything_runs() {
         let mut short = partial.slice_mut(0..(m - 1) * hidden);
         expect_invalid_saying(
             "partial too short",
-            layers[0].1.forward(g0, &act, &mut short, &mut out),
+            layers[0].1.forward(g0, &act, Some(&mut short), &mut out),
             down,
             &["partial holds"],
+        );
+    }
+    {
+        // An unfused call without the workspace it needs: named before anything runs.
+        let unfused = RowParallelLinear::from_shard(
+            g0,
+            layers[0].1.spec().clone(),
+            layers[0].1.weight().clone(),
+            None,
+        )
+        .expect("the same layer")
+        .with_fusion(Fusion::Unfused);
+        assert!(unfused.needs_partial(g0, m).unwrap());
+        expect_invalid_saying(
+            "no partial for an unfused call",
+            unfused.forward(g0, &act, None, &mut out),
+            down,
+            &["partial:", "none was given", "needs_partial"],
         );
     }
     let gamma_short = upload(g0, &vec![T::ONE; hidden / 2]);
@@ -821,7 +851,7 @@ fn bad_calls_are_refused_before_anything_runs() {
         layers[0].1.forward_residual_rmsnorm(
             g0,
             &act,
-            &mut partial,
+            Some(&mut partial),
             &mut residual,
             RmsNorm {
                 gamma: &gamma_short,
@@ -838,7 +868,7 @@ fn bad_calls_are_refused_before_anything_runs() {
         let off = wide.slice(1..1 + m * inter / 2);
         expect_invalid_saying(
             "misaligned x",
-            layers[0].1.forward(g0, &off, &mut partial, &mut out),
+            layers[0].1.forward(g0, &off, Some(&mut partial), &mut out),
             down,
             &["x:", "16-byte aligned"],
         );

@@ -96,7 +96,7 @@ fn row_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usize) {
     let mut partials: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * out);
     let mut whole: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * out);
     round(&groups, &format!("{label} forward"), |r| {
-        layers[r].forward(&groups[r], &xs[r], &mut partials[r], &mut whole[r])
+        layers[r].forward(&groups[r], &xs[r], Some(&mut partials[r]), &mut whole[r])
     });
     let whole = download_ranks(&groups, &whole);
     for fusion in FUSIONS {
@@ -105,7 +105,12 @@ fn row_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usize) {
         let mut partials: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * out);
         let mut outs: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m / world * out);
         let ran = round(&groups, &label, |r| {
-            layers[r].forward_reduce_scatter(&groups[r], &xs[r], &mut partials[r], &mut outs[r])
+            layers[r].forward_reduce_scatter(
+                &groups[r],
+                &xs[r],
+                Some(&mut partials[r]),
+                &mut outs[r],
+            )
         });
         for (r, g) in groups.iter().enumerate() {
             let at = format!("{label} rank {r}");
@@ -316,7 +321,7 @@ fn bad_calls() {
     let x3 = poisoned::<T>(&groups[0], 3 * inp / world);
     let mut partial = poisoned::<T>(&groups[0], 3 * n);
     let mut out3 = poisoned::<T>(&groups[0], n);
-    let err = row.forward_reduce_scatter(&groups[0], &x3, &mut partial, &mut out3);
+    let err = row.forward_reduce_scatter(&groups[0], &x3, Some(&mut partial), &mut out3);
     expect_invalid_saying(
         "m = 3 on 2 ranks",
         err,
@@ -328,7 +333,7 @@ fn bad_calls() {
             .expect("layer");
     let x2 = poisoned::<T>(&groups[0], 2 * inp / world);
     let mut partial2 = poisoned::<T>(&groups[0], 2 * n);
-    let err = biased.forward_reduce_scatter(&groups[0], &x2, &mut partial2, &mut out3);
+    let err = biased.forward_reduce_scatter(&groups[0], &x2, Some(&mut partial2), &mut out3);
     expect_invalid_saying("a bias", err, row_name, &["has a bias"]);
     assert_poisoned("row: out", &download(&groups[0], &out3));
     assert_poisoned("row: partial", &download(&groups[0], &partial2));

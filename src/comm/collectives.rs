@@ -167,6 +167,7 @@ impl Comm {
         self.on_device("send", buf, buf)?;
         let stream = self.stream().clone();
         let (p, _guard) = buf.device_ptr(&stream);
+        let _issuing = self.issuing()?;
         // SAFETY: `len` elements of T on this device, borrowed until enqueued.
         let rc = unsafe {
             f(
@@ -212,6 +213,7 @@ impl Comm {
         let (r, _recv_guard) = recv.device_ptr_mut(&stream);
         let send_span = (s, send_len);
         check_in_place::<T>(call, send_span, (r, recv_len), in_place_at)?;
+        let _issuing = self.issuing()?;
         let rc = issue(s as *const c_void, r as *mut c_void, self.cu_stream());
         self.after(call, rc)
     }
@@ -226,6 +228,7 @@ impl Comm {
         self.on_device(call, &*buf, &*buf)?;
         let stream = self.stream().clone();
         let (p, _guard) = buf.device_ptr_mut(&stream);
+        let _issuing = self.issuing()?;
         let rc = issue(p as *mut c_void, self.cu_stream());
         self.after(call, rc)
     }

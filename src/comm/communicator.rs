@@ -6,17 +6,18 @@
 //! the communicator is aborted and the call returns [`Error::Timeout`]. A peer that dies
 //! mid-run therefore surfaces as an error on the survivors, within the timeout.
 
+use super::call_lock::{CallGuard, CallLock};
+use super::group::{group_end, group_start};
 use super::{ReduceOp, UniqueId};
-use crate::device::{cuda, open, poll_stream, require_driver};
+use crate::device::{check_rank_stream, cuda, open, poll_stream, require_driver};
 use crate::error::{Error, Result};
 use crate::ffi::kernels;
 use crate::ffi::nccl::{nccl, Nccl};
 use crate::ffi::nccl_sys as sys;
 use crate::validate::owner;
 use cudarc::driver::{CudaSlice, CudaStream, DeviceSlice};
-use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// How long a communicator waits before it gives up on its peers.
@@ -51,12 +52,22 @@ pub struct Comm {
     /// further work and Drop aborts instead of finalizing.
     broken: AtomicBool,
     /// One f32 for [`Comm::barrier`] and [`Comm::sanity_check`].
-    scratch: RefCell<CudaSlice<f32>>,
+    scratch: Mutex<CudaSlice<f32>>,
+    /// Held from a call's issue through its settling, around every poll of the
+    /// communicator's state, and around the abort (see [`CallLock`]).
+    calls: CallLock,
+    /// Whether tpfuse made the communicator (and so finalizes, destroys or aborts it), or
+    /// borrows the engine's ([`Comm::from_raw`]).
+    owned: bool,
 }
 
-// SAFETY: an ncclComm_t may be used from any thread as long as calls on it do not overlap;
-// `Comm` is not Sync, so `&mut`-free use from one thread at a time is what Rust allows.
+// SAFETY: an ncclComm_t may be used from any thread as long as calls on it do not overlap and
+// none follows its abort. Every use of `raw` through `&self` holds `calls` (a call from its
+// issue through its settling, each poll of the state, the abort) and checks `broken` after
+// taking it, so no call overlaps another and none reaches a freed communicator; `group` holds
+// the locks of all its communicators until the group has settled. So `&Comm` may be shared.
 unsafe impl Send for Comm {}
+unsafe impl Sync for Comm {}
 
 impl std::fmt::Debug for Comm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -134,6 +145,7 @@ impl Comm {
     ) -> Result<Comm> {
         require_driver()?;
         check_rank(rank, world)?;
+        check_rank_stream("stream", &stream)?;
         let n = nccl()?;
         let raw = start_rank(n, id, rank, world, &stream)?;
         Self::finish_init(n, raw, rank, world, stream, options.timeout)
@@ -159,24 +171,27 @@ impl Comm {
     /// each on a new stream of its device.
     pub fn init_all(ordinals: &[usize], options: CommOptions) -> Result<Vec<Comm>> {
         require_driver()?;
-        if ordinals.is_empty() {
-            return Err(Error::invalid("ordinals", "no devices given"));
-        }
-        for (i, a) in ordinals.iter().enumerate() {
-            if ordinals[..i].contains(a) {
-                return Err(Error::invalid(
-                    "ordinals",
-                    format!("device {a} is listed twice; NCCL needs one rank per GPU"),
-                ));
-            }
-        }
-        let n = nccl()?;
+        check_distinct_devices("ordinals", ordinals)?;
         let streams = ordinals
             .iter()
             .map(|&o| open(o)?.new_stream().map_err(cuda("creating a stream")))
             .collect::<Result<Vec<_>>>()?;
+        Self::init_all_on(&streams, options)
+    }
+
+    /// One communicator per given stream, all in this process: rank i on `streams[i]` (the
+    /// engine's streams, one per device), where its collectives are enqueued.
+    pub fn init_all_on(streams: &[Arc<CudaStream>], options: CommOptions) -> Result<Vec<Comm>> {
+        require_driver()?;
+        for s in streams {
+            check_rank_stream("streams", s)?;
+        }
+        let ordinals: Vec<usize> = streams.iter().map(|s| s.context().ordinal()).collect();
+        check_distinct_devices("streams", &ordinals)?;
+        let n = nccl()?;
+        let streams = streams.to_vec();
         let id = UniqueId::new()?;
-        let world = ordinals.len();
+        let world = streams.len();
         let mut raws = vec![std::ptr::null_mut(); world];
         let started = Self::start_all(n, &id, &streams, &mut raws);
         if let Err(e) = started {
@@ -190,6 +205,120 @@ impl Comm {
                 Self::finish_init(n, raw, rank, world, stream, options.timeout)
             })
             .collect()
+    }
+
+    /// Wraps a communicator the engine made (an `ncclComm_t`, e.g. the handle of its own NCCL
+    /// binding), whose collectives tpfuse then enqueues on `stream`, the engine's stream of
+    /// the communicator's device. Rank and world are the communicator's.
+    ///
+    /// The communicator stays the engine's: tpfuse never finalizes, destroys or aborts it.
+    /// Where tpfuse would abort its own (a wait past `options.timeout`, an NCCL error,
+    /// [`Comm::abort`]), it marks this `Comm` unusable, returns the error, and leaves the
+    /// abort (`ncclCommAbort`) to the engine: NCCL work stuck on a dead peer ends no other way.
+    ///
+    /// A communicator is only valid in the NCCL library that made it. tpfuse calls the NCCL
+    /// already in the process (see [`nccl_info`]), and refuses with
+    /// [`Error::NcclLibraryMismatch`] when it sees several NCCL libraries mapped in the
+    /// process, or none. That check is best-effort (it reads `/proc/self/maps` for
+    /// `libnccl.so*` files): it cannot see an NCCL linked statically into the engine, or one
+    /// under another file name, hence the first condition below.
+    ///
+    /// The timeouts hold for a communicator made non-blocking (`ncclConfig_t.blocking = 0`):
+    /// tpfuse polls every call. On a blocking one (cudarc's, candle's), a call on a dead peer
+    /// may block the calling thread inside NCCL until the engine aborts the communicator.
+    ///
+    /// # Safety
+    ///
+    /// - `raw` is a live NCCL communicator (`ncclComm_t`) made in this process by the NCCL
+    ///   shared library tpfuse uses ([`nccl_info`]'s path);
+    /// - it outlives the returned `Comm` and every group built from it;
+    /// - the engine issues no call on it while tpfuse does (NCCL's calls on one communicator
+    ///   must not overlap), has settled its own calls (none still `ncclInProgress`), and has no
+    ///   NCCL group open on the thread that calls tpfuse (groups are per thread: tpfuse's
+    ///   calls would join it).
+    ///
+    /// Once this `Comm` is unusable ([`Comm::is_broken`]), tpfuse never touches `raw` again:
+    /// the engine may abort it, then drop the groups built from it.
+    ///
+    /// Errors: [`Error::InvalidArgument`] for a null `raw`, a communicator of another device
+    /// than `stream`'s, or one NCCL reports an error for; [`Error::NcclLibraryMismatch`].
+    pub unsafe fn from_raw(
+        raw: *mut std::ffi::c_void,
+        stream: Arc<CudaStream>,
+        options: CommOptions,
+    ) -> Result<Comm> {
+        require_driver()?;
+        if raw.is_null() {
+            return Err(Error::invalid("raw", "a null communicator"));
+        }
+        check_rank_stream("stream", &stream)?;
+        let n = crate::ffi::nccl::nccl_of_the_process()?;
+        let scratch = stream
+            .alloc_zeros::<f32>(1)
+            .map_err(cuda("allocating the communicator's scratch"))?;
+        let mut comm = Comm {
+            nccl: n,
+            raw: raw as sys::ncclComm_t,
+            rank: 0,
+            world: 0,
+            stream,
+            timeout: options.timeout,
+            broken: AtomicBool::new(false),
+            scratch: Mutex::new(scratch),
+            calls: CallLock::default(),
+            owned: false,
+        };
+        // An engine's non-blocking init may still be joining; NCCL refuses every other call on
+        // the communicator until it has.
+        comm.settle("ncclCommInitRank (the engine's)", "the other ranks to join")?;
+        type Query = unsafe extern "C" fn(sys::ncclComm_t, *mut i32) -> sys::ncclResult_t;
+        let query = |name: &'static str, f: &std::result::Result<Query, libloading::Error>| {
+            let f = n.func(name, f)?;
+            let mut v = -1i32;
+            // SAFETY: the caller vouches for `raw`, which has settled; the query writes one
+            // int.
+            let rc = unsafe { f(comm.raw, &mut v) };
+            n.check(name, rc, comm.raw).map_err(|e| {
+                Error::invalid("raw", format!("{name} on the communicator failed: {e}"))
+            })?;
+            Ok::<usize, Error>(v.max(0) as usize)
+        };
+        let world = query("ncclCommCount", &n.lib.ncclCommCount)?;
+        let rank = query("ncclCommUserRank", &n.lib.ncclCommUserRank)?;
+        let device = query("ncclCommCuDevice", &n.lib.ncclCommCuDevice)?;
+        check_rank(rank, world)?;
+        let ordinal = comm.stream.context().ordinal();
+        if device != ordinal {
+            return Err(Error::invalid(
+                "stream",
+                format!("the communicator is on device {device}, the stream on device {ordinal}"),
+            ));
+        }
+        (comm.rank, comm.world) = (rank, world);
+        Ok(comm)
+    }
+
+    /// Whether tpfuse made this communicator (and will finalize and destroy it), or borrows
+    /// the engine's ([`Comm::from_raw`]).
+    pub fn is_owned(&self) -> bool {
+        self.owned
+    }
+
+    /// The raw `ncclComm_t`, for an engine that issues its own NCCL calls on a communicator
+    /// tpfuse made (through the same NCCL library, [`nccl_info`]'s path; never overlapping
+    /// tpfuse's calls). The communicator is non-blocking: a call may return `ncclInProgress`,
+    /// to be polled with `ncclCommGetAsyncError` until it succeeds. The handle is valid while
+    /// this `Comm` lives and is not [`broken`](Comm::is_broken): an abort (a timeout, an NCCL
+    /// error, [`Comm::abort`]) frees an owned communicator.
+    pub fn as_raw(&self) -> *mut std::ffi::c_void {
+        self.raw as *mut std::ffi::c_void
+    }
+
+    /// Whether the communicator is unusable: aborted, or it saw an error or a timeout.
+    /// Every call then returns [`Error::CommUnusable`], and tpfuse no longer touches the
+    /// NCCL handle.
+    pub fn is_broken(&self) -> bool {
+        self.broken.load(Ordering::Acquire)
     }
 
     /// Issues every rank's non-blocking init inside one group, from this thread.
@@ -241,7 +370,9 @@ impl Comm {
             stream,
             timeout,
             broken: AtomicBool::new(false),
-            scratch: RefCell::new(scratch),
+            scratch: Mutex::new(scratch),
+            calls: CallLock::default(),
+            owned: true,
         };
         comm.settle("ncclCommInitRankConfig", "the other ranks to join")?;
         Ok(comm)
@@ -283,9 +414,15 @@ impl Comm {
     }
 
     /// Tears the communicator down without waiting for peers (`ncclCommAbort`): the way out
-    /// when a peer is gone. Every later call returns [`Error::CommUnusable`].
+    /// when a peer is gone. Every later call returns [`Error::CommUnusable`]. A borrowed
+    /// communicator ([`Comm::from_raw`]) is only marked unusable: the engine aborts it.
     pub fn abort(&self) {
-        if !self.broken.swap(true, Ordering::AcqRel) {
+        if self.broken.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        // A call in flight on another thread sees `broken` at its next poll and lets go.
+        let _calls = self.calls.lock();
+        if self.owned {
             abort_raw(self.nccl, self.raw);
         }
     }
@@ -326,14 +463,16 @@ impl Comm {
     /// Blocks until every rank has reached the barrier (an all-reduce of one value followed
     /// by [`Comm::synchronize`]), bounded by the timeout.
     pub fn barrier(&self) -> Result<()> {
-        self.all_reduce_in_place(&mut *self.scratch.borrow_mut(), ReduceOp::Sum)?;
+        let _calls = self.issuing()?; // before the scratch: one lock order, calls then scratch
+        self.all_reduce_in_place(&mut *self.scratch(), ReduceOp::Sum)?;
         self.synchronize()
     }
 
     /// Every rank all-reduces 1.0 and expects the world size back: proves that the ranks
     /// can reach each other and that NCCL computes.
     pub fn sanity_check(&self) -> Result<()> {
-        let mut scratch = self.scratch.borrow_mut();
+        let _calls = self.issuing()?; // before the scratch: one lock order, calls then scratch
+        let mut scratch = self.scratch();
         self.stream
             .memcpy_htod(&[1.0f32], &mut *scratch)
             .map_err(cuda("sanity check upload"))?;
@@ -350,6 +489,25 @@ impl Comm {
             )));
         }
         Ok(())
+    }
+
+    fn scratch(&self) -> std::sync::MutexGuard<'_, CudaSlice<f32>> {
+        // A panic while it was held left a valid f32 behind.
+        self.scratch.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The lock around the calls on `raw` ([`super::group`] takes it for a whole group).
+    pub(super) fn calls(&self) -> &CallLock {
+        &self.calls
+    }
+
+    /// Takes `calls` for a call: then the communicator is still usable, and, inside
+    /// [`group`], one of the group's.
+    pub(super) fn issuing(&self) -> Result<CallGuard<'_>> {
+        let calls = self.calls.lock();
+        super::group::check_member(self)?;
+        self.usable()?;
+        Ok(calls)
     }
 
     /// Errors unless both buffers live on the communicator's device.
@@ -400,6 +558,8 @@ impl Comm {
     }
 
     fn async_state(&self) -> Result<sys::ncclResult_t> {
+        let _calls = self.calls.lock();
+        self.usable()?;
         let f = self.nccl.func(
             "ncclCommGetAsyncError",
             &self.nccl.lib.ncclCommGetAsyncError,
@@ -433,7 +593,7 @@ impl Comm {
     }
 
     /// Polls the asynchronous state until it leaves "in progress" (bounded by the timeout).
-    fn settle(&self, call: &'static str, what: &str) -> Result<()> {
+    pub(super) fn settle(&self, call: &'static str, what: &str) -> Result<()> {
         let deadline = Instant::now() + self.timeout;
         let mut pause = Duration::from_micros(20);
         loop {
@@ -459,7 +619,7 @@ impl Drop for Comm {
     /// Finalizes (flushing outstanding work, bounded by the timeout) and destroys; a broken
     /// communicator, or one whose finalize does not settle, is aborted instead.
     fn drop(&mut self) {
-        if self.broken.load(Ordering::Acquire) {
+        if self.broken.load(Ordering::Acquire) || !self.owned {
             return;
         }
         let _ = self.stream.context().bind_to_thread();
@@ -518,6 +678,22 @@ fn start_rank(
     Ok(raw)
 }
 
+/// Errors unless every device is listed once (NCCL needs one rank per GPU).
+fn check_distinct_devices(arg: &str, ordinals: &[usize]) -> Result<()> {
+    if ordinals.is_empty() {
+        return Err(Error::invalid(arg, "no devices given"));
+    }
+    for (i, a) in ordinals.iter().enumerate() {
+        if ordinals[..i].contains(a) {
+            return Err(Error::invalid(
+                arg,
+                format!("device {a} is listed twice; NCCL needs one rank per GPU"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 fn abort_raw(n: &Nccl, raw: sys::ncclComm_t) {
     if raw.is_null() {
         return;
@@ -525,38 +701,6 @@ fn abort_raw(n: &Nccl, raw: sys::ncclComm_t) {
     if let Ok(f) = n.lib.ncclCommAbort.as_ref() {
         // SAFETY: aborts a communicator that is not used again.
         unsafe { f(raw) };
-    }
-}
-
-/// Runs `f` between `ncclGroupStart` and `ncclGroupEnd`, so that the operations it enqueues
-/// on `comms` are issued together (needed for send/recv pairs and for several
-/// communicators driven from one thread), then waits for the group to settle on each of
-/// `comms`.
-pub fn group<R>(comms: &[&Comm], f: impl FnOnce() -> Result<R>) -> Result<R> {
-    let n = nccl()?;
-    group_start(n)?;
-    let result = f();
-    let end = group_end(n);
-    let r = result?;
-    end?;
-    for c in comms {
-        c.settle("ncclGroupEnd", "the group to be issued")?;
-    }
-    Ok(r)
-}
-
-fn group_start(n: &Nccl) -> Result<()> {
-    let f = n.func("ncclGroupStart", &n.lib.ncclGroupStart)?;
-    // SAFETY: no arguments; pairs with group_end.
-    n.check("ncclGroupStart", unsafe { f() }, std::ptr::null_mut())
-}
-
-fn group_end(n: &Nccl) -> Result<()> {
-    let f = n.func("ncclGroupEnd", &n.lib.ncclGroupEnd)?;
-    // SAFETY: closes the group opened by group_start.
-    match unsafe { f() } {
-        sys::ncclResult_t_ncclInProgress => Ok(()),
-        rc => n.check("ncclGroupEnd", rc, std::ptr::null_mut()),
     }
 }
 

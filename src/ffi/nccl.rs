@@ -1,11 +1,14 @@
 //! Loads NCCL at run time and checks its version.
 //!
-//! Search order: the path in `TPFUSE_NCCL_LIB` (only that, when set), then `libnccl.so.2`
-//! (what the nvidia-nccl wheels ship) and `libnccl.so` through the dynamic loader.
+//! Search order: the path in `TPFUSE_NCCL_LIB` (only that, when set); then an NCCL library
+//! already in the process (an engine's, linked or loaded: a communicator is only valid in the
+//! library that made it, so tpfuse calls the one the engine uses); then `libnccl.so.2` (what
+//! the nvidia-nccl wheels ship) and `libnccl.so` through the dynamic loader.
 
 use super::nccl_sys::{self, NcclLib};
 use crate::error::{Error, Result};
 use std::ffi::CStr;
+use std::path::Path;
 use std::sync::OnceLock;
 
 /// The oldest NCCL tpfuse accepts (buffer registration, non-blocking init, abort).
@@ -46,8 +49,67 @@ pub(crate) fn nccl() -> Result<&'static Nccl> {
 fn candidates() -> Vec<String> {
     match std::env::var("TPFUSE_NCCL_LIB") {
         Ok(p) if !p.trim().is_empty() => vec![p],
-        _ => vec!["libnccl.so.2".to_string(), "libnccl.so".to_string()],
+        _ => {
+            let mut names = in_process();
+            names.extend(["libnccl.so.2".to_string(), "libnccl.so".to_string()]);
+            names
+        }
     }
+}
+
+/// The NCCL libraries mapped into this process (`/proc/self/maps`), by canonical path,
+/// without duplicates: `libnccl.so*` files, not NCCL's plugins (`libnccl-net.so`, ...).
+pub(crate) fn in_process() -> Vec<String> {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    let mut paths: Vec<String> = maps
+        .lines()
+        .filter_map(|line| line.split_whitespace().nth(5))
+        .filter(|path| {
+            Path::new(path)
+                .file_name()
+                .is_some_and(|f| f.to_string_lossy().starts_with("libnccl.so"))
+        })
+        .map(canonical)
+        .collect();
+    paths.sort();
+    paths.dedup();
+    paths
+}
+
+fn canonical(path: &str) -> String {
+    std::fs::canonicalize(path)
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| path.to_string())
+}
+
+/// The NCCL an engine's communicator was made by: tpfuse's NCCL, provided it is the only NCCL
+/// library in the process (so the engine's is the same). Several, or none mapped as a
+/// library (NCCL linked statically into the engine), is [`Error::NcclLibraryMismatch`].
+pub(crate) fn nccl_of_the_process() -> Result<&'static Nccl> {
+    if in_process().is_empty() {
+        return Err(Error::NcclLibraryMismatch(
+            "no NCCL library is loaded in this process (the communicator must come from a \
+             libnccl.so the process loaded or links; NCCL linked statically into the engine \
+             cannot be called by tpfuse)"
+                .into(),
+        ));
+    }
+    let n = nccl()?;
+    the_only_nccl(&canonical(&n.path), &in_process())?;
+    Ok(n)
+}
+
+/// Errors unless `ours` is the one NCCL library in `loaded`.
+fn the_only_nccl(ours: &str, loaded: &[String]) -> Result<()> {
+    if loaded == [ours] {
+        return Ok(());
+    }
+    Err(Error::NcclLibraryMismatch(format!(
+        "tpfuse uses {ours}, and the process holds {}: a communicator is only valid in the \
+         library that made it. Load one NCCL (set TPFUSE_NCCL_LIB to the engine's before \
+         tpfuse's first NCCL call)",
+        loaded.join(", ")
+    )))
 }
 
 fn load() -> std::result::Result<Nccl, LoadFailure> {
@@ -192,5 +254,36 @@ unsafe fn cstr_or_empty(p: *const std::ffi::c_char) -> String {
         String::new()
     } else {
         CStr::from_ptr(p).to_string_lossy().into_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_engines_communicator_needs_the_one_nccl_of_the_process() {
+        let one = ["/opt/nccl/libnccl.so.2.28.9".to_string()];
+        assert!(the_only_nccl(&one[0], &one).is_ok());
+        let two = [one[0].clone(), "/usr/lib/libnccl.so.2.21.5".to_string()];
+        let err = the_only_nccl(&one[0], &two).unwrap_err().to_string();
+        assert!(err.contains("/usr/lib/libnccl.so.2.21.5"), "{err}");
+        assert!(err.contains("TPFUSE_NCCL_LIB"), "{err}");
+        let other = ["/usr/lib/libnccl.so.2.21.5".to_string()];
+        assert!(the_only_nccl(&one[0], &other).is_err());
+    }
+
+    #[test]
+    fn the_loaded_nccl_is_found_in_the_process() {
+        // Whatever NCCL this machine has (the wheel here, through TPFUSE_NCCL_LIB): once
+        // loaded, it is the process's one NCCL library, and a second load finds it first.
+        let n = nccl().expect("NCCL loads (scripts/setup.sh installs it)");
+        let loaded = in_process();
+        assert_eq!(loaded, [canonical(&n.path)], "{loaded:?}");
+        let first = candidates();
+        assert!(
+            std::env::var("TPFUSE_NCCL_LIB").is_ok() || first[0] == loaded[0],
+            "{first:?}"
+        );
     }
 }

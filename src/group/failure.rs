@@ -55,8 +55,9 @@ pub(crate) struct HostErrorWord {
 }
 
 // SAFETY: the allocation is owned by this value and freed once, in Drop (with its context
-// bound); the word is only accessed atomically.
+// bound); the word is only accessed atomically (through `&self` too), so sharing is sound.
 unsafe impl Send for HostErrorWord {}
+unsafe impl Sync for HostErrorWord {}
 
 impl HostErrorWord {
     /// A zeroed word, mapped into the address space of `ctx`'s device.

@@ -9,6 +9,17 @@
 //! | [`TpGroup::single_process`] | one GPU per rank, one process | peer access between the process's contexts | [`Comm::init_all`] |
 //! | [`TpGroup::from_comm`] | one rank per process | CUDA IPC handles exchanged over the communicator | the given [`Comm`] |
 //!
+//! # Streams
+//!
+//! Every op of a rank is enqueued on its group's stream ([`TpGroup::stream`]), and only
+//! there: tpfuse makes no stream of its own for an op, and waits for nothing else. To run on
+//! the engine's streams, build the group on them: [`TpGroup::virtual_ranks_on`] and
+//! [`TpGroup::single_process_on`] take one stream per rank; [`TpGroup::from_comm`] takes the
+//! communicator's, which [`Comm::init_rank`] (a new communicator on the engine's stream) or
+//! [`Comm::from_raw`] (the engine's own `ncclComm_t`) set. The constructors without `_on`
+//! make new streams. The engine orders its own work against the group's stream (the same
+//! stream, or events).
+//!
 //! The custom kernels cannot tell the three apart. Virtual ranks are how every multi-rank
 //! kernel is tested on one GPU: the kernels of all W ranks must be resident at once, so each
 //! rank's grid is capped (the CTA budget, [`cta_budget`]).
@@ -53,16 +64,19 @@
 //! [`timeout`]: TpGroup::timeout
 
 mod agreement;
+mod build;
 mod failure;
 
-use crate::comm::{Comm, CommOptions};
-use crate::device::{cuda, poll_stream, require_driver};
+use build::backstop_cycles;
+pub(crate) use build::{sm_count, DeviceFacts};
+
+use crate::comm::Comm;
+use crate::device::{cuda, poll_stream};
 use crate::error::{Error, Result};
 use crate::ffi::kernels;
-use crate::symmetric::{self, IpcOutcome, SymmetricWorkspace};
-use crate::topology::{self, AllReduceRule, Discovery, Refusal, Verdict};
-use agreement::{agree, agreed_verdict, RankRecord};
-use cudarc::driver::{sys, CudaContext, CudaStream};
+use crate::symmetric::{self, SymmetricWorkspace};
+use crate::topology::{AllReduceRule, Verdict};
+use cudarc::driver::{sys, CudaStream};
 use failure::{error_of_word, HostErrorWord, Poison};
 use std::sync::Arc;
 use std::time::Duration;
@@ -200,7 +214,16 @@ enum Mode {
 /// CTA budget and the deadline of the custom kernels, and the topology verdict that the
 /// ops consult to choose between the custom kernels and NCCL.
 ///
-/// A `TpGroup` is `Send` (move each rank to its own thread) but not `Sync`.
+/// A `TpGroup` is `Send` and `Sync`: an engine's ops may share a rank's group (`&TpGroup` or
+/// `Arc<TpGroup>` from several threads; candle's custom ops need both). Sharing is
+/// memory-safe; the protocol is the engine's to keep, as with NCCL: every rank enqueues the
+/// same collectives in the same order, so a rank's ops are issued from one thread at a time,
+/// or in an order every rank repeats. tpfuse's barriers catch ranks whose launches differ in
+/// kernel, size, epilogue or grid ([`Error::PeerMismatch`]) and peers that never come
+/// ([`Error::PeerTimeout`]); two same-shaped collectives issued in different orders on
+/// different ranks are not caught (their results are wrong), and collectives that diverge on
+/// the NCCL path hang in NCCL as they would without tpfuse. A CUDA graph captured on the
+/// group's stream by another thread captures tpfuse's launches too.
 ///
 /// Dropping a group waits (bounded) for its stream. An IPC group ([`TpGroup::from_comm`])
 /// then closes the peers' buffers and meets its peers at a barrier before it frees its own,
@@ -245,307 +268,7 @@ impl std::fmt::Debug for TpGroup {
     }
 }
 
-/// What the fused GEMM kernels' planning needs of a rank's device, read once when the group
-/// is built (no driver query on an op's path).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct DeviceFacts {
-    /// (major, minor).
-    pub(crate) compute_capability: (u32, u32),
-    pub(crate) sms: usize,
-}
-
-fn device_facts(ctx: &CudaContext) -> Result<DeviceFacts> {
-    let attr = |a| {
-        ctx.attribute(a)
-            .map(|v| v.max(0) as u32)
-            .map_err(cuda("reading the compute capability"))
-    };
-    use sys::CUdevice_attribute::*;
-    Ok(DeviceFacts {
-        compute_capability: (
-            attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
-            attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
-        ),
-        sms: sm_count(ctx)?,
-    })
-}
-
-pub(crate) fn sm_count(ctx: &CudaContext) -> Result<usize> {
-    let sms = ctx
-        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .map_err(cuda("reading the SM count"))?;
-    Ok(sms.max(1) as usize)
-}
-
-/// The peak SM clock of `ctx`'s device in kHz; 4 GHz (above any GPU's) when the driver does
-/// not say, so the backstop never ends a wait early.
-fn peak_clock_khz(ctx: &CudaContext) -> u64 {
-    match ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLOCK_RATE) {
-        Ok(khz) if khz > 0 => khz as u64,
-        _ => 4_000_000,
-    }
-}
-
-/// The %clock64 backstop of a kernel deadline of `timeout_ns` (tpfuse.h): four times the
-/// timeout at the peak clock, so at any real clock it ends a wait no earlier than 4 x the
-/// timeout, and still ends it when %globaltimer stalls.
-fn backstop_cycles(timeout_ns: u64, clock_khz: u64) -> u64 {
-    let cycles = u128::from(timeout_ns) * u128::from(clock_khz) * 4 / 1_000_000;
-    u64::try_from(cycles).unwrap_or(u64::MAX)
-}
-
-/// The host-mapped error word of a rank that has symmetric memory.
-fn host_error_word(
-    ctx: &Arc<CudaContext>,
-    workspace: Option<&SymmetricWorkspace>,
-) -> Result<Option<HostErrorWord>> {
-    workspace.map(|_| HostErrorWord::new(ctx)).transpose()
-}
-
 impl TpGroup {
-    /// `world` ranks on the device of `ctx`, rank `r` at index `r`, each with its own new
-    /// stream of `ctx`; how multi-rank kernels are tested on one GPU, and how a TP-8 layout
-    /// is rehearsed on one card. No communicator ([`TpGroup::comm`] is `None`), no verdict.
-    ///
-    /// The CTA budget is `options.blocks` or [`cta_budget`]`(sms, world, true)`; the
-    /// kernels of all ranks must fit on the device together, so `world * blocks` may not
-    /// exceed the SM count. They must also run concurrently, on `world` streams: set
-    /// `CUDA_DEVICE_MAX_CONNECTIONS` to at least the number of streams the process uses (32
-    /// is safe) before the first CUDA call, or two ranks may share a hardware queue and one
-    /// waits behind the other until the deadline turns it into [`Error::PeerTimeout`].
-    ///
-    /// Errors: [`Error::InvalidArgument`] for `world` outside 2 ..= 8, invalid `options`,
-    /// or more blocks than the device can hold at once; [`Error::Cuda`] when an allocation
-    /// or a stream fails.
-    pub fn virtual_ranks(
-        ctx: &Arc<CudaContext>,
-        world: usize,
-        options: GroupOptions,
-    ) -> Result<Vec<TpGroup>> {
-        symmetric::check_world("world", world)?;
-        options.validate()?;
-        require_driver()?;
-        let sms = sm_count(ctx)?;
-        let blocks = options
-            .blocks
-            .unwrap_or_else(|| cta_budget(sms, world, true));
-        if blocks * world > sms {
-            let arg = if options.blocks.is_some() {
-                "options.blocks"
-            } else {
-                "world"
-            };
-            return Err(Error::invalid(
-                arg,
-                format!(
-                    "{world} virtual ranks x {blocks} blocks = {} blocks, but device {} has \
-                     {sms} SMs: the kernels of every rank must be resident at once (one block \
-                     per SM)",
-                    world * blocks,
-                    ctx.ordinal()
-                ),
-            ));
-        }
-        let workspaces = symmetric::virtual_ranks(ctx, world, options.capacity_bytes)?;
-        let poison = Arc::new(Poison::default());
-        let mut groups = Vec::with_capacity(world);
-        for (rank, ws) in workspaces.into_iter().enumerate() {
-            let stream = ctx
-                .new_stream()
-                .map_err(cuda("creating a virtual rank's stream"))?;
-            #[cfg(feature = "emulator")]
-            crate::emulator::counters::tag_stream(&stream, rank);
-            groups.push(TpGroup {
-                rank,
-                world,
-                mode: Mode::Virtual,
-                stream,
-                host_error: Some(HostErrorWord::new(ctx)?),
-                workspace: Some(ws),
-                unavailable: None,
-                verdict: None,
-                rule: AllReduceRule::default(),
-                blocks,
-                fused_blocks: (sms / world).max(1),
-                timeout: options.timeout,
-                poison: poison.clone(),
-                clock_khz: peak_clock_khz(ctx),
-                device_facts: device_facts(ctx)?,
-                comm: None,
-            });
-        }
-        Ok(groups)
-    }
-
-    /// One process, one GPU per rank: rank `i` on CUDA device `ordinals[i]`, on the stream
-    /// of an NCCL communicator built with [`Comm::init_all`] (default [`CommOptions`]).
-    /// Symmetric memory uses peer access between the devices; the verdict comes from NVML
-    /// ([`topology::discover`] and [`topology::assess`]), `None` when NVML is unavailable.
-    ///
-    /// Where the driver reports no peer access between two of the devices, the group is
-    /// still built, without symmetric memory: [`TpGroup::capacity`] is 0,
-    /// [`TpGroup::custom_kernels_refused`] says why, and the ops use NCCL.
-    ///
-    /// The CTA budget is `options.blocks` or the smallest [`cta_budget`]`(sms, world,
-    /// false)` over the devices.
-    ///
-    /// Errors: [`Error::InvalidArgument`] for a number of ordinals outside 2 ..= 8, an
-    /// ordinal listed twice, invalid `options`, or `options.blocks` above a device's SM count
-    /// (every block of a custom kernel must be resident at once); NCCL's and CUDA's errors.
-    pub fn single_process(ordinals: &[usize], options: GroupOptions) -> Result<Vec<TpGroup>> {
-        symmetric::check_world("ordinals", ordinals.len())?;
-        for (i, a) in ordinals.iter().enumerate() {
-            if let Some(j) = ordinals[..i].iter().position(|b| b == a) {
-                return Err(Error::invalid(
-                    "ordinals",
-                    format!(
-                        "device {a} is listed for ranks {j} and {i}: one GPU per rank (use \
-                         virtual ranks to put several ranks on one GPU)"
-                    ),
-                ));
-            }
-        }
-        options.validate()?;
-        require_driver()?;
-        let world = ordinals.len();
-        let comms = Comm::init_all(ordinals, CommOptions::default())?;
-        let ctxs: Vec<Arc<CudaContext>> =
-            comms.iter().map(|c| c.stream().context().clone()).collect();
-        let mut budget = MAX_BLOCKS;
-        let mut fewest_sms = usize::MAX;
-        for ctx in &ctxs {
-            let sms = sm_count(ctx)?;
-            fewest_sms = fewest_sms.min(sms);
-            budget = budget.min(cta_budget(sms, world, false));
-        }
-        let blocks = options.blocks.unwrap_or(budget);
-        if blocks > fewest_sms {
-            return Err(Error::invalid(
-                "options.blocks",
-                format!(
-                    "{blocks} blocks, but a device of the group has {fewest_sms} SMs: every \
-                     block of a custom kernel must be resident at once (one block per SM)"
-                ),
-            ));
-        }
-        let verdict = match topology::discover() {
-            Discovery::Found(topo) => {
-                let ordinals: Vec<u32> = ordinals.iter().map(|&o| o as u32).collect();
-                Some(topology::assess(&topo, &ordinals))
-            }
-            Discovery::NoDriver | Discovery::Broken(_) => None,
-        };
-        let (workspaces, unavailable): (Vec<Option<SymmetricWorkspace>>, Option<String>) =
-            match symmetric::peer_access_outcome(&ctxs, options.capacity_bytes)? {
-                Ok(ws) => (ws.into_iter().map(Some).collect(), None),
-                Err(reason) => ((0..world).map(|_| None).collect(), Some(reason)),
-            };
-        let poison = Arc::new(Poison::default());
-        comms
-            .into_iter()
-            .zip(workspaces)
-            .enumerate()
-            .map(|(rank, (comm, workspace))| {
-                let ctx = comm.stream().context().clone();
-                Ok(TpGroup {
-                    rank,
-                    world,
-                    mode: Mode::SingleProcess,
-                    stream: comm.stream().clone(),
-                    host_error: host_error_word(&ctx, workspace.as_ref())?,
-                    workspace,
-                    unavailable: unavailable.clone(),
-                    verdict: verdict.clone(),
-                    rule: AllReduceRule::default(),
-                    blocks,
-                    fused_blocks: fewest_sms,
-                    timeout: options.timeout,
-                    poison: poison.clone(),
-                    clock_khz: peak_clock_khz(&ctx),
-                    device_facts: device_facts(&ctx)?,
-                    comm: Some(comm),
-                })
-            })
-            .collect()
-    }
-
-    /// One rank per process, over an NCCL communicator of 2 ..= 8 ranks: the group's rank,
-    /// world and stream are the communicator's. A collective: every rank of `comm` must call
-    /// it, with the same `options`.
-    ///
-    /// Over the communicator, the ranks exchange their options, SM counts, hosts and GPUs
-    /// (and refuse to proceed if their options differ), agree on the CTA budget
-    /// (`options.blocks`, or the smallest [`cta_budget`]`(sms, world, false)` of all
-    /// ranks), take rank 0's topology verdict (GPUs named as rank 0's process numbers them),
-    /// and map every rank's buffers into every other rank with CUDA IPC.
-    ///
-    /// Where CUDA IPC is not possible (ranks on several hosts, or a handle that cannot be
-    /// exported or opened — the reason names the ranks), every rank still gets its group,
-    /// without symmetric memory: [`TpGroup::capacity`] is 0,
-    /// [`TpGroup::custom_kernels_refused`] says why, and the ops use NCCL.
-    ///
-    /// Errors: [`Error::InvalidArgument`] for a communicator of fewer than 2 or more than 8
-    /// ranks, invalid `options`, ranks whose options differ, or `options.blocks` above a
-    /// rank's SM count; the communicator's and
-    /// CUDA's errors. A rank that fails alone (before the exchange) leaves its peers waiting
-    /// up to the communicator's timeout.
-    pub fn from_comm(comm: Comm, options: GroupOptions) -> Result<TpGroup> {
-        symmetric::check_world("comm", comm.world())?;
-        options.validate()?;
-        require_driver()?;
-        let (rank, world) = (comm.rank(), comm.world());
-        let stream = comm.stream().clone();
-        let ctx = stream.context().clone();
-        let mine = RankRecord::local(&ctx, &options)?;
-        let records = symmetric::exchange(&comm, &mine.encode())?
-            .iter()
-            .enumerate()
-            .map(|(r, b)| RankRecord::decode(r, b))
-            .collect::<Result<Vec<_>>>()?;
-        let agreed = agree(&records)?;
-        let verdict = agreed_verdict(&comm, &records, &agreed)?;
-        // Every rank takes the same branch: the verdict is rank 0's, broadcast.
-        let shared_gpu = verdict
-            .as_ref()
-            .and_then(|v| v.custom_all_reduce_refused.as_ref())
-            .filter(|r| matches!(r, Refusal::DuplicateGpu { .. }));
-        let (workspace, unavailable) = if let Some(hosts) = &agreed.several_hosts {
-            (
-                None,
-                Some(format!(
-                    "the ranks span several hosts ({hosts}); CUDA IPC needs every rank on one host"
-                )),
-            )
-        } else if let Some(refusal) = shared_gpu {
-            // Kernels of two processes cannot be resident on one GPU at once (without MPS):
-            // the custom kernels would only time out.
-            (None, Some(refusal.describe()))
-        } else {
-            match symmetric::ipc_outcome(&comm, options.capacity_bytes)? {
-                IpcOutcome::Ready(ws) => (Some(ws), None),
-                IpcOutcome::Unavailable(reason) => (None, Some(reason)),
-            }
-        };
-        Ok(TpGroup {
-            rank,
-            world,
-            mode: Mode::Ipc,
-            stream,
-            host_error: host_error_word(&ctx, workspace.as_ref())?,
-            clock_khz: peak_clock_khz(&ctx),
-            device_facts: device_facts(&ctx)?,
-            workspace,
-            unavailable,
-            verdict,
-            rule: AllReduceRule::default(),
-            blocks: agreed.blocks,
-            fused_blocks: agreed.fewest_sms,
-            timeout: options.timeout,
-            poison: Arc::new(Poison::default()),
-            comm: Some(comm),
-        })
-    }
-
     /// This rank, in `0..world`.
     pub fn rank(&self) -> usize {
         self.rank
@@ -931,3 +654,9 @@ mod gpu_tests {
         }
     }
 }
+
+// A group is shared by an engine's ops (candle's custom ops need Send + Sync).
+const _: fn() = || {
+    fn shared<T: Send + Sync>() {}
+    shared::<TpGroup>();
+};

@@ -448,7 +448,7 @@ fn row_parallel(ctx: &Arc<CudaContext>, seed: u64, counting: bool) -> Result<OpR
             rep.traffic.measure(counting, min, || {
                 round(&groups, |r| {
                     layers[r]
-                        .forward(&groups[r], &xs[r], &mut partials[r], &mut outs[r])
+                        .forward(&groups[r], &xs[r], Some(&mut partials[r]), &mut outs[r])
                         .map(|_| ())
                 })
             })?;
@@ -460,7 +460,7 @@ fn row_parallel(ctx: &Arc<CudaContext>, seed: u64, counting: bool) -> Result<OpR
             let mut fused = nan_all(&groups, m * out)?;
             round(&groups, |r| {
                 fused_layers[r]
-                    .forward(&groups[r], &xs[r], &mut partials[r], &mut fused[r])
+                    .forward(&groups[r], &xs[r], Some(&mut partials[r]), &mut fused[r])
                     .map(|_| ())
             })?;
             let fused = download_all(&groups, &fused)?;

@@ -11,44 +11,26 @@ use crate::ops::collectives::{all_gather, check_all_gather};
 use crate::ops::gemm::GemmElement;
 use crate::shard::{ColumnParallelSpec, HostWeight};
 use crate::validate::owner;
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceSlice};
 
 /// A column-parallel linear layer, one rank of it: `y[:, r·out/W .. (r+1)·out/W] = x · W_rᵀ
 /// (+ b_r)`, where `W_r` `[out/W, in]` are rows `r·out/W .. (r+1)·out/W` of the full weight
 /// and `b_r` the same slice of the bias. The output stays sharded ([`forward`](Self::forward))
 /// or is gathered to the full `[m, out]` on every rank
 /// ([`forward_gather`](Self::forward_gather)).
-pub struct ColumnParallelLinear<T> {
+pub struct ColumnParallelLinear<T, W = CudaSlice<T>> {
     spec: ColumnParallelSpec,
-    shard: Shard<T>,
+    shard: Shard<T, W>,
     fusion: Fusion,
 }
 
-impl<T> std::fmt::Debug for ColumnParallelLinear<T> {
+impl<T, W: DeviceSlice<T>> std::fmt::Debug for ColumnParallelLinear<T, W> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         self.shard.debug(f, "ColumnParallelLinear", &self.spec)
     }
 }
 
 impl<T: GemmElement + NcclType> ColumnParallelLinear<T> {
-    /// The layer from this rank's shard, already on the group's device: `weight`
-    /// `[out/W, in]`, `bias` `[out/W]`. Errors (naming the layer): a spec for another world
-    /// size than the group's, a shard the GEMM cannot take (`out/W` or `in` not a multiple of
-    /// 8), a shard of the wrong length or on another device.
-    pub fn from_shard(
-        group: &TpGroup,
-        spec: ColumnParallelSpec,
-        weight: CudaSlice<T>,
-        bias: Option<CudaSlice<T>>,
-    ) -> Result<Self> {
-        let shard = Shard::new(group, &spec, weight, bias)?;
-        Ok(ColumnParallelLinear {
-            spec,
-            shard,
-            fusion: Fusion::Auto,
-        })
-    }
-
     /// The layer from the full host weight, `[out_features, in_features]` as the checkpoint
     /// stores it (see [`HostWeight`]), and bias `[out_features]`: this rank's rows are cut
     /// ([`ColumnParallelSpec::shard_weight`]) and uploaded on the group's stream. Errors
@@ -63,6 +45,26 @@ impl<T: GemmElement + NcclType> ColumnParallelLinear<T> {
     ) -> Result<Self> {
         let (w, b) = host_shard(group, &spec, weight, bias)?;
         Self::from_shard(group, spec, w, b)
+    }
+}
+
+impl<T: GemmElement + NcclType, W: DevicePtr<T>> ColumnParallelLinear<T, W> {
+    /// The layer from this rank's shard, already on the group's device: `weight`
+    /// `[out/W, in]`, `bias` `[out/W]`. Errors (naming the layer): a spec for another world
+    /// size than the group's, a shard the GEMM cannot take (`out/W` or `in` not a multiple of
+    /// 8), a shard of the wrong length or on another device.
+    pub fn from_shard(
+        group: &TpGroup,
+        spec: ColumnParallelSpec,
+        weight: W,
+        bias: Option<W>,
+    ) -> Result<Self> {
+        let shard = Shard::new(group, &spec, weight, bias)?;
+        Ok(ColumnParallelLinear {
+            spec,
+            shard,
+            fusion: Fusion::Auto,
+        })
     }
 
     /// The layer's shape.
@@ -81,12 +83,12 @@ impl<T: GemmElement + NcclType> ColumnParallelLinear<T> {
     }
 
     /// The weight shard, `[out/W, in]`.
-    pub fn weight(&self) -> &CudaSlice<T> {
+    pub fn weight(&self) -> &W {
         &self.shard.weight
     }
 
     /// The bias shard, `[out/W]`.
-    pub fn bias(&self) -> Option<&CudaSlice<T>> {
+    pub fn bias(&self) -> Option<&W> {
         self.shard.bias.as_ref()
     }
 

@@ -7,19 +7,19 @@ use crate::error::Result;
 use crate::group::TpGroup;
 use crate::ops::gemm::GemmElement;
 use crate::shard::{GateUpSplit, HostWeight, MergedColumnSpec, QkvSplit};
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceSlice};
 
 /// A merged column-parallel layer, one rank of it: QKV with grouped-query heads or gate_up
 /// (see [`MergedColumnSpec`]). Rank `r`'s weight is its part of each section, stacked, so
 /// its output row `[m, out_per_rank]` is `[q_r | k_r | v_r]` or `[gate_r | up_r]`;
 /// [`qkv_split`](Self::qkv_split) and [`gate_up_split`](Self::gate_up_split) say where.
-pub struct MergedColumnParallelLinear<T> {
+pub struct MergedColumnParallelLinear<T, W = CudaSlice<T>> {
     spec: MergedColumnSpec,
-    shard: Shard<T>,
+    shard: Shard<T, W>,
     fusion: Fusion,
 }
 
-impl<T> std::fmt::Debug for MergedColumnParallelLinear<T> {
+impl<T, W: DeviceSlice<T>> std::fmt::Debug for MergedColumnParallelLinear<T, W> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         self.shard
             .debug(f, "MergedColumnParallelLinear", &self.spec)
@@ -27,25 +27,6 @@ impl<T> std::fmt::Debug for MergedColumnParallelLinear<T> {
 }
 
 impl<T: GemmElement + NcclType> MergedColumnParallelLinear<T> {
-    /// The layer from this rank's shard, already on the group's device: `weight`
-    /// `[out_per_rank, in]` (its part of each section, stacked), `bias` `[out_per_rank]`.
-    /// Errors (naming the layer): a spec for another world size than the group's, a shard
-    /// the GEMM cannot take (`out_per_rank` or `in` not a multiple of 8), a shard of the
-    /// wrong length or on another device.
-    pub fn from_shard(
-        group: &TpGroup,
-        spec: MergedColumnSpec,
-        weight: CudaSlice<T>,
-        bias: Option<CudaSlice<T>>,
-    ) -> Result<Self> {
-        let shard = Shard::new(group, &spec, weight, bias)?;
-        Ok(MergedColumnParallelLinear {
-            spec,
-            shard,
-            fusion: Fusion::Auto,
-        })
-    }
-
     /// The layer from the full host weight, `[out_features, in_features]` with the sections
     /// stacked along the rows (see [`HostWeight`]), and bias `[out_features]`, cut by
     /// [`MergedColumnSpec::shard_weight`] and uploaded on the group's stream. Errors (naming
@@ -81,6 +62,27 @@ impl<T: GemmElement + NcclType> MergedColumnParallelLinear<T> {
         let (w, b) = upload_shard(group, &w, b.as_deref())?;
         Self::from_shard(group, spec, w, b)
     }
+}
+
+impl<T: GemmElement + NcclType, W: DevicePtr<T>> MergedColumnParallelLinear<T, W> {
+    /// The layer from this rank's shard, already on the group's device: `weight`
+    /// `[out_per_rank, in]` (its part of each section, stacked), `bias` `[out_per_rank]`.
+    /// Errors (naming the layer): a spec for another world size than the group's, a shard
+    /// the GEMM cannot take (`out_per_rank` or `in` not a multiple of 8), a shard of the
+    /// wrong length or on another device.
+    pub fn from_shard(
+        group: &TpGroup,
+        spec: MergedColumnSpec,
+        weight: W,
+        bias: Option<W>,
+    ) -> Result<Self> {
+        let shard = Shard::new(group, &spec, weight, bias)?;
+        Ok(MergedColumnParallelLinear {
+            spec,
+            shard,
+            fusion: Fusion::Auto,
+        })
+    }
 
     /// The layer's shape.
     pub fn spec(&self) -> &MergedColumnSpec {
@@ -98,12 +100,12 @@ impl<T: GemmElement + NcclType> MergedColumnParallelLinear<T> {
     }
 
     /// The weight shard, `[out_per_rank, in]`.
-    pub fn weight(&self) -> &CudaSlice<T> {
+    pub fn weight(&self) -> &W {
         &self.shard.weight
     }
 
     /// The bias shard, `[out_per_rank]`.
-    pub fn bias(&self) -> Option<&CudaSlice<T>> {
+    pub fn bias(&self) -> Option<&W> {
         self.shard.bias.as_ref()
     }
 

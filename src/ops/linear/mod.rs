@@ -77,7 +77,7 @@
 //! gate_up.forward(group, &x, &mut h)?;
 //! let act = alloc(m * inter / w)?; // SiLU(gate_r) · up_r, by the engine's own kernel
 //! let (mut partial, mut y) = (alloc(m * hidden)?, alloc(m * hidden)?);
-//! down.forward(group, &act, &mut partial, &mut y)?; // every other rank makes the same calls
+//! down.forward(group, &act, Some(&mut partial), &mut y)?; // every other rank makes the same calls
 //! # Ok(()) }
 //! ```
 
@@ -88,7 +88,7 @@ use crate::group::TpGroup;
 use crate::ops::gemm::{gemm, GemmElement};
 use crate::shard::{ColumnParallelSpec, HostWeight, MergedColumnSpec, RowParallelSpec};
 use crate::validate::owner;
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceSlice};
 use std::borrow::Cow;
 
 mod column;
@@ -101,6 +101,7 @@ mod merged;
 mod row;
 mod sequence;
 mod vocab_shard;
+mod workspace;
 
 pub use column::ColumnParallelLinear;
 pub use embedding::VocabParallelEmbedding;
@@ -109,6 +110,7 @@ pub use lm_head::ParallelLMHead;
 pub use loader::SectionLoader;
 pub use merged::MergedColumnParallelLinear;
 pub use row::{RowParallelLinear, RowParallelPath};
+pub use workspace::Workspace;
 
 /// The names the GEMM's errors use for its arguments, and what a layer calls them.
 const GEMM_NAMES: [(&str, &str); 5] = [
@@ -202,7 +204,7 @@ fn check_device(label: &str, what: &str, device: usize, group: &TpGroup) -> Resu
 fn check_shard<T>(
     label: &str,
     what: &str,
-    shard: &CudaSlice<T>,
+    shard: &impl DeviceSlice<T>,
     want: usize,
     shape: &str,
     group: &TpGroup,
@@ -226,7 +228,7 @@ fn upload<T: GemmElement>(group: &TpGroup, host: &[T]) -> Result<CudaSlice<T>> {
         .map_err(cuda("uploading a layer's shard"))
 }
 
-fn as_dyn<T>(bias: &Option<CudaSlice<T>>) -> Option<&dyn DevicePtr<T>> {
+fn as_dyn<T, W: DevicePtr<T>>(bias: &Option<W>) -> Option<&dyn DevicePtr<T>> {
     bias.as_ref().map(|b| b as &dyn DevicePtr<T>)
 }
 
@@ -354,25 +356,22 @@ fn host_shard<T: GemmElement>(
 }
 
 /// A rank's shard of a layer on the device, `[n, k]` weight and `[n]` bias, with what its
-/// calls are checked against; shared by the three layers.
-struct Shard<T> {
+/// calls are checked against; shared by the three layers. `W` holds the weight: an owned
+/// `CudaSlice`, or a view of the engine's buffer (the layer borrows it).
+struct Shard<T, W = CudaSlice<T>> {
     label: String,
     rank: usize,
     world: usize,
     n: usize,
     k: usize,
-    weight: CudaSlice<T>,
-    bias: Option<CudaSlice<T>>,
+    weight: W,
+    bias: Option<W>,
+    element: std::marker::PhantomData<T>,
 }
 
-impl<T: GemmElement + NcclType> Shard<T> {
+impl<T: GemmElement + NcclType, W: DevicePtr<T>> Shard<T, W> {
     /// A layer's `from_shard`: [`check_spec`], then the shards' lengths and devices.
-    fn new<S: LayerSpec>(
-        group: &TpGroup,
-        spec: &S,
-        weight: CudaSlice<T>,
-        bias: Option<CudaSlice<T>>,
-    ) -> Result<Self> {
+    fn new<S: LayerSpec>(group: &TpGroup, spec: &S, weight: W, bias: Option<W>) -> Result<Self> {
         check_spec(group, spec)?;
         let label = spec.label();
         let (n, k) = spec.shard_dims();
@@ -403,6 +402,7 @@ impl<T: GemmElement + NcclType> Shard<T> {
             k,
             weight,
             bias,
+            element: std::marker::PhantomData,
         })
     }
 
@@ -450,7 +450,7 @@ impl<T: GemmElement + NcclType> Shard<T> {
     }
 }
 
-impl<T> Shard<T> {
+impl<T, W: DeviceSlice<T>> Shard<T, W> {
     /// What a layer's `Debug` shows: its shape, rank and shard lengths (not the device
     /// buffers).
     fn debug(

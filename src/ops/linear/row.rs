@@ -3,7 +3,8 @@
 //! sequence-parallel region, the reduce-scatter gives each rank its rows of the sum.
 
 use super::fusion::{fuses, Fusion, SequenceParallelPath};
-use super::{as_dyn, check_len, host_shard, in_layer, Shard};
+use super::workspace::{Borrowed, Workspace};
+use super::{as_dyn, check_group, check_len, host_shard, in_layer, Shard};
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
 use crate::group::TpGroup;
@@ -13,7 +14,7 @@ use crate::ops::gemm::{GemmElement, GemmShape};
 use crate::ops::gemm_all_reduce::{gemm_all_reduce_with, gemm_reduce_scatter, unfusable};
 use crate::shard::{HostWeight, RowParallelSpec};
 use crate::topology::AllReduceAlgo;
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceSlice};
 
 /// The names the all-reduce's errors use, and what a row-parallel layer calls them.
 const ALL_REDUCE_NAMES: [(&str, &str); 7] = [
@@ -62,41 +63,20 @@ pub enum RowParallelPath {
 /// columns of the input, then the all-reduce `y = Σ_r partial_r + b`. The bias is whole on
 /// every rank and is the all-reduce epilogue's bias: added exactly once, in f32, to the
 /// rank-ordered f32 sum, before the single rounding. Every rank ends with the same bits.
-pub struct RowParallelLinear<T> {
+pub struct RowParallelLinear<T, W = CudaSlice<T>> {
     spec: RowParallelSpec,
-    shard: Shard<T>,
+    shard: Shard<T, W>,
     algorithm: Algorithm,
     fusion: Fusion,
 }
 
-impl<T> std::fmt::Debug for RowParallelLinear<T> {
+impl<T, W: DeviceSlice<T>> std::fmt::Debug for RowParallelLinear<T, W> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         self.shard.debug(f, "RowParallelLinear", &self.spec)
     }
 }
 
 impl<T: GemmElement + NcclType> RowParallelLinear<T> {
-    /// The layer from this rank's shard, already on the group's device: `weight`
-    /// `[out, in/W]` and the whole `bias` `[out]`. The all-reduce algorithm is
-    /// [`Algorithm::Auto`] ([`with_algorithm`](Self::with_algorithm) changes it). Errors
-    /// (naming the layer): a spec for another world size than the group's, a shard the GEMM
-    /// cannot take (`out` or `in/W` not a multiple of 8), a shard of the wrong length or on
-    /// another device.
-    pub fn from_shard(
-        group: &TpGroup,
-        spec: RowParallelSpec,
-        weight: CudaSlice<T>,
-        bias: Option<CudaSlice<T>>,
-    ) -> Result<Self> {
-        let shard = Shard::new(group, &spec, weight, bias)?;
-        Ok(RowParallelLinear {
-            spec,
-            shard,
-            algorithm: Algorithm::Auto,
-            fusion: Fusion::Auto,
-        })
-    }
-
     /// The layer from the full host weight, `[out_features, in_features]` as the checkpoint
     /// stores it (see [`HostWeight`]; this rank's columns are cut by
     /// [`RowParallelSpec::shard_weight`]), and the full bias `[out_features]` (uploaded
@@ -111,6 +91,29 @@ impl<T: GemmElement + NcclType> RowParallelLinear<T> {
     ) -> Result<Self> {
         let (w, b) = host_shard(group, &spec, weight, bias)?;
         Self::from_shard(group, spec, w, b)
+    }
+}
+
+impl<T: GemmElement + NcclType, W: DevicePtr<T>> RowParallelLinear<T, W> {
+    /// The layer from this rank's shard, already on the group's device: `weight`
+    /// `[out, in/W]` and the whole `bias` `[out]`. The all-reduce algorithm is
+    /// [`Algorithm::Auto`] ([`with_algorithm`](Self::with_algorithm) changes it). Errors
+    /// (naming the layer): a spec for another world size than the group's, a shard the GEMM
+    /// cannot take (`out` or `in/W` not a multiple of 8), a shard of the wrong length or on
+    /// another device.
+    pub fn from_shard(
+        group: &TpGroup,
+        spec: RowParallelSpec,
+        weight: W,
+        bias: Option<W>,
+    ) -> Result<Self> {
+        let shard = Shard::new(group, &spec, weight, bias)?;
+        Ok(RowParallelLinear {
+            spec,
+            shard,
+            algorithm: Algorithm::Auto,
+            fusion: Fusion::Auto,
+        })
     }
 
     /// The same layer with another all-reduce algorithm (every rank must choose the same).
@@ -183,22 +186,63 @@ impl<T: GemmElement + NcclType> RowParallelLinear<T> {
     }
 
     /// The weight shard, `[out, in/W]`.
-    pub fn weight(&self) -> &CudaSlice<T> {
+    pub fn weight(&self) -> &W {
         &self.shard.weight
     }
 
     /// The bias, `[out]`, whole.
-    pub fn bias(&self) -> Option<&CudaSlice<T>> {
+    pub fn bias(&self) -> Option<&W> {
         self.shard.bias.as_ref()
     }
 
-    /// `m` from `x`, and the lengths of `partial` and `out` (`[m, out]`).
-    fn check_call(&self, group: &TpGroup, x: usize, partial: usize, out: usize) -> Result<usize> {
+    /// `m` from `x`, and the lengths of `partial` (if given) and `out` (`[m, out]`).
+    fn check_call(
+        &self,
+        group: &TpGroup,
+        x: usize,
+        partial: Option<usize>,
+        out: usize,
+    ) -> Result<usize> {
         let (label, n) = (self.shard.label.as_str(), self.shard.n);
         let m = self.shard.rows(group, x)?;
-        check_len(label, "partial", partial, m, n)?;
+        if let Some(partial) = partial {
+            check_len(label, "partial", partial, m, n)?;
+        }
         check_len(label, "out", out, m, n)?;
         Ok(m)
+    }
+
+    /// Whether a [`forward`](Self::forward) or
+    /// [`forward_residual_rmsnorm`](Self::forward_residual_rmsnorm) of `m` rows needs the
+    /// `partial` workspace: `false` when it runs the fused kernel ([`Fusion`]; then `partial`
+    /// may be `None`), `true` when it runs the GEMM and the all-reduce as two launches through
+    /// it. The same answer on every rank. (For
+    /// [`forward_reduce_scatter`](Self::forward_reduce_scatter), whose rule differs, `true` is
+    /// conservative.) Errors as `forward` does for forced fusion on a shape the kernel cannot
+    /// take.
+    pub fn needs_partial(&self, group: &TpGroup, m: usize) -> Result<bool> {
+        check_group(&self.shard.label, group, self.shard.rank, self.shard.world)?;
+        Ok(!self.fuses(group, m)?)
+    }
+
+    /// The workspace of an unfused call, or the error that names it missing.
+    fn partial<'p>(
+        &self,
+        partial: Option<&'p mut dyn Workspace<T>>,
+        m: usize,
+        path: &str,
+    ) -> Result<Borrowed<'p, T>> {
+        partial.map(Borrowed).ok_or_else(|| {
+            Error::invalid(
+                &self.shard.label,
+                format!(
+                    "partial: a call of m = {m} rows runs {path} in two launches, through the \
+                     workspace partial [m, out] = [{m}, {}], and none was given (needs_partial \
+                     says when one is needed)",
+                    self.shard.n
+                ),
+            )
+        })
     }
 
     /// What both forwards enqueue once their buffers are checked: fused
@@ -211,7 +255,7 @@ impl<T: GemmElement + NcclType> RowParallelLinear<T> {
         &'e self,
         group: &TpGroup,
         x: &impl DevicePtr<T>,
-        partial: &mut (impl DevicePtr<T> + DevicePtrMut<T>),
+        partial: Option<&mut dyn Workspace<T>>,
         m: usize,
         residual: Option<&'e mut dyn DevicePtrMut<T>>,
         norm: Option<RmsNorm<'e, T>>,
@@ -229,9 +273,10 @@ impl<T: GemmElement + NcclType> RowParallelLinear<T> {
             let ran = plan.all_reduce.unwrap_or(AllReduceAlgo::OneShot);
             return Ok(RowParallelPath::Fused(ran));
         }
+        let mut partial = self.partial(partial, m, "the GEMM and the all-reduce")?;
         let names = [("a", "x"), ("b", "the weight shard"), ("c", "partial")];
-        self.shard.gemm(group, x, None, partial, m, &names)?;
-        all_reduce_fused(group, &*partial, epilogue, out, self.algorithm)
+        self.shard.gemm(group, x, None, &mut partial, m, &names)?;
+        all_reduce_fused(group, &partial, epilogue, out, self.algorithm)
             .map(RowParallelPath::Unfused)
             .map_err(in_layer(&self.shard.label, &ALL_REDUCE_NAMES))
     }
@@ -247,10 +292,10 @@ impl<T: GemmElement + NcclType> RowParallelLinear<T> {
         &self,
         group: &TpGroup,
         x: &impl DevicePtr<T>,
-        partial: &mut (impl DevicePtr<T> + DevicePtrMut<T>),
+        partial: Option<&mut dyn Workspace<T>>,
         out: &mut impl DevicePtrMut<T>,
     ) -> Result<RowParallelPath> {
-        let m = self.check_call(group, x.len(), partial.len(), out.len())?;
+        let m = self.check_call(group, x.len(), partial.as_ref().map(|p| p.len()), out.len())?;
         self.gemm_all_reduce(group, x, partial, m, None, None, out)
     }
 
@@ -270,12 +315,12 @@ impl<T: GemmElement + NcclType> RowParallelLinear<T> {
         &self,
         group: &TpGroup,
         x: &impl DevicePtr<T>,
-        partial: &mut (impl DevicePtr<T> + DevicePtrMut<T>),
+        partial: Option<&mut dyn Workspace<T>>,
         residual: &mut impl DevicePtrMut<T>,
         norm: RmsNorm<'_, T>,
         out: &mut impl DevicePtrMut<T>,
     ) -> Result<RowParallelPath> {
-        let m = self.check_call(group, x.len(), partial.len(), out.len())?;
+        let m = self.check_call(group, x.len(), partial.as_ref().map(|p| p.len()), out.len())?;
         let (label, n) = (self.shard.label.as_str(), self.shard.n);
         check_len(label, "residual", residual.len(), m, n)?;
         if norm.gamma.len() != n {
@@ -304,7 +349,7 @@ impl<T: GemmElement + NcclType> RowParallelLinear<T> {
         &self,
         group: &TpGroup,
         x: &impl DevicePtr<T>,
-        partial: &mut (impl DevicePtr<T> + DevicePtrMut<T>),
+        partial: Option<&mut dyn Workspace<T>>,
         out: &mut impl DevicePtrMut<T>,
     ) -> Result<SequenceParallelPath> {
         let (label, n, world) = (self.shard.label.as_str(), self.shard.n, self.shard.world);
@@ -322,7 +367,9 @@ impl<T: GemmElement + NcclType> RowParallelLinear<T> {
                 format!("m = {m} rows of x do not split into {world} equal slices (one per rank)"),
             ));
         }
-        check_len(label, "partial", partial.len(), m, n)?;
+        if let Some(partial) = &partial {
+            check_len(label, "partial", partial.len(), m, n)?;
+        }
         check_len(label, "out", out.len(), m / world, n)?;
         let shape = self.shape(m);
         let fused = fuses(
@@ -339,9 +386,10 @@ impl<T: GemmElement + NcclType> RowParallelLinear<T> {
                 .map_err(in_layer(label, &SCATTER_NAMES))?;
             return Ok(SequenceParallelPath::Fused);
         }
+        let mut partial = self.partial(partial, m, "the GEMM and the reduce-scatter")?;
         let names = [("a", "x"), ("b", "the weight shard"), ("c", "partial")];
-        self.shard.gemm(group, x, None, partial, m, &names)?;
-        reduce_scatter(group, &*partial, out)
+        self.shard.gemm(group, x, None, &mut partial, m, &names)?;
+        reduce_scatter(group, &partial, out)
             .map_err(in_layer(label, &[("input", "partial"), ("out", "out")]))?;
         Ok(SequenceParallelPath::Unfused)
     }

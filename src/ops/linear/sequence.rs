@@ -31,7 +31,7 @@ const GEMM_NAMES: [(&str, &str); 4] = [
     ("c", "out"),
 ];
 
-impl<T: GemmElement + NcclType> Shard<T> {
+impl<T: GemmElement + NcclType, W: DevicePtr<T>> Shard<T, W> {
     /// `out` `[m, n]` = `all_gather(x) · weightᵀ (+ bias)`, `x` `[m / W, k]` this rank's
     /// rows: fused by `fusion` ([`all_gather_gemm`], `gathered` untouched), else
     /// [`all_gather`] into `gathered` `[m, k]` and the GEMM. Every check of both steps runs
