@@ -302,12 +302,20 @@ fn select_archs(nvcc: &Path) -> Vec<String> {
     chosen
 }
 
+/// The `-gencode` of an architecture. The other 8.x GPUs (sm_86, sm_89) take their SASS from
+/// compute_80's PTX: the kernels use no instruction newer than sm_80 and test no
+/// `__CUDA_ARCH__`, so compute_80's PTX serves them, and nvcc's front end runs once for the
+/// three instead of three times (ptxas still compiles and schedules for each GPU).
 fn gencode(arch: &str) -> String {
     match arch.strip_prefix("compute_") {
         Some(n) => format!("-gencode=arch=compute_{n},code=compute_{n}"),
         None => {
             let n = arch.trim_start_matches("sm_");
-            format!("-gencode=arch=compute_{n},code=sm_{n}")
+            let virtual_arch = match n {
+                "86" | "89" => "80",
+                n => n,
+            };
+            format!("-gencode=arch=compute_{virtual_arch},code=sm_{n}")
         }
     }
 }

@@ -4,5 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 eval "$(scripts/setup.sh)"
-# The dev profile (optimised, Cargo.toml): what `cargo test` built is reused.
-exec cargo run --quiet --bin tpfuse -- doctor "$@"
+exec cargo run --quiet --release --bin tpfuse -- doctor "$@"

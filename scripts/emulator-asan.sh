@@ -22,8 +22,9 @@ asan=$(gcc -print-file-name=libasan.so)
 
 out=target/emulator-asan
 started=$(date +%s)
-# -g1: line tables for the reports, a quarter less compile time than -g.
-TPFUSE_EMU_CXXFLAGS="-fsanitize=address -fno-omit-frame-pointer -g1" bash "$build" cuda "$out"
+# -g1: line tables for the reports, a quarter less compile time than -g; -O1 (after the
+# script's -O2): what AddressSanitizer's documentation recommends, and a faster compile.
+TPFUSE_EMU_CXXFLAGS="-fsanitize=address -fno-omit-frame-pointer -g1 -O1" bash "$build" cuda "$out"
 echo "== the emulator built with AddressSanitizer in $(($(date +%s) - started)) s"
 # shellcheck disable=SC2086 # one executable per line
 TPFUSE_TEST_PRELOAD="$asan $PWD/$out/libtpfuse_emu.so" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \

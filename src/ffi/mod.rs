@@ -1,6 +1,7 @@
 //! Generated bindings and the thin unsafe glue around them. Nothing here is public API.
 
 pub(crate) mod nccl;
+pub(crate) mod process_nccl;
 
 #[allow(
     non_camel_case_types,

@@ -6,9 +6,9 @@
 //! the nvidia-nccl wheels ship) and `libnccl.so` through the dynamic loader.
 
 use super::nccl_sys::{self, NcclLib};
+use super::process_nccl::{self, MappedNccl};
 use crate::error::{Error, Result};
 use std::ffi::CStr;
-use std::path::Path;
 use std::sync::OnceLock;
 
 /// The oldest NCCL tpfuse accepts (buffer registration, non-blocking init, abort).
@@ -50,43 +50,33 @@ fn candidates() -> Vec<String> {
     match std::env::var("TPFUSE_NCCL_LIB") {
         Ok(p) if !p.trim().is_empty() => vec![p],
         _ => {
-            let mut names = in_process();
+            // An NCCL already in the process first (dlopen of its path returns it), unless its
+            // file was replaced on disk (the path would load the new file beside it).
+            let mut names: Vec<String> = process_nccl::mapped()
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|m| !m.deleted)
+                .map(|m| m.path)
+                .collect();
             names.extend(["libnccl.so.2".to_string(), "libnccl.so".to_string()]);
             names
         }
     }
 }
 
-/// The NCCL libraries mapped into this process (`/proc/self/maps`), by canonical path,
-/// without duplicates: `libnccl.so*` files, not NCCL's plugins (`libnccl-net.so`, ...).
-pub(crate) fn in_process() -> Vec<String> {
-    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
-    let mut paths: Vec<String> = maps
-        .lines()
-        .filter_map(|line| line.split_whitespace().nth(5))
-        .filter(|path| {
-            Path::new(path)
-                .file_name()
-                .is_some_and(|f| f.to_string_lossy().starts_with("libnccl.so"))
-        })
-        .map(canonical)
-        .collect();
-    paths.sort();
-    paths.dedup();
-    paths
-}
-
-fn canonical(path: &str) -> String {
-    std::fs::canonicalize(path)
-        .map(|p| p.to_string_lossy().into_owned())
-        .unwrap_or_else(|_| path.to_string())
-}
-
 /// The NCCL an engine's communicator was made by: tpfuse's NCCL, provided it is the only NCCL
-/// library in the process (so the engine's is the same). Several, or none mapped as a
-/// library (NCCL linked statically into the engine), is [`Error::NcclLibraryMismatch`].
+/// library mapped in the process (so the engine's is the same). Several, none, or a process
+/// whose maps cannot be read is [`Error::NcclLibraryMismatch`]. Best-effort: an NCCL linked
+/// statically into the engine, or under another file name, is not seen.
 pub(crate) fn nccl_of_the_process() -> Result<&'static Nccl> {
-    if in_process().is_empty() {
+    let unreadable = || {
+        Error::NcclLibraryMismatch(
+            "/proc/self/maps cannot be read, so tpfuse cannot tell which NCCL made the \
+             communicator"
+                .into(),
+        )
+    };
+    if process_nccl::mapped().ok_or_else(unreadable)?.is_empty() {
         return Err(Error::NcclLibraryMismatch(
             "no NCCL library is loaded in this process (the communicator must come from a \
              libnccl.so the process loaded or links; NCCL linked statically into the engine \
@@ -95,20 +85,22 @@ pub(crate) fn nccl_of_the_process() -> Result<&'static Nccl> {
         ));
     }
     let n = nccl()?;
-    the_only_nccl(&canonical(&n.path), &in_process())?;
+    the_only_nccl(&n.path, &process_nccl::mapped().ok_or_else(unreadable)?)?;
     Ok(n)
 }
 
-/// Errors unless `ours` is the one NCCL library in `loaded`.
-fn the_only_nccl(ours: &str, loaded: &[String]) -> Result<()> {
-    if loaded == [ours] {
+/// Errors unless one NCCL library is mapped (tpfuse's, `ours`, which is loaded).
+fn the_only_nccl(ours: &str, mapped: &[MappedNccl]) -> Result<()> {
+    if mapped.len() == 1 {
         return Ok(());
     }
+    let all: Vec<&str> = mapped.iter().map(|m| m.path.as_str()).collect();
     Err(Error::NcclLibraryMismatch(format!(
-        "tpfuse uses {ours}, and the process holds {}: a communicator is only valid in the \
-         library that made it. Load one NCCL (set TPFUSE_NCCL_LIB to the engine's before \
-         tpfuse's first NCCL call)",
-        loaded.join(", ")
+        "tpfuse uses {ours}, and the process maps {} NCCL libraries ({}): a communicator is \
+         only valid in the library that made it. Load one NCCL (set TPFUSE_NCCL_LIB to the \
+         engine's before tpfuse's first NCCL call)",
+        mapped.len(),
+        all.join(", ")
     )))
 }
 
@@ -261,29 +253,39 @@ unsafe fn cstr_or_empty(p: *const std::ffi::c_char) -> String {
 mod tests {
     use super::*;
 
+    fn mapped(path: &str, inode: u64) -> MappedNccl {
+        MappedNccl {
+            id: (8, inode),
+            path: path.to_string(),
+            deleted: false,
+        }
+    }
+
     #[test]
     fn an_engines_communicator_needs_the_one_nccl_of_the_process() {
-        let one = ["/opt/nccl/libnccl.so.2.28.9".to_string()];
-        assert!(the_only_nccl(&one[0], &one).is_ok());
-        let two = [one[0].clone(), "/usr/lib/libnccl.so.2.21.5".to_string()];
-        let err = the_only_nccl(&one[0], &two).unwrap_err().to_string();
+        let ours = "/opt/nccl/libnccl.so.2.28.9";
+        assert!(the_only_nccl(ours, &[mapped(ours, 1)]).is_ok());
+        let two = [mapped(ours, 1), mapped("/usr/lib/libnccl.so.2.21.5", 2)];
+        let err = the_only_nccl(ours, &two).unwrap_err().to_string();
         assert!(err.contains("/usr/lib/libnccl.so.2.21.5"), "{err}");
         assert!(err.contains("TPFUSE_NCCL_LIB"), "{err}");
-        let other = ["/usr/lib/libnccl.so.2.21.5".to_string()];
-        assert!(the_only_nccl(&one[0], &other).is_err());
     }
 
     #[test]
     fn the_loaded_nccl_is_found_in_the_process() {
         // Whatever NCCL this machine has (the wheel here, through TPFUSE_NCCL_LIB): once
-        // loaded, it is the process's one NCCL library, and a second load finds it first.
+        // loaded, it is the process's one NCCL library, and a second load would find it
+        // first.
         let n = nccl().expect("NCCL loads (scripts/setup.sh installs it)");
-        let loaded = in_process();
-        assert_eq!(loaded, [canonical(&n.path)], "{loaded:?}");
+        let found = process_nccl::mapped().expect("/proc/self/maps");
+        assert_eq!(found.len(), 1, "{found:?}");
+        let canonical = std::fs::canonicalize(&n.path).unwrap();
+        assert_eq!(found[0].path, canonical.to_string_lossy(), "{found:?}");
         let first = candidates();
         assert!(
-            std::env::var("TPFUSE_NCCL_LIB").is_ok() || first[0] == loaded[0],
+            std::env::var("TPFUSE_NCCL_LIB").is_ok() || first[0] == found[0].path,
             "{first:?}"
         );
+        assert!(nccl_of_the_process().is_ok());
     }
 }
