@@ -8,7 +8,9 @@
 //!   from its own thread through `&TpGroup`;
 //! - a layer borrows the engine's weights (a `CudaView` of the engine's buffer, no copy), and
 //!   gives the bits of the layer that owns a copy;
-//! - a fused row-parallel call needs no `partial` workspace.
+//! - a fused row-parallel call needs no `partial` workspace;
+//! - an embedding borrows the engine's table, and its tied LM head shares it: the rows and
+//!   logits of the owning layers, bit for bit.
 
 mod common;
 
@@ -17,9 +19,11 @@ use common::ranks::{download, gpu, poisoned, upload};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use half::bf16;
 use std::sync::Arc;
-use tpfuse::ops::linear::{Fusion, RowParallelLinear, RowParallelPath};
+use tpfuse::ops::linear::{
+    Fusion, ParallelLMHead, RowParallelLinear, RowParallelPath, VocabParallelEmbedding,
+};
 use tpfuse::ops::{all_reduce_in_place, Algorithm};
-use tpfuse::shard::{HostWeight, RowParallelSpec};
+use tpfuse::shard::{HostWeight, RowParallelSpec, VocabParallelSpec};
 use tpfuse::{Error, GroupOptions, TpGroup};
 
 type T = bf16;
@@ -175,6 +179,72 @@ gpu_tests! {
                 );
                 assert_eq!(a, b, "{fusion:?}, rank {r}: borrowed and owned weights differ");
             }
+        }
+    };
+
+    an_embedding_and_its_tied_head_borrow_the_engines_table => {
+        let gpu = gpu();
+        let world = 2;
+        let groups = TpGroup::virtual_ranks(&gpu.ctx, world, GroupOptions::default())
+            .expect("virtual ranks");
+        let (vocab, hidden) = (200, 64);
+        let seed = mix_seed(base_seed(0x7ab1e), &[vocab as u64]);
+        let full: Vec<T> = random_vec(seed, vocab * hidden, -1.0, 1.0);
+        let spec = VocabParallelSpec::new("embed_tokens", vocab, hidden, world).expect("spec");
+        let rows = spec.rows_per_rank();
+        // The engine's buffer per rank: 8 elements of its own, then the rank's table.
+        let engine: Vec<CudaSlice<T>> = groups
+            .iter()
+            .map(|g| {
+                let mut host = vec![T::ZERO; 8];
+                host.extend(spec.shard_table(g.rank(), HostWeight::new(&full, vocab, hidden)).unwrap());
+                upload(g, &host)
+            })
+            .collect();
+        let ids: Vec<u32> = vec![0, 7, 199, 100, 7];
+        let m = ids.len();
+        let lookups = |borrowed: bool| -> (Vec<Vec<T>>, Vec<Vec<T>>) {
+            let mut outs: Vec<CudaSlice<T>> = groups.iter().map(|g| poisoned(g, m * hidden)).collect();
+            let mut logits: Vec<CudaSlice<T>> = groups.iter().map(|g| poisoned(g, m * rows)).collect();
+            for (r, g) in groups.iter().enumerate() {
+                let mut ids_dev = upload(g, &ids);
+                if borrowed {
+                    let table = engine[r].slice(8..);
+                    let embedding = VocabParallelEmbedding::from_shard(g, spec.clone(), table)
+                        .expect("an embedding over the engine's buffer");
+                    let head = ParallelLMHead::tied("lm_head", &embedding).expect("tied");
+                    let (base, _a) = engine[r].device_ptr(g.stream());
+                    let (w, _b) = head.weight().device_ptr(g.stream());
+                    assert_eq!(w, base + (8 * std::mem::size_of::<T>()) as u64, "a copy");
+                    embedding.forward(g, &ids, &mut ids_dev, &mut outs[r]).expect("lookup");
+                    head.forward(g, &outs[r].slice(..), &mut logits[r]).expect("logits");
+                } else {
+                    let w = HostWeight::new(&full, vocab, hidden);
+                    let embedding = VocabParallelEmbedding::from_host(g, spec.clone(), w)
+                        .expect("an owning embedding");
+                    let head = ParallelLMHead::tied("lm_head", &embedding).expect("tied");
+                    embedding.forward(g, &ids, &mut ids_dev, &mut outs[r]).expect("lookup");
+                    head.forward(g, &outs[r].slice(..), &mut logits[r]).expect("logits");
+                }
+            }
+            groups.iter().for_each(|g| g.check().expect("healthy"));
+            let down = |bufs: &[CudaSlice<T>]| {
+                groups.iter().zip(bufs).map(|(g, b)| download(g, b)).collect::<Vec<Vec<T>>>()
+            };
+            (down(&outs), down(&logits))
+        };
+        let (rows_b, logits_b) = lookups(true);
+        let (rows_o, logits_o) = lookups(false);
+        let bits = |v: &[T]| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
+        for r in 0..world {
+            assert!(rows_b[r].iter().all(|v| !v.is_nan()), "rank {r}: a row never written");
+            // The looked-up rows are the table's rows.
+            for (i, &id) in ids.iter().enumerate() {
+                let want = &full[id as usize * hidden..(id as usize + 1) * hidden];
+                assert_eq!(bits(&rows_b[r][i * hidden..(i + 1) * hidden]), bits(want), "rank {r} id {id}");
+            }
+            assert_eq!(bits(&rows_b[r]), bits(&rows_o[r]), "rank {r}: rows");
+            assert_eq!(bits(&logits_b[r]), bits(&logits_o[r]), "rank {r}: logits");
         }
     };
 

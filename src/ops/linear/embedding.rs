@@ -13,7 +13,7 @@ use crate::ops::gemm::GemmElement;
 use crate::shard::{HostWeight, VocabParallelSpec};
 use crate::topology::AllReduceAlgo;
 use crate::validate::{launched, owner, BufferInfo};
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceSlice};
 use std::ffi::c_void;
 
 /// A vocabulary-parallel token embedding, one rank of it: `out[i, :] = table[ids[i], :]` for
@@ -28,11 +28,11 @@ use std::ffi::c_void;
 /// embeddings.
 ///
 /// [`ParallelLMHead::tied`]: super::ParallelLMHead::tied
-pub struct VocabParallelEmbedding<T> {
-    shard: VocabShard<T>,
+pub struct VocabParallelEmbedding<T, W = CudaSlice<T>> {
+    shard: VocabShard<T, W>,
 }
 
-impl<T> std::fmt::Debug for VocabParallelEmbedding<T> {
+impl<T, W: DeviceSlice<T>> std::fmt::Debug for VocabParallelEmbedding<T, W> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         self.shard.debug(f, "VocabParallelEmbedding")
     }
@@ -42,19 +42,6 @@ impl<T> std::fmt::Debug for VocabParallelEmbedding<T> {
 const TABLE: &str = "the table shard";
 
 impl<T: GemmElement + NcclType> VocabParallelEmbedding<T> {
-    /// The layer from this rank's table `[P, hidden]` (its rows of the padded table, zeros
-    /// past `vocab`; see [`VocabParallelSpec::shard_table`]), already on the group's device.
-    /// Errors (naming the layer): a spec for another world size than the group's, a table of
-    /// the wrong length or on another device.
-    pub fn from_shard(
-        group: &TpGroup,
-        spec: VocabParallelSpec,
-        table: CudaSlice<T>,
-    ) -> Result<Self> {
-        let shard = VocabShard::new(group, spec, table, TABLE)?;
-        Ok(VocabParallelEmbedding { shard })
-    }
-
     /// The layer from the full host table `[vocab, hidden]`, as the checkpoint stores it (e.g.
     /// `model.embed_tokens.weight`): this rank's rows are cut and padded
     /// ([`VocabParallelSpec::shard_table`]) and uploaded on the group's stream. Errors (naming
@@ -69,6 +56,17 @@ impl<T: GemmElement + NcclType> VocabParallelEmbedding<T> {
         T: Default,
     {
         let shard = VocabShard::from_host(group, spec, table, TABLE)?;
+        Ok(VocabParallelEmbedding { shard })
+    }
+}
+
+impl<T: GemmElement + NcclType, W: DevicePtr<T>> VocabParallelEmbedding<T, W> {
+    /// The layer from this rank's table `[P, hidden]` (its rows of the padded table, zeros
+    /// past `vocab`; see [`VocabParallelSpec::shard_table`]), already on the group's device.
+    /// Errors (naming the layer): a spec for another world size than the group's, a table of
+    /// the wrong length or on another device.
+    pub fn from_shard(group: &TpGroup, spec: VocabParallelSpec, table: W) -> Result<Self> {
+        let shard = VocabShard::new(group, spec, table, TABLE)?;
         Ok(VocabParallelEmbedding { shard })
     }
 
@@ -88,12 +86,12 @@ impl<T: GemmElement + NcclType> VocabParallelEmbedding<T> {
     }
 
     /// This rank's table, `[P, hidden]`.
-    pub fn table(&self) -> &CudaSlice<T> {
+    pub fn table(&self) -> &W {
         &self.shard.table
     }
 
     /// The rank's shard (for [`ParallelLMHead::tied`](super::ParallelLMHead::tied)).
-    pub(super) fn shard(&self) -> &VocabShard<T> {
+    pub(super) fn shard(&self) -> &VocabShard<T, W> {
         &self.shard
     }
 

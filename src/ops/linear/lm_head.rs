@@ -12,7 +12,7 @@ use crate::ops::collectives::{all_gather, check_all_gather};
 use crate::ops::gemm::{gemm, GemmElement};
 use crate::shard::{HostWeight, VocabParallelSpec};
 use crate::validate::owner;
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceSlice};
 use std::sync::Arc;
 
 /// How the LM head's errors name the GEMM's arguments.
@@ -26,11 +26,11 @@ const LM_HEAD_NAMES: [(&str, &str); 3] = [("a", "x"), ("b", "the weight shard"),
 /// `spec().valid_rows(rank).len()` are padding (zeros, not logits: an engine that samples
 /// from sharded logits must ignore them). [`forward_gather`](Self::forward_gather) gives every
 /// rank the logits `[m, vocab]`, with the padding dropped.
-pub struct ParallelLMHead<T> {
-    shard: VocabShard<T>,
+pub struct ParallelLMHead<T, W = CudaSlice<T>> {
+    shard: VocabShard<T, W>,
 }
 
-impl<T> std::fmt::Debug for ParallelLMHead<T> {
+impl<T, W: DeviceSlice<T>> std::fmt::Debug for ParallelLMHead<T, W> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         self.shard.debug(f, "ParallelLMHead")
     }
@@ -40,19 +40,6 @@ impl<T> std::fmt::Debug for ParallelLMHead<T> {
 const WEIGHT: &str = "the weight shard";
 
 impl<T: GemmElement + NcclType> ParallelLMHead<T> {
-    /// The layer from this rank's weight `[P, hidden]` (its rows of the padded weight, zeros
-    /// past `vocab`; see [`VocabParallelSpec::shard_table`]), already on the group's device.
-    /// Errors (naming the layer): a spec for another world size than the group's, a weight of
-    /// the wrong length or on another device.
-    pub fn from_shard(
-        group: &TpGroup,
-        spec: VocabParallelSpec,
-        weight: CudaSlice<T>,
-    ) -> Result<Self> {
-        let shard = VocabShard::new(group, spec, weight, WEIGHT)?;
-        Ok(ParallelLMHead { shard })
-    }
-
     /// The layer from the full host weight `[vocab, hidden]`, as the checkpoint stores it
     /// (`lm_head.weight`): this rank's rows are cut and padded
     /// ([`VocabParallelSpec::shard_table`]) and uploaded on the group's stream. Errors
@@ -69,11 +56,22 @@ impl<T: GemmElement + NcclType> ParallelLMHead<T> {
         let shard = VocabShard::from_host(group, spec, weight, WEIGHT)?;
         Ok(ParallelLMHead { shard })
     }
+}
+
+impl<T: GemmElement + NcclType, W: DevicePtr<T>> ParallelLMHead<T, W> {
+    /// The layer from this rank's weight `[P, hidden]` (its rows of the padded weight, zeros
+    /// past `vocab`; see [`VocabParallelSpec::shard_table`]), already on the group's device.
+    /// Errors (naming the layer): a spec for another world size than the group's, a weight of
+    /// the wrong length or on another device.
+    pub fn from_shard(group: &TpGroup, spec: VocabParallelSpec, weight: W) -> Result<Self> {
+        let shard = VocabShard::new(group, spec, weight, WEIGHT)?;
+        Ok(ParallelLMHead { shard })
+    }
 
     /// The LM head of a model with tied embeddings: it shares `embedding`'s device table (no
     /// copy, no second upload) under the name `name` (the `arg` of its errors), with the
     /// embedding's vocabulary, hidden size and split.
-    pub fn tied(name: impl Into<String>, embedding: &VocabParallelEmbedding<T>) -> Result<Self> {
+    pub fn tied(name: impl Into<String>, embedding: &VocabParallelEmbedding<T, W>) -> Result<Self> {
         let e = embedding.shard();
         let spec = VocabParallelSpec::new(name, e.spec.vocab(), e.spec.hidden(), e.spec.world())?;
         let shard = VocabShard {
@@ -81,6 +79,7 @@ impl<T: GemmElement + NcclType> ParallelLMHead<T> {
             spec,
             rank: e.rank,
             table: Arc::clone(&e.table),
+            element: std::marker::PhantomData,
         };
         Ok(ParallelLMHead { shard })
     }
@@ -101,7 +100,7 @@ impl<T: GemmElement + NcclType> ParallelLMHead<T> {
     }
 
     /// This rank's weight, `[P, hidden]` (the embedding's table when tied).
-    pub fn weight(&self) -> &CudaSlice<T> {
+    pub fn weight(&self) -> &W {
         &self.shard.table
     }
 
