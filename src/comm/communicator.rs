@@ -253,21 +253,14 @@ impl Comm {
         }
         check_rank_stream("stream", &stream)?;
         let n = crate::ffi::nccl::nccl_of_the_process()?;
-        let scratch = stream
-            .alloc_zeros::<f32>(1)
-            .map_err(cuda("allocating the communicator's scratch"))?;
-        let mut comm = Comm {
-            nccl: n,
-            raw: raw as sys::ncclComm_t,
-            rank: 0,
-            world: 0,
+        let mut comm = Comm::holding(
+            n,
+            raw as sys::ncclComm_t,
+            (0, 0),
             stream,
-            timeout: options.timeout,
-            broken: AtomicBool::new(false),
-            scratch: Mutex::new(scratch),
-            calls: CallLock::default(),
-            owned: false,
-        };
+            options.timeout,
+            false,
+        )?;
         // An engine's non-blocking init may still be joining; NCCL refuses every other call on
         // the communicator until it has.
         comm.settle("ncclCommInitRank (the engine's)", "the other ranks to join")?;
@@ -352,18 +345,29 @@ impl Comm {
         stream: Arc<CudaStream>,
         timeout: Duration,
     ) -> Result<Comm> {
-        let scratch = match stream.alloc_zeros::<f32>(1) {
-            Ok(s) => s,
-            Err(e) => {
+        let comm =
+            Comm::holding(n, raw, (rank, world), stream, timeout, true).inspect_err(|_| {
                 abort_raw(n, raw);
-                return Err(Error::Cuda {
-                    context: "allocating the communicator's scratch",
-                    source: e,
-                });
-            }
-        };
-        let comm = Comm {
-            nccl: n,
+            })?;
+        comm.settle("ncclCommInitRankConfig", "the other ranks to join")?;
+        Ok(comm)
+    }
+
+    /// The `Comm` around `raw` (healthy, its one-float scratch allocated on `stream`), made by
+    /// tpfuse (`owned`) or borrowed from the engine.
+    fn holding(
+        nccl: &'static Nccl,
+        raw: sys::ncclComm_t,
+        (rank, world): (usize, usize),
+        stream: Arc<CudaStream>,
+        timeout: Duration,
+        owned: bool,
+    ) -> Result<Comm> {
+        let scratch = stream
+            .alloc_zeros::<f32>(1)
+            .map_err(cuda("allocating the communicator's scratch"))?;
+        Ok(Comm {
+            nccl,
             raw,
             rank,
             world,
@@ -372,10 +376,8 @@ impl Comm {
             broken: AtomicBool::new(false),
             scratch: Mutex::new(scratch),
             calls: CallLock::default(),
-            owned: true,
-        };
-        comm.settle("ncclCommInitRankConfig", "the other ranks to join")?;
-        Ok(comm)
+            owned,
+        })
     }
 
     /// This communicator's rank.
