@@ -3,9 +3,9 @@
 # depend on this checkout (a path dependency), each resolved afresh from crates.io:
 #   candle      tpfuse next to cudarc with candle-core 0.11.1's exact cudarc features
 #               (`dynamic-linking`, `cuda-version-from-build-system`, cuBLAS, cuBLASLt, cuRAND,
-#               NVRTC, f8). A stand-in for candle-core itself: its `cuda` feature compiles
-#               candle-kernels (GGUF MMQ templates among them) with nvcc, too slow for CI on
-#               two cores. The cudarc graph, the one thing tpfuse shares with candle, is the same.
+#               NVRTC, f8), resolved afresh. candle-core itself, with tpfuse's `candle` feature,
+#               is scripts/candle-check.sh's (tpfuse's graph, candle-kernels' nvcc build
+#               replaced by a check-only stub).
 #   cuda-12080  an engine that names its CUDA version on cudarc (12.8: the oldest tpfuse's
 #               kernels build with)
 #   static      an engine that links the CUDA libraries statically (cudarc `static-linking`)

@@ -53,6 +53,8 @@
 #![warn(missing_docs)]
 
 pub mod build_info;
+#[cfg(feature = "candle")]
+pub mod candle;
 pub mod comm;
 pub mod device;
 pub mod dtype;

@@ -843,6 +843,35 @@ fn bad_calls_are_refused_before_anything_runs() {
             down,
             &["partial:", "none was given", "needs_partial"],
         );
+        // The all-reduce's own checks come before the GEMM: the partial workspace, which the
+        // GEMM would write first, stays untouched.
+        let gamma = upload(g0, &vec![T::ONE; hidden]);
+        let mut residual = upload(g0, &vec![T::ONE; m * hidden]);
+        expect_invalid_saying(
+            "an unfused call with a NaN eps",
+            unfused.forward_residual_rmsnorm(
+                g0,
+                &act,
+                Some(&mut partial),
+                &mut residual,
+                RmsNorm {
+                    gamma: &gamma,
+                    eps: f32::NAN,
+                },
+                &mut out,
+            ),
+            down,
+            &["norm.eps:", "finite"],
+        );
+        let mut wide_out = poisoned::<T>(g0, m * hidden + 8);
+        let mut off = wide_out.slice_mut(1..1 + m * hidden);
+        expect_invalid_saying(
+            "an unfused call with a misaligned out",
+            unfused.forward(g0, &act, Some(&mut partial), &mut off),
+            down,
+            &["out:", "16"],
+        );
+        assert_poisoned("misaligned out", &download(g0, &wide_out));
     }
     let gamma_short = upload(g0, &vec![T::ONE; hidden / 2]);
     let mut residual = upload(g0, &vec![T::ONE; m * hidden]);

@@ -139,9 +139,46 @@ pub fn all_reduce_residual_rmsnorm<T: Element + NcclType>(
 pub fn all_reduce_fused<T: Element + NcclType>(
     group: &TpGroup,
     partial: &impl DevicePtr<T>,
-    epilogue: Epilogue<'_, T>,
+    mut epilogue: Epilogue<'_, T>,
     out: &mut impl DevicePtrMut<T>,
     algorithm: Algorithm,
+) -> Result<AllReduceAlgo> {
+    with_plan(
+        group,
+        partial,
+        &mut epilogue,
+        out,
+        algorithm,
+        |desc, plan| execute::<T>(group, desc, plan),
+    )
+}
+
+/// Everything [`all_reduce_fused`] checks before it launches (shapes, alignment, aliasing,
+/// capacity, the algorithm), for a caller that must refuse before launching work of its own:
+/// the unfused row-parallel layer, before its GEMM writes the partial sums this reduces.
+/// Launches nothing.
+pub(crate) fn check_fused<T: Element>(
+    group: &TpGroup,
+    partial: &impl DevicePtr<T>,
+    epilogue: &mut Epilogue<'_, T>,
+    out: &mut impl DevicePtrMut<T>,
+    algorithm: Algorithm,
+) -> Result<()> {
+    with_plan(group, partial, epilogue, out, algorithm, |_, plan| {
+        Ok(plan.algo)
+    })
+    .map(|_| ())
+}
+
+/// Checks one fused all-reduce and plans it, then hands the call's buffers and plan to `run`
+/// while their stream-ordering guards are held (an empty call is checked and planned only).
+fn with_plan<T: Element>(
+    group: &TpGroup,
+    partial: &impl DevicePtr<T>,
+    epilogue: &mut Epilogue<'_, T>,
+    out: &mut impl DevicePtrMut<T>,
+    algorithm: Algorithm,
+    run: impl FnOnce(&Desc, &Plan) -> Result<AllReduceAlgo>,
 ) -> Result<AllReduceAlgo> {
     let facts = GroupFacts::of(group);
     let stream = group.stream();
@@ -169,7 +206,10 @@ pub fn all_reduce_fused<T: Element + NcclType>(
     let (input_ptr, _g1) = partial.device_ptr(stream);
     let bias = epilogue.bias.map(|b| b.device_ptr(stream));
     let gamma = epilogue.norm.as_ref().map(|n| n.gamma.device_ptr(stream));
-    let residual = epilogue.residual.map(|r| r.device_ptr_mut(stream));
+    let residual = epilogue
+        .residual
+        .as_deref_mut()
+        .map(|r| r.device_ptr_mut(stream));
     let (out_ptr, _g2) = out.device_ptr_mut(stream);
     let with = |info: Option<BufferInfo>, ptr: Option<u64>| {
         info.zip(ptr)
@@ -184,7 +224,7 @@ pub fn all_reduce_fused<T: Element + NcclType>(
         eps: shapes.eps,
     };
     let plan = plan::<T>(&desc, &facts, algorithm)?;
-    execute::<T>(group, &desc, &plan)
+    run(&desc, &plan)
 }
 
 /// The buffers of one call, as the checks see them.

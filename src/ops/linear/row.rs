@@ -8,7 +8,7 @@ use super::{as_dyn, check_group, check_len, host_shard, in_layer, Shard};
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
 use crate::group::TpGroup;
-use crate::ops::all_reduce::{all_reduce_fused, Algorithm, Epilogue, RmsNorm};
+use crate::ops::all_reduce::{all_reduce_fused, check_fused, Algorithm, Epilogue, RmsNorm};
 use crate::ops::collectives::reduce_scatter;
 use crate::ops::gemm::{GemmElement, GemmShape};
 use crate::ops::gemm_all_reduce::{gemm_all_reduce_with, gemm_reduce_scatter, unfusable};
@@ -261,7 +261,7 @@ impl<T: GemmElement + NcclType, W: DevicePtr<T>> RowParallelLinear<T, W> {
         norm: Option<RmsNorm<'e, T>>,
         out: &mut impl DevicePtrMut<T>,
     ) -> Result<RowParallelPath> {
-        let epilogue = Epilogue {
+        let mut epilogue = Epilogue {
             bias: as_dyn(&self.shard.bias),
             residual,
             norm,
@@ -274,6 +274,10 @@ impl<T: GemmElement + NcclType, W: DevicePtr<T>> RowParallelLinear<T, W> {
             return Ok(RowParallelPath::Fused(ran));
         }
         let mut partial = self.partial(partial, m, "the GEMM and the all-reduce")?;
+        // The all-reduce is checked before the GEMM is launched: bad input is refused before
+        // anything runs.
+        check_fused(group, &partial, &mut epilogue, out, self.algorithm)
+            .map_err(in_layer(&self.shard.label, &ALL_REDUCE_NAMES))?;
         let names = [("a", "x"), ("b", "the weight shard"), ("c", "partial")];
         self.shard.gemm(group, x, None, &mut partial, m, &names)?;
         all_reduce_fused(group, &partial, epilogue, out, self.algorithm)
