@@ -14,6 +14,7 @@ root=$PWD
 eval "$(scripts/setup.sh)"
 export TPFUSE_SKIP_KERNELS=1
 stub=$root/target/candle-kernels-stub
+mkdir -p target
 cp Cargo.lock target/Cargo.lock.candle-check
 trap 'cp target/Cargo.lock.candle-check Cargo.lock' EXIT
 cargo update --quiet -p candle-core

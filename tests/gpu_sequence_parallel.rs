@@ -337,4 +337,22 @@ fn bad_calls() {
     expect_invalid_saying("a bias", err, row_name, &["has a bias"]);
     assert_poisoned("row: out", &download(&groups[0], &out3));
     assert_poisoned("row: partial", &download(&groups[0], &partial2));
+
+    // An unfused call whose reduce-scatter cannot run (m = 520 rows of 64 stage 65 KiB, past
+    // the 64 KiB capacity, and virtual ranks have no NCCL): refused before its GEMM writes the
+    // partial workspace.
+    let m = 520;
+    let unfused = row.with_fusion(Fusion::Unfused);
+    let xm = poisoned::<T>(&groups[0], m * inp / world);
+    let mut partial_m = poisoned::<T>(&groups[0], m * n);
+    let mut out_m = poisoned::<T>(&groups[0], m / world * n);
+    let err = unfused.forward_reduce_scatter(&groups[0], &xm, Some(&mut partial_m), &mut out_m);
+    expect_invalid_saying(
+        "reduce-scatter over capacity",
+        err,
+        row_name,
+        &["partial:", "capacity"],
+    );
+    assert_poisoned("over capacity: partial", &download(&groups[0], &partial_m));
+    assert_poisoned("over capacity: out", &download(&groups[0], &out_m));
 }

@@ -17,10 +17,12 @@
 //! Shapes: `x`, `partial`, `residual` are `[.., hidden]` (any leading dimensions, flattened to
 //! rows), `gamma` is `[hidden]`; a row-parallel `x` is `[.., in_features / W]` and its output
 //! `[.., out_features]`. Every tensor is a contiguous CUDA tensor (any offset) of the layer's or
-//! the op's dtype (bf16, f16 or f32) on the group's device; anything else is a candle error that
-//! names the op and what was wrong, returned before anything is enqueued. A tpfuse error comes
-//! back as [`candle_core::Error::Cuda`] holding the [`crate::Error`] (downcast it to match on
-//! it). Each op is a collective, as with [`crate::ops`]: every rank calls it, in the same order.
+//! the op's dtype (bf16, f16 or f32) on the group's device, starting 16 bytes or a multiple
+//! into its storage; anything else is a candle error that names the op and what was wrong,
+//! returned before anything is enqueued. What tpfuse itself refuses (a row not a multiple of 16
+//! bytes, a message past the group's capacity, a poisoned group) comes back as
+//! [`candle_core::Error::Cuda`] holding the [`crate::Error`] (downcast it to match on it),
+//! before any kernel is launched (after the event wait on candle's stream). Each op is a collective, as with [`crate::ops`]: every rank calls it, in the same order.
 //!
 //! **Streams.** tpfuse's kernels run on the group's stream G; candle's work runs on the tensor's
 //! device stream C. When they differ, each op makes G wait for all the work candle has queued
@@ -147,15 +149,32 @@ fn ordered<R>(
     }
     g.join(candle)
         .map_err(driver_error("ordering tpfuse's stream after candle's"))?;
-    let out = enqueue();
+    let out = {
+        let unwinding = WaitOnUnwind(group);
+        let out = enqueue();
+        std::mem::forget(unwinding);
+        out
+    };
     if let Err(join) = candle.join(g) {
-        let _ = g.synchronize();
+        // The bounded wait for the group's stream; should it fail too, the context is in an
+        // error state (or capturing), and nothing enqueued after this runs under tpfuse's work.
+        let _ = group.check();
         out.map_err(error)?;
         return Err(driver_error("ordering candle's stream after tpfuse's")(
             join,
         ));
     }
     out.map_err(error)
+}
+
+/// Waits (bounded, [`TpGroup::check`]) for the group's stream if tpfuse panics between its
+/// launches and the join back, so that the buffers the unwinding frees are no longer in use.
+struct WaitOnUnwind<'g>(&'g TpGroup);
+
+impl Drop for WaitOnUnwind<'_> {
+    fn drop(&mut self) {
+        let _ = self.0.check();
+    }
 }
 
 /// Calls `$f::<T>` for the storage's dtype (bf16, f16, f32), or errors naming `$op` and the

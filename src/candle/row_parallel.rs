@@ -208,8 +208,8 @@ where
         let x_rows = &x_layout.dims()[..x_layout.dims().len() - 1];
         if dims.last() != Some(&n) || &dims[..dims.len() - 1] != x_rows {
             candle_core::bail!(
-                "{op}: residual is {dims:?}; layer {} with x {:?} needs [{x_rows:?}.., \
-                 out_features = {n}]",
+                "{op}: residual is {dims:?}; layer {} with x {:?} needs x's leading dimensions \
+                 {x_rows:?}, then out_features = {n}",
                 layer.name(),
                 x_layout.dims()
             )

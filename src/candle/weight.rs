@@ -18,12 +18,16 @@ const WEIGHT: &str = "tpfuse::candle::Weight";
 /// `from_shard`). The tensor must not change while a layer holds it (candle's in-place ops
 /// would change the layer's weights too).
 ///
-/// Ordering: [`Weight::new`] waits (on the host, once) for what candle has queued on the
-/// tensor's stream, so the upload is complete before any stream reads it: any group of the
-/// device may use the weight, a group rebuilt after a failure included. Dropping it waits for
-/// the device's work (a context synchronisation, bounded by the kernels' deadlines) before the
-/// tensor is released, so that candle's `cuMemFreeAsync` of its last reference comes after
-/// every read a layer enqueued, on whichever stream.
+/// Ordering: [`Weight::new`] waits (on the host, once) for the device's queued work (a context
+/// synchronisation: the upload may have been issued on another thread's per-thread stream),
+/// so the upload is complete before any stream reads it: any group of the device may use the
+/// weight, a group rebuilt after a failure included. Dropping it waits for the device's work
+/// again before the tensor is released, so that candle's `cuMemFreeAsync` of its last
+/// reference comes after every read a layer enqueued, on whichever stream; should that wait
+/// fail, the tensor's memory is leaked rather than freed under a kernel. Both waits are for
+/// the whole device: create and drop weights when loading and unloading a model, not while
+/// collectives are in flight (a collective waiting for a peer holds the wait until the peer
+/// comes or, for tpfuse's kernels, the deadline passes).
 pub struct Weight<T> {
     /// Keeps the allocation alive; never read through.
     tensor: Tensor,
@@ -57,7 +61,7 @@ impl<T: CudaDType + WithDType> Weight<T> {
             let (ptr, _read) = view.device_ptr(&candle);
             ptr
         };
-        candle.synchronize().map_err(|source| {
+        candle.context().synchronize().map_err(|source| {
             super::error(crate::Error::Cuda {
                 context: "waiting for candle's writes of a weight",
                 source,
@@ -101,7 +105,9 @@ impl<T> DevicePtr<T> for Weight<T> {
 impl<T> Drop for Weight<T> {
     /// Every stream's reads of the tensor end before it is released (then `tensor` drops).
     fn drop(&mut self) {
-        let _ = self.candle.context().synchronize();
+        if self.candle.context().synchronize().is_err() {
+            std::mem::forget(self.tensor.clone());
+        }
     }
 }
 

@@ -156,7 +156,10 @@ pub fn all_reduce_fused<T: Element + NcclType>(
 /// Everything [`all_reduce_fused`] checks before it launches (shapes, alignment, aliasing,
 /// capacity, the algorithm), for a caller that must refuse before launching work of its own:
 /// the unfused row-parallel layer, before its GEMM writes the partial sums this reduces.
-/// Launches nothing.
+/// Launches nothing. It takes the buffers' pointers as the call does, `partial`'s for reading:
+/// a caller about to write `partial` takes its pointer for writing first (cudarc's read guard
+/// would re-record the buffer's read event on the group's stream, and the writer's wait would
+/// then miss an earlier reader on another stream).
 pub(crate) fn check_fused<T: Element>(
     group: &TpGroup,
     partial: &impl DevicePtr<T>,
@@ -164,7 +167,10 @@ pub(crate) fn check_fused<T: Element>(
     out: &mut impl DevicePtrMut<T>,
     algorithm: Algorithm,
 ) -> Result<()> {
-    with_plan(group, partial, epilogue, out, algorithm, |_, plan| {
+    with_plan(group, partial, epilogue, out, algorithm, |desc, plan| {
+        if plan.algo != AllReduceAlgo::Nccl && desc.input.len > 0 {
+            group.kernel_args()?; // a usable, unpoisoned group, as the launch needs
+        }
         Ok(plan.algo)
     })
     .map(|_| ())

@@ -117,30 +117,11 @@ pub fn reduce_scatter<T: Element + NcclType>(
     out: &mut impl DevicePtrMut<T>,
 ) -> Result<()> {
     let n = out.len();
-    let world = group.world();
-    if input.len() != n * world {
-        return Err(Error::invalid(
-            "input",
-            format!(
-                "holds {} elements, must hold world ({world}) x {n}",
-                input.len()
-            ),
-        ));
-    }
-    let (in_dev, out_dev, in_len) = (owner(input), owner(&*out), input.len());
-    BufferInfo::new(0, in_len, in_dev).check_device("input", group.device())?;
-    BufferInfo::new(0, n, out_dev).check_device("out", group.device())?;
+    let custom = check_reduce_scatter::<T>(group, (input.len(), owner(input)), (n, owner(&*out)))?;
     if n == 0 {
         return Ok(());
     }
-    let vec = 16 / std::mem::size_of::<T>();
-    if n % vec != 0 {
-        return Err(Error::invalid(
-            "out",
-            format!("{n} elements per rank is not a multiple of {vec} (16 bytes)"),
-        ));
-    }
-    if !use_custom(group, in_len * std::mem::size_of::<T>())? {
+    if !custom {
         let comm = group
             .comm()
             .ok_or_else(|| Error::invalid("group", "no communicator"))?;
@@ -157,6 +138,41 @@ pub fn reduce_scatter<T: Element + NcclType>(
             kernels::tpfuse_reduce_scatter(T::DTYPE, peers, args, ip, op, n, stream)
         },
     )
+}
+
+/// What [`reduce_scatter`] checks of an `input` (length, device) and an `out` (`n` elements
+/// per rank) before it launches (lengths, devices, capacity, and for tpfuse's kernel a usable,
+/// unpoisoned group), for a layer that must refuse before launching its own work; whether
+/// tpfuse's kernel runs (else NCCL). Alignment and aliasing are checked at the launch.
+pub(crate) fn check_reduce_scatter<T: Element>(
+    group: &TpGroup,
+    (in_len, in_dev): (usize, usize),
+    (n, out_dev): (usize, usize),
+) -> Result<bool> {
+    let world = group.world();
+    if in_len != n * world {
+        return Err(Error::invalid(
+            "input",
+            format!("holds {in_len} elements, must hold world ({world}) x {n}"),
+        ));
+    }
+    BufferInfo::new(0, in_len, in_dev).check_device("input", group.device())?;
+    BufferInfo::new(0, n, out_dev).check_device("out", group.device())?;
+    if n == 0 {
+        return Ok(true);
+    }
+    let vec = 16 / std::mem::size_of::<T>();
+    if n % vec != 0 {
+        return Err(Error::invalid(
+            "out",
+            format!("{n} elements per rank is not a multiple of {vec} (16 bytes)"),
+        ));
+    }
+    let custom = use_custom(group, in_len * std::mem::size_of::<T>())?;
+    if custom {
+        group.kernel_args()?;
+    }
+    Ok(custom)
 }
 
 /// Takes the buffers' pointers (ordering them on the group's stream), checks alignment and

@@ -9,11 +9,12 @@ use crate::dtype::NcclType;
 use crate::error::{Error, Result};
 use crate::group::TpGroup;
 use crate::ops::all_reduce::{all_reduce_fused, check_fused, Algorithm, Epilogue, RmsNorm};
-use crate::ops::collectives::reduce_scatter;
+use crate::ops::collectives::{check_reduce_scatter, reduce_scatter};
 use crate::ops::gemm::{GemmElement, GemmShape};
 use crate::ops::gemm_all_reduce::{gemm_all_reduce_with, gemm_reduce_scatter, unfusable};
 use crate::shard::{HostWeight, RowParallelSpec};
 use crate::topology::AllReduceAlgo;
+use crate::validate::owner;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceSlice};
 
 /// The names the all-reduce's errors use, and what a row-parallel layer calls them.
@@ -275,7 +276,9 @@ impl<T: GemmElement + NcclType, W: DevicePtr<T>> RowParallelLinear<T, W> {
         }
         let mut partial = self.partial(partial, m, "the GEMM and the all-reduce")?;
         // The all-reduce is checked before the GEMM is launched: bad input is refused before
-        // anything runs.
+        // anything runs. The GEMM will write `partial`: its write intent (waits for every
+        // earlier reader and writer) comes before the check's read.
+        drop(partial.device_ptr_mut(group.stream()));
         check_fused(group, &partial, &mut epilogue, out, self.algorithm)
             .map_err(in_layer(&self.shard.label, &ALL_REDUCE_NAMES))?;
         let names = [("a", "x"), ("b", "the weight shard"), ("c", "partial")];
@@ -391,6 +394,13 @@ impl<T: GemmElement + NcclType, W: DevicePtr<T>> RowParallelLinear<T, W> {
             return Ok(SequenceParallelPath::Fused);
         }
         let mut partial = self.partial(partial, m, "the GEMM and the reduce-scatter")?;
+        // The reduce-scatter is checked before the GEMM is launched.
+        check_reduce_scatter::<T>(
+            group,
+            (partial.len(), owner(&partial)),
+            (out.len(), owner(&*out)),
+        )
+        .map_err(in_layer(label, &[("input", "partial"), ("out", "out")]))?;
         let names = [("a", "x"), ("b", "the weight shard"), ("c", "partial")];
         self.shard.gemm(group, x, None, &mut partial, m, &names)?;
         reduce_scatter(group, &partial, out)
