@@ -13,7 +13,10 @@ for f in tests/emu_*.rs; do
   tests+=(--test "$(basename "$f" .rs)")
 done
 suite=$(scripts/test-binaries.sh --features emulator "${tests[@]}")
-probe=$(head -n 1 <<<"$suite")
+# The emulator library beside its build.sh, from a binary that links it: emu_ops (as
+# mutants.sh does; cargo lists the binaries in no fixed order, and emu_selftest runs the CLI
+# and links no libcuda.so itself).
+probe=$(grep '/emu_ops-[0-9a-f]*$' <<<"$suite" | head -n 1)
 emu_lib=$(ldd "$probe" | grep -o '/[^ ]*/libcuda\.so' | head -n 1 || true)
 build="$(dirname "${emu_lib:-.}")/build.sh"
 [ -f "$build" ] || { echo "emulator-asan: no emulator build script beside ${emu_lib:-libcuda.so}" >&2; exit 1; }
