@@ -10,7 +10,7 @@ mod common;
 
 use common::emu::{session, Session};
 use tpfuse::emulator::litmus::{self, Placement, Shape, Sync};
-use tpfuse::emulator::Memory;
+use tpfuse::emulator::{Memory, Schedule};
 
 const RUNS: u32 = 200;
 const PLACEMENTS: [Placement; 2] = [Placement::Ctas, Placement::Gpus];
@@ -83,13 +83,20 @@ fn without_synchronisation_the_weak_mode_shows_the_forbidden_outcome() {
 }
 
 /// IRIW's readers disagree only when a weak load may read a write its thread has not
-/// synchronised with: the random mode, not the oldest-value one.
+/// synchronised with: the random mode, not the oldest-value one. Under the suite's schedule,
+/// except the reverse one: it runs every thread in descending order, the readers before the
+/// writers, so the readers see no write to disagree about (0 of 30 seeds showed it; every
+/// seed of the others does). There the test runs forward.
 #[test]
 fn iriw_readers_disagree_under_weak_random_loads() {
-    let _s = weak_session(
+    let s = weak_session(
         "iriw_readers_disagree_under_weak_random_loads",
         Memory::WeakRandom,
     );
+    let _s = match s.schedule() {
+        Schedule::Reverse => s.with_schedule(Schedule::Forward),
+        _ => s,
+    };
     for placement in PLACEMENTS {
         let o = outcomes(Shape::Iriw, Sync::Missing, placement, 1000);
         assert!(o[forbidden(Shape::Iriw)] > 0, "{placement:?}: {o:?}");

@@ -76,6 +76,18 @@ impl Session {
         self
     }
 
+    /// The same session under another schedule.
+    pub fn with_schedule(mut self, schedule: Schedule) -> Session {
+        self.config.schedule = schedule;
+        emulator::set_config(&self.config).expect("emulator idle between tests");
+        self
+    }
+
+    /// The schedule in force.
+    pub fn schedule(&self) -> Schedule {
+        self.config.schedule
+    }
+
     /// The command line that reruns this test with its schedule and data seed.
     pub fn repro(&self) -> String {
         let schedule = match self.config.schedule {
