@@ -68,7 +68,7 @@ pub fn error(e: crate::Error) -> candle_core::Error {
 fn driver_error(
     context: &'static str,
 ) -> impl Fn(cudarc::driver::DriverError) -> candle_core::Error {
-    move |source| error(crate::Error::Cuda { context, source })
+    move |source| error(crate::device::cuda(context)(source))
 }
 
 /// The element range `[start, end)` of a contiguous layout, or candle's error naming `op`.

@@ -1,7 +1,7 @@
 //! A candle tensor borrowed as a layer's weight or bias: a cudarc buffer ([`DevicePtr`]) over
 //! the tensor's device memory, no copy. It keeps the tensor (and so its allocation) alive.
 
-use super::{cuda_only, operand};
+use super::{cuda_only, driver_error, operand};
 use crate::group::TpGroup;
 use candle_core::cuda_backend::cudarc::driver::{
     sys, CudaStream, DevicePtr, DeviceSlice, SyncOnDrop,
@@ -61,12 +61,10 @@ impl<T: CudaDType + WithDType> Weight<T> {
             let (ptr, _read) = view.device_ptr(&candle);
             ptr
         };
-        candle.context().synchronize().map_err(|source| {
-            super::error(crate::Error::Cuda {
-                context: "waiting for candle's writes of a weight",
-                source,
-            })
-        })?;
+        candle
+            .context()
+            .synchronize()
+            .map_err(driver_error("waiting for candle's writes of a weight"))?;
         Ok(Weight {
             tensor: tensor.clone(),
             ptr,

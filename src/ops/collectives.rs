@@ -102,6 +102,12 @@ pub(crate) fn check_all_gather<T: Element>(
     if n == 0 {
         return Ok(true);
     }
+    custom_ready(group, bytes)
+}
+
+/// [`use_custom`], and when tpfuse's kernel is to run, a group that can launch it (usable,
+/// unpoisoned): the last of the checks before a layer launches its own work.
+fn custom_ready(group: &TpGroup, bytes: usize) -> Result<bool> {
     let custom = use_custom(group, bytes)?;
     if custom {
         group.kernel_args()?;
@@ -168,11 +174,7 @@ pub(crate) fn check_reduce_scatter<T: Element>(
             format!("{n} elements per rank is not a multiple of {vec} (16 bytes)"),
         ));
     }
-    let custom = use_custom(group, in_len * std::mem::size_of::<T>())?;
-    if custom {
-        group.kernel_args()?;
-    }
-    Ok(custom)
+    custom_ready(group, in_len * std::mem::size_of::<T>())
 }
 
 /// Takes the buffers' pointers (ordering them on the group's stream), checks alignment and
