@@ -64,6 +64,7 @@ pub mod error;
 mod ffi;
 pub mod group;
 pub mod ops;
+pub mod plan;
 pub mod reference;
 pub mod shard;
 pub mod symmetric;

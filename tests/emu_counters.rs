@@ -17,8 +17,10 @@
 //!   bytes written, none read), and the tiles read the gathered rows locally, as the GEMM
 //!   alone reads its A;
 //! - GEMM: every configuration reads each A row once per column tile and each B row once
-//!   per row tile (no more), writes m·n elements once, and its ldmatrix loads have no bank
-//!   conflicts (the swizzled shared-memory layout);
+//!   per row tile (no more), the bias and residual once per output element, writes m·n
+//!   elements once, each block moves what the plan (`tpfuse::plan::gemm_block_bytes`) says
+//!   it moves, and its ldmatrix loads have no bank conflicts (the swizzled shared-memory
+//!   layout);
 //! - reduce_ranks: W·n read, n written, no peer bytes (its stream has no rank);
 //! - the grid follows the message: a block per 512 16-byte vectors, at most the budget (a
 //!   decode step's 8 KB: one block), and one-shot with RMSNorm splits rows across blocks
@@ -30,12 +32,13 @@ use common::emu::session_with;
 use common::gpu::{random_vec, splitmix64, upload};
 use common::ranks::{gpu, poisoned_ranks, round, upload_ranks, virtual_group};
 
-use cudarc::driver::{CudaSlice, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 use tpfuse::emulator::counters::{self, LaunchCounters};
 use tpfuse::ops::gemm::{gemm_with_config, GemmConfig, GemmShape};
 use tpfuse::ops::gemm_all_reduce::FusedPlan;
 use tpfuse::ops::{self, gemm_all_reduce_with, Algorithm, Epilogue, RmsNorm};
+use tpfuse::plan::gemm_block_bytes;
 use tpfuse::{GroupOptions, TpGroup};
 
 const FILE: &str = "emu_counters";
@@ -276,36 +279,59 @@ fn gemm_reads_each_tile_once_without_bank_conflicts() {
     };
     let GemmShape { m, n, k } = shape;
     let a = upload(&stream, &random_vec::<bf16>(0x5e, m * k, -1.0, 1.0));
-    let b = upload(&stream, &random_vec::<bf16>(0x6e, n * k, -0.1, 0.1));
+    let b_weights = upload(&stream, &random_vec::<bf16>(0x6e, n * k, -0.1, 0.1));
     let mut c = upload(&stream, &vec![bf16::NAN; m * n]);
+    let bias = upload(&stream, &random_vec::<bf16>(0x7e, n, -1.0, 1.0));
+    let residual = upload(&stream, &random_vec::<bf16>(0x8e, m * n, -1.0, 1.0));
     for config in GemmConfig::ALL {
         let info = config.info();
-        let label = format!("gemm {} m={m} n={n} k={k}", config.name());
-        let ((), recs) = counters::count(|| {
-            gemm_with_config(&stream, &a, &b, None, None, &mut c, shape, config)
-                .unwrap_or_else(|e| panic!("{label}: {e}"));
-            stream.synchronize().expect("the GEMM runs");
-        });
-        assert_eq!(recs.len(), 1, "{label}: launches");
-        let t = recs[0].total();
-        let tiles_m = m.div_ceil(info.block_m) as u64;
-        let tiles_n = n.div_ceil(info.block_n) as u64;
-        let (m, n, k) = (m as u64, n as u64, k as u64);
-        println!(
-            "{label}: read {} bytes, {:.2}x the {} of A and B once",
-            t.global_read_bytes,
-            t.global_read_bytes as f64 / ((m + n) * k * S) as f64,
-            (m + n) * k * S
-        );
-        assert_eq!(
-            t.global_read_bytes,
-            (tiles_n * m + tiles_m * n) * k * S,
-            "{label}: bytes read"
-        );
-        assert_eq!(t.global_write_bytes, m * n * S, "{label}: bytes written");
-        assert_eq!(t.ldmatrix_conflicts, 0, "{label}: ldmatrix bank conflicts");
-        assert_eq!(t.peer_read_bytes, 0, "{label}: peer bytes");
-        assert_eq!(t.barriers, 0, "{label}: barriers");
+        for epilogue in [false, true] {
+            let label = format!(
+                "gemm {} m={m} n={n} k={k} epilogue {epilogue}",
+                config.name()
+            );
+            let (b, r): (Option<&dyn DevicePtr<bf16>>, Option<&dyn DevicePtr<bf16>>) = if epilogue {
+                (Some(&bias), Some(&residual))
+            } else {
+                (None, None)
+            };
+            let ((), recs) = counters::count(|| {
+                gemm_with_config(&stream, &a, &b_weights, b, r, &mut c, shape, config)
+                    .unwrap_or_else(|e| panic!("{label}: {e}"));
+                stream.synchronize().expect("the GEMM runs");
+            });
+            assert_eq!(recs.len(), 1, "{label}: launches");
+            // Block by block, what the plan (tpfuse::plan) says each block moves.
+            let planned = gemm_block_bytes(config, shape, epilogue, epilogue);
+            assert_eq!(recs[0].blocks.len(), planned.len(), "{label}: blocks");
+            for (i, (got, want)) in recs[0].blocks.iter().zip(&planned).enumerate() {
+                assert_eq!(
+                    got.global_read_bytes + got.global_write_bytes,
+                    *want,
+                    "{label}: block {i}'s bytes against the plan's"
+                );
+            }
+            let t = recs[0].total();
+            let tiles_m = m.div_ceil(info.block_m) as u64;
+            let tiles_n = n.div_ceil(info.block_n) as u64;
+            let (m, n, k) = (m as u64, n as u64, k as u64);
+            println!(
+                "{label}: read {} bytes, {:.2}x the {} of A and B once",
+                t.global_read_bytes,
+                t.global_read_bytes as f64 / ((m + n) * k * S) as f64,
+                (m + n) * k * S
+            );
+            let epilogue_reads = if epilogue { 2 * m * n * S } else { 0 };
+            assert_eq!(
+                t.global_read_bytes,
+                (tiles_n * m + tiles_m * n) * k * S + epilogue_reads,
+                "{label}: bytes read"
+            );
+            assert_eq!(t.global_write_bytes, m * n * S, "{label}: bytes written");
+            assert_eq!(t.ldmatrix_conflicts, 0, "{label}: ldmatrix bank conflicts");
+            assert_eq!(t.peer_read_bytes, 0, "{label}: peer bytes");
+            assert_eq!(t.barriers, 0, "{label}: barriers");
+        }
     }
 }
 

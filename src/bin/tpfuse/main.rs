@@ -5,6 +5,9 @@
 //! - `tpfuse selftest [--counters]`: checks that run here (NCCL, unique ids) and, with a GPU
 //!   or the CPU emulator, every kernel family on virtual ranks against the references (and a
 //!   one-rank NCCL communicator on a GPU); `--counters` prints the emulator's counters.
+//! - `tpfuse plan --model NAME | --config FILE [--tp 2,4,8] [--m 1,16,64] [--device PROFILE]
+//!   [--json]`: what tpfuse runs for each GEMM and collective of a layer, its bytes per SM,
+//!   bytes in flight, rounds, floor and modelled time (tpfuse::plan).
 //! - `tpfuse bench`: a quick reduce_ranks bandwidth figure (needs a GPU; the criterion
 //!   benches are the real measurement); fails (exit 1) without one.
 //! - `tpfuse --version`: the crate version.
@@ -12,6 +15,7 @@
 mod bench;
 mod doctor;
 mod kernel_checks;
+mod plan;
 mod selftest;
 mod traffic;
 
@@ -32,6 +36,15 @@ commands:
                      emulator (--features emulator), every kernel family on virtual ranks
                      against the f64 and bit-exact references
                        --counters  the emulator's counters per op (emulator builds)
+  plan --model NAME | --config FILE [--tp N,..] [--m M,..] [--device PROFILE] [--json]
+                     what tpfuse runs for each GEMM and collective of a decoder layer, the
+                     bytes each SM moves and keeps in flight, sync rounds, the bandwidth
+                     floor and a modelled time (a model, not a measurement)
+                       --model     llama-3-8b, llama-3-70b, qwen2.5-72b
+                       --config    a Hugging Face config.json (dense Llama-style)
+                       --tp        ranks (default 2,4,8);  --m  rows per rank (default 1,16,64)
+                       --device    h100-sxm, h200, a100-sxm, l40s, b200 (default: GPU 0)
+                       --json      an array of rows
   bench              quick reduce_ranks bandwidth on GPU 0 (fails without a GPU)
   help               this text
 
@@ -53,6 +66,13 @@ fn main() -> ExitCode {
             Ok(options) => selftest::run(&options),
             Err(e) => {
                 eprintln!("tpfuse selftest: {e}\n\n{USAGE}");
+                ExitCode::from(2)
+            }
+        },
+        ["plan", rest @ ..] => match plan::Options::parse(rest) {
+            Ok(options) => plan::run(&options),
+            Err(e) => {
+                eprintln!("tpfuse plan: {e}\n\n{USAGE}");
                 ExitCode::from(2)
             }
         },

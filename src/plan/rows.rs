@@ -1,0 +1,559 @@
+//! The rows of a plan report: for each GEMM and collective of a layer, what tpfuse runs
+//! (chosen by the same functions the launches use) and what that costs in bytes per SM,
+//! bytes in flight, synchronisation rounds and a modelled time.
+
+use super::model::{LayerGemm, ModelShape};
+use super::profile::{DeviceProfile, Link};
+use crate::error::Result;
+use crate::ops::gemm::{select_config, GemmConfig, GemmShape};
+use crate::ops::gemm_all_reduce::MAX_TILES;
+use crate::topology::{AllReduceAlgo, AllReduceRule, FusionRule};
+
+/// Bytes of one element: the plan assumes 16-bit activations and weights (f16 / bf16).
+pub const ELEMENT_BYTES: u64 = 2;
+
+/// Threads per block of the collectives (`kThreads` in `cuda/common.cuh`).
+const COLLECTIVE_THREADS: usize = 512;
+
+/// The group's CTA budget for the collectives on a real (one process per GPU) group:
+/// [`crate::group::cta_budget`].
+fn collective_budget(profile: &DeviceProfile, tp: usize) -> usize {
+    crate::group::cta_budget(profile.sms, tp, false)
+}
+
+/// One row of `tpfuse plan`: a GEMM or a collective of one layer at one `m`. The field
+/// names are the JSON keys.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct PlanRow {
+    /// `"qkv"`, `"o_proj"`, `"gate_up"` or `"down"`.
+    pub layer: String,
+    /// What runs: `"gemm"`, `"gemm_all_reduce"` (the fused row-parallel kernel, with the
+    /// residual add and RMSNorm), or `"all_reduce"` (the unfused layer's collective, with the
+    /// residual add and RMSNorm).
+    pub op: String,
+    /// Rows (tokens) on each rank.
+    pub m: usize,
+    /// Output features on each rank (a collective: the hidden size).
+    pub n: usize,
+    /// Input features on each rank (0 for a collective).
+    pub k: usize,
+    /// Ranks.
+    pub tp: usize,
+    /// The GEMM's tile configuration, or the collective's algorithm.
+    pub config: String,
+    /// Parts `k` is split into (1: one accumulation chain over all of `k`).
+    pub split_k: usize,
+    /// Thread blocks of the launch (the fused kernel: its persistent grid).
+    pub blocks: usize,
+    /// SMs of the device.
+    pub sms: usize,
+    /// SMs that get at least one block (for a GEMM: the SMs streaming weights).
+    pub sms_streaming: usize,
+    /// Global-memory bytes (read + written) of the SM that moves the most, blocks dealt to
+    /// SMs in turn (block `b` on SM `b mod sms`).
+    pub bytes_per_sm_max: u64,
+    /// The launch's global-memory bytes over all the device's SMs.
+    pub bytes_per_sm_mean: f64,
+    /// Bytes of loads in flight on a busy SM: resident blocks x loads in flight per block.
+    pub bytes_in_flight_per_sm: u64,
+    /// Cross-GPU synchronisation rounds on the critical path.
+    pub sync_rounds: usize,
+    /// The least time the op's minimum bytes take at the device's peak bandwidths (DRAM, and
+    /// the link for peer bytes), plus one round for a collective, µs.
+    pub floor_us: f64,
+    /// The model's time, µs (`docs/performance.md`): a model, not a measurement.
+    pub model_us: f64,
+    /// Why this runs.
+    pub choice: String,
+}
+
+/// Global-memory bytes (read + written) of each block of a GEMM launch of `config`, index =
+/// `blockIdx.x`, as `cuda/gemm_sm80.cuh` moves them: the tile's live rows of `A` and of `B`
+/// over all of `k` once, and per output element the bias (when given), the residual (when
+/// given) and the store.
+pub fn gemm_block_bytes(
+    config: GemmConfig,
+    shape: GemmShape,
+    bias: bool,
+    residual: bool,
+) -> Vec<u64> {
+    let info = config.info();
+    let GemmShape { m, n, k } = shape;
+    let (tiles_m, tiles_n) = (m.div_ceil(info.block_m), n.div_ceil(info.block_n));
+    let per_output = 1 + u64::from(bias) + u64::from(residual);
+    (0..tiles_m * tiles_n)
+        .map(|b| {
+            let (tm, tn) = tile_of_block(b, tiles_m, tiles_n);
+            let rows = info.block_m.min(m - tm * info.block_m) as u64;
+            let cols = info.block_n.min(n - tn * info.block_n) as u64;
+            ((rows + cols) * k as u64 + per_output * rows * cols) * ELEMENT_BYTES
+        })
+        .collect()
+}
+
+/// The tile `(tile_m, tile_n)` block `block` computes: `tile_of_block` of
+/// `cuda/gemm_sm80.cuh` (groups of 8 tile rows, walked down before right).
+fn tile_of_block(block: usize, tiles_m: usize, tiles_n: usize) -> (usize, usize) {
+    const GROUP: usize = 8;
+    let per_group = GROUP * tiles_n;
+    let group = block / per_group;
+    let first = group * GROUP;
+    let rows = (tiles_m - first).min(GROUP);
+    let within = block - group * per_group;
+    (first + within % rows, within / rows)
+}
+
+/// Bytes per SM with `block_bytes` dealt to `sms` SMs in turn: (the most, the mean over all
+/// SMs, how many SMs got a block).
+fn per_sm(block_bytes: &[u64], sms: usize) -> (u64, f64, usize) {
+    let sms = sms.max(1);
+    let mut on_sm = vec![0u64; sms];
+    for (b, bytes) in block_bytes.iter().enumerate() {
+        on_sm[b % sms] += bytes;
+    }
+    let total: u64 = on_sm.iter().sum();
+    let max = on_sm.iter().copied().max().unwrap_or(0);
+    (max, total as f64 / sms as f64, block_bytes.len().min(sms))
+}
+
+/// Registers per thread of the first kernel on `arch` whose name contains every one of
+/// `names`, from the ptxas report (0 when the build has no such row).
+fn registers_of(arch: &str, names: &[&str]) -> usize {
+    crate::build_info::kernel_resources()
+        .into_iter()
+        .find(|r| r.arch == arch && names.iter().all(|n| r.kernel.contains(n)))
+        .map_or(0, |r| r.registers as usize)
+}
+
+/// The kernel-name fragment of a GEMM configuration (its struct in `gemm_sm80.cuh`).
+fn config_struct(config: GemmConfig) -> &'static str {
+    match config {
+        GemmConfig::SmallM16x16 => "SmallM16x16",
+        GemmConfig::SmallM16x32 => "SmallM16x32",
+        GemmConfig::SmallM16x64 => "SmallM16x64",
+        GemmConfig::Tile64x64 => "Tile64x64",
+        GemmConfig::Tile128x128 => "Tile128x128",
+    }
+}
+
+/// What a launch's blocks keep in flight on one busy SM.
+struct InFlight {
+    /// Blocks of the launch one SM runs at once.
+    resident: usize,
+    /// Bytes in flight per SM.
+    bytes: u64,
+}
+
+/// A GEMM's loads in flight: each block has `stages - 1` k-slices of its live `A` rows and
+/// its `B` rows on the way (the `cp.async` ring of `gemm_sm80.cuh`).
+fn gemm_in_flight(
+    config: GemmConfig,
+    m: usize,
+    blocks: usize,
+    profile: &DeviceProfile,
+    kernel: &str,
+    one_per_sm: bool,
+) -> InFlight {
+    let info = config.info();
+    let registers = registers_of(profile.arch, &[kernel, config_struct(config)]);
+    let fit = if one_per_sm {
+        1
+    } else {
+        profile.blocks_per_sm_for(info.threads, info.smem_bytes, registers)
+    };
+    let resident = fit.min(blocks.div_ceil(profile.sms.max(1))).max(1);
+    let rows = info.block_m.min(m.max(1)) + info.block_n;
+    let per_block = (info.stages - 1) * rows * info.block_k * ELEMENT_BYTES as usize;
+    InFlight {
+        resident,
+        bytes: (resident * per_block) as u64,
+    }
+}
+
+/// The model's time of a launch, seconds: the launches, then the longest of the aggregate
+/// times (DRAM bytes at the DRAM's bandwidth, peer bytes at the link's) and the busiest SM's
+/// time (its bytes at what its loads in flight sustain, by Little's law, or its blocks'
+/// chains of dependent `mma`, whichever is longer), then the rounds.
+struct Model {
+    launches: usize,
+    /// Bytes the DRAM must move (a GEMM: the minimum; the re-reads of `A` by each column
+    /// tile come from L2).
+    dram_bytes: f64,
+    /// Bytes across the link, per direction.
+    peer_bytes: f64,
+    /// Global bytes of the busiest SM (L2 hits included).
+    busiest_sm_bytes: f64,
+    /// The share of the busiest SM's bytes that come from a peer (at the peer latency; the
+    /// rest at the DRAM latency).
+    peer_share: f64,
+    in_flight: f64,
+    chain_s: f64,
+    rounds: usize,
+}
+
+impl Model {
+    fn seconds(&self, p: &DeviceProfile) -> f64 {
+        let latency =
+            (1.0 - self.peer_share) * p.dram_latency_s + self.peer_share * p.peer_latency_s;
+        let streaming =
+            (self.busiest_sm_bytes * latency / self.in_flight.max(1.0)).max(self.chain_s);
+        let aggregate =
+            (self.dram_bytes / p.dram_bytes_per_s).max(self.peer_bytes / p.link_bytes_per_s);
+        self.launches as f64 * p.launch_s
+            + aggregate.max(streaming)
+            + self.rounds as f64 * p.round_s
+    }
+}
+
+fn us(seconds: f64) -> f64 {
+    (seconds * 1e7).round() / 10.0
+}
+
+/// The chain of dependent `mma.sync` one block runs over `k` (one accumulator chain per
+/// output element, `k / 16` steps), seconds; `tiles` such chains one after another.
+fn chain_seconds(k: usize, tiles: usize, p: &DeviceProfile) -> f64 {
+    (k.div_ceil(16) * tiles) as f64 * p.mma_latency_cycles / p.clock_hz
+}
+
+/// The row of a GEMM that runs alone (a column-parallel layer, or an unfused row-parallel
+/// layer's GEMM into its workspace).
+pub fn gemm_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Option<PlanRow> {
+    let shape = GemmShape { m, n: g.n, k: g.k };
+    let config = select_config(shape, p.compute_capability, p.sms)?;
+    let block_bytes = gemm_block_bytes(config, shape, false, false);
+    let (max, mean, streaming) = per_sm(&block_bytes, p.sms);
+    let flight = gemm_in_flight(config, m, block_bytes.len(), p, "gemm_sm80_kernel", false);
+    let minimum = ((g.n * g.k + m * g.k + m * g.n) as u64 * ELEMENT_BYTES) as f64;
+    let waves = block_bytes.len().div_ceil(p.sms * flight.resident);
+    // DRAM moves the minimum: the re-reads of A by each column tile come from L2.
+    let model = Model {
+        launches: 1,
+        dram_bytes: minimum,
+        peer_bytes: 0.0,
+        busiest_sm_bytes: max as f64,
+        peer_share: 0.0,
+        in_flight: flight.bytes as f64,
+        chain_s: chain_seconds(g.k, waves, p),
+        rounds: 0,
+    };
+    Some(PlanRow {
+        layer: g.layer.to_string(),
+        op: "gemm".into(),
+        m,
+        n: g.n,
+        k: g.k,
+        tp,
+        config: config.name().into(),
+        split_k: 1,
+        blocks: block_bytes.len(),
+        sms: p.sms,
+        sms_streaming: streaming,
+        bytes_per_sm_max: max,
+        bytes_per_sm_mean: mean,
+        bytes_in_flight_per_sm: flight.bytes,
+        sync_rounds: 0,
+        floor_us: us(minimum / p.dram_bytes_per_s),
+        model_us: us(model.seconds(p)),
+        choice: if g.row_parallel {
+            "unfused: into the workspace".into()
+        } else {
+            "column-parallel".into()
+        },
+    })
+}
+
+/// The algorithm the layer's all-reduce of `bytes` per rank takes on `tp` ranks of `p`
+/// (the group's rule, [`AllReduceRule`], as a group with that link would apply it).
+fn all_reduce_algo(bytes: usize, tp: usize, p: &DeviceProfile) -> AllReduceAlgo {
+    let rule = AllReduceRule::default();
+    let limits = match p.link {
+        Link::NvSwitch => rule.nvlink_limits(tp),
+        Link::Pcie => rule.pcie.iter().find(|l| tp <= l.max_world).copied(),
+    };
+    match limits {
+        Some(l) if bytes < l.one_shot_below => AllReduceAlgo::OneShot,
+        Some(l) if bytes < l.two_shot_below => AllReduceAlgo::TwoShot,
+        _ => AllReduceAlgo::Nccl,
+    }
+}
+
+/// The row of an all-reduce of `[m, n]` on `tp` ranks: with `rmsnorm`, the unfused
+/// row-parallel layer's (`all_reduce_residual_rmsnorm`: the residual added and written back,
+/// RMSNorm over rows of `n`), else a plain all-reduce.
+pub fn all_reduce_row(
+    layer: &str,
+    m: usize,
+    n: usize,
+    tp: usize,
+    p: &DeviceProfile,
+    rmsnorm: bool,
+) -> PlanRow {
+    let bytes = (m * n) as u64 * ELEMENT_BYTES;
+    let algo = all_reduce_algo(bytes as usize, tp, p);
+    let w = tp as f64;
+    let share = (w - 1.0) / w;
+    // The minimum: its partial read, the peers' (W-1)/W of the sum in and its share out
+    // (2·(W-1)/W·m·n across the link), the output written; with the epilogue the residual
+    // read and written, gamma read.
+    let peer_min = 2.0 * share * bytes as f64;
+    let local_min = if rmsnorm {
+        4 * bytes + n as u64 * ELEMENT_BYTES
+    } else {
+        2 * bytes
+    } as f64;
+    let floor = (local_min / p.dram_bytes_per_s).max(peer_min / p.link_bytes_per_s) + p.round_s;
+    let vectors = (bytes as usize).div_ceil(16);
+    let grid = vectors
+        .div_ceil(COLLECTIVE_THREADS)
+        .clamp(1, collective_budget(p, tp));
+    // Global bytes per element of the message, as cuda/all_reduce.cu moves them. One-shot:
+    // stage the input (read + write), read the W stagings (W-1 a peer's), write out; the
+    // epilogue adds the residual (read + write), then RMSNorm reads out twice and gamma and
+    // writes out. Two-shot: stage all of it, reduce its 1/W (W reads, out and the published
+    // result written), gather the other (W-1)/W (a peer's read, out written); the epilogue
+    // adds the slice's residual (read + write) and the gathered rows' (written), and a
+    // separate RMSNorm launch. NCCL: modelled as a ring, 2(W-1) steps.
+    let norm = if rmsnorm { 4.0 } else { 0.0 };
+    let (launches, rounds, per_elem, peer_per_elem, config) = match algo {
+        AllReduceAlgo::OneShot => {
+            let residual = if rmsnorm { 2.0 } else { 0.0 };
+            (1, 2, 3.0 + w + residual + norm, w - 1.0, "one-shot")
+        }
+        AllReduceAlgo::TwoShot => {
+            let residual = if rmsnorm { 2.0 / w + share } else { 0.0 };
+            let launches = if rmsnorm { 2 } else { 1 };
+            (
+                launches,
+                3,
+                3.0 + 2.0 / w + 2.0 * share + residual + norm,
+                2.0 * share,
+                "two-shot",
+            )
+        }
+        AllReduceAlgo::Nccl => {
+            let launches = if rmsnorm { 2 } else { 1 };
+            (
+                launches,
+                2 * (tp - 1),
+                2.0 + 4.0 * share + norm,
+                2.0 * share,
+                "nccl",
+            )
+        }
+    };
+    let total = per_elem * bytes as f64;
+    let per_block: Vec<u64> = (0..grid)
+        .map(|b| {
+            let part = vectors * (b + 1) / grid - vectors * b / grid;
+            (total * part as f64 / vectors.max(1) as f64).round() as u64
+        })
+        .collect();
+    let (max, mean, streaming) = per_sm(&per_block, p.sms);
+    // One 16-byte vector in flight per thread (the loops of all_reduce.cu load, reduce and
+    // store one vector at a time: the outside reading of issue 24).
+    let in_flight = (COLLECTIVE_THREADS * 16) as u64;
+    let model = Model {
+        launches,
+        dram_bytes: total,
+        peer_bytes: peer_per_elem * bytes as f64,
+        busiest_sm_bytes: max as f64,
+        peer_share: peer_per_elem / per_elem,
+        in_flight: in_flight as f64,
+        chain_s: 0.0,
+        rounds,
+    };
+    PlanRow {
+        layer: layer.to_string(),
+        op: "all_reduce".into(),
+        m,
+        n,
+        k: 0,
+        tp,
+        config: config.into(),
+        split_k: 1,
+        blocks: grid,
+        sms: p.sms,
+        sms_streaming: streaming,
+        bytes_per_sm_max: max,
+        bytes_per_sm_mean: mean,
+        bytes_in_flight_per_sm: in_flight,
+        sync_rounds: rounds,
+        floor_us: us(floor),
+        model_us: us(model.seconds(p)),
+        choice: match algo {
+            AllReduceAlgo::Nccl => "NCCL (no custom kernels here), modelled as a ring".into(),
+            _ => format!("{config}: the all-reduce rule at {bytes} B"),
+        },
+    }
+}
+
+/// Why a row-parallel layer at `m` on `tp` ranks of `p` does not fuse (None: it fuses), by
+/// [`FusionRule`] and what the fused kernel takes.
+fn not_fused(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Option<String> {
+    let custom = match p.link {
+        Link::NvSwitch => tp <= crate::group::MAX_WORLD,
+        Link::Pcie => tp <= 2,
+    };
+    if tp < 2 {
+        return Some("one rank: nothing to reduce".into());
+    }
+    if !custom {
+        return Some(format!("no custom kernels for {tp} ranks over PCIe"));
+    }
+    let rule = FusionRule::default();
+    if !rule.fuse(None, m) {
+        return Some(format!("m = {m} is past the fusion rule's {}", rule.max_m));
+    }
+    let shape = GemmShape { m, n: g.n, k: g.k };
+    let config = select_config(shape, p.compute_capability, p.sms)?;
+    let info = config.info();
+    let tiles = m.div_ceil(info.block_m) * g.n.div_ceil(info.block_n);
+    if tiles > MAX_TILES {
+        return Some(format!(
+            "{tiles} tiles exceed the fused kernel's {MAX_TILES}"
+        ));
+    }
+    let default_capacity = crate::group::GroupOptions::default().capacity_bytes;
+    if m * g.n * ELEMENT_BYTES as usize > default_capacity / 2 {
+        return Some("the exchange exceeds half the default symmetric capacity".into());
+    }
+    None
+}
+
+/// The row of a fused row-parallel layer: GEMM + all-reduce + residual + RMSNorm in one
+/// persistent launch (`cuda/gemm_all_reduce.cu`).
+pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Option<PlanRow> {
+    let shape = GemmShape { m, n: g.n, k: g.k };
+    let config = select_config(shape, p.compute_capability, p.sms)?;
+    let info = config.info();
+    let (tiles_m, tiles_n) = (m.div_ceil(info.block_m), g.n.div_ceil(info.block_n));
+    let tiles = tiles_m * tiles_n;
+    // The persistent grid: one block per SM (TpGroup::fused_blocks on a real group).
+    let grid = tiles.min(p.sms);
+    let s = ELEMENT_BYTES;
+    let w = tp as u64;
+    let bytes = (m * g.n) as u64 * s;
+    let algo = match all_reduce_algo(bytes as usize, tp, p) {
+        AllReduceAlgo::OneShot => AllReduceAlgo::OneShot,
+        _ if m % tp == 0 => AllReduceAlgo::TwoShot,
+        _ => AllReduceAlgo::OneShot,
+    };
+    // Per tile: the GEMM's A rows and B rows, its partial stored; one-shot: the W partials
+    // read, bias-free residual read and written, out written; the norm of a strip by the
+    // block that completes it (out read twice, gamma, out written per element of the strip).
+    let gemm_bytes = gemm_block_bytes(config, shape, false, false);
+    let mut per_block = vec![0u64; grid];
+    for tile in 0..tiles {
+        let (tm, tn) = tile_of_block(tile, tiles_m, tiles_n);
+        let rows = info.block_m.min(m - tm * info.block_m) as u64;
+        let cols = info.block_n.min(g.n - tn * info.block_n) as u64;
+        let out = rows * cols * s;
+        let reduce = match algo {
+            AllReduceAlgo::OneShot => (w + 3) * out,
+            _ => (w + 3) * out / w,
+        };
+        per_block[tile % grid] += gemm_bytes[tile] + reduce;
+        if tn + 1 == tiles_n && algo == AllReduceAlgo::OneShot {
+            per_block[tile % grid] += 4 * rows * g.n as u64 * s;
+        }
+    }
+    if algo == AllReduceAlgo::TwoShot {
+        for row in 0..m {
+            per_block[row % grid] += 6 * g.n as u64 * s;
+        }
+    }
+    let (max, mean, streaming) = per_sm(&per_block, p.sms);
+    let flight = gemm_in_flight(config, m, grid, p, "gemm_all_reduce_kernel", true);
+    let peer_bytes = match algo {
+        AllReduceAlgo::OneShot => (w - 1) as f64 * bytes as f64,
+        _ => 2.0 * (w - 1) as f64 / w as f64 * bytes as f64,
+    };
+    let total: u64 = per_block.iter().sum();
+    let rounds = if algo == AllReduceAlgo::OneShot { 1 } else { 2 };
+    let minimum = ((g.n * g.k + m * g.k + 3 * m * g.n) as u64 * s) as f64;
+    let floor = (minimum / p.dram_bytes_per_s).max(peer_bytes / p.link_bytes_per_s) + p.round_s;
+    let model = Model {
+        launches: 1,
+        dram_bytes: minimum,
+        peer_bytes,
+        busiest_sm_bytes: max as f64,
+        peer_share: peer_bytes / total as f64,
+        in_flight: flight.bytes as f64,
+        chain_s: chain_seconds(g.k, tiles.div_ceil(grid), p),
+        rounds,
+    };
+    let name = if algo == AllReduceAlgo::OneShot {
+        "one-shot"
+    } else {
+        "two-shot"
+    };
+    Some(PlanRow {
+        layer: g.layer.to_string(),
+        op: "gemm_all_reduce".into(),
+        m,
+        n: g.n,
+        k: g.k,
+        tp,
+        config: format!("{} {name}", config.name()),
+        split_k: 1,
+        blocks: grid,
+        sms: p.sms,
+        sms_streaming: streaming,
+        bytes_per_sm_max: max,
+        bytes_per_sm_mean: mean,
+        bytes_in_flight_per_sm: flight.bytes,
+        sync_rounds: rounds,
+        floor_us: us(floor),
+        model_us: us(model.seconds(p)),
+        choice: format!("fused: m <= {}", FusionRule::default().max_m),
+    })
+}
+
+/// Every row of one layer of `model` on `tp` ranks of `p`, for each `m` of `ms`: per `m`,
+/// the four GEMMs in order, a row-parallel one as its fused row or as its GEMM row followed
+/// by its all-reduce row.
+pub fn plan_model(
+    model: &ModelShape,
+    tp: usize,
+    ms: &[usize],
+    p: &DeviceProfile,
+) -> Result<Vec<PlanRow>> {
+    let gemms = model.layer_gemms(tp)?;
+    let (major, minor) = p.compute_capability;
+    let no_path = || {
+        crate::error::Error::invalid(
+            "device",
+            format!(
+                "{}: compute capability {major}.{minor} has no GEMM path",
+                p.name
+            ),
+        )
+    };
+    let mut rows = Vec::new();
+    for &m in ms {
+        for g in &gemms {
+            if g.row_parallel {
+                match not_fused(g, m, tp, p) {
+                    None => {
+                        let mut row = fused_row(g, m, tp, p).ok_or_else(no_path)?;
+                        let alone = gemm_row(g, m, tp, p).ok_or_else(no_path)?;
+                        row.choice =
+                            format!("{}; the GEMM alone {} us", row.choice, alone.model_us);
+                        rows.push(row);
+                    }
+                    Some(reason) => {
+                        let mut row = gemm_row(g, m, tp, p).ok_or_else(no_path)?;
+                        row.choice = format!("unfused: {reason}");
+                        rows.push(row);
+                        if tp > 1 {
+                            rows.push(all_reduce_row(g.layer, m, g.n, tp, p, true));
+                        }
+                    }
+                }
+            } else {
+                rows.push(gemm_row(g, m, tp, p).ok_or_else(no_path)?);
+            }
+        }
+    }
+    Ok(rows)
+}
