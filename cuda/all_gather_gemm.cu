@@ -39,7 +39,7 @@
 #include <climits>
 
 #include "fused_flags.cuh"
-#include "gemm_sm80.cuh"
+#include "gemm_split.cuh"
 
 namespace tpfuse {
 namespace {
@@ -48,6 +48,8 @@ using fused::BlockState;
 using gemm::GemmEpilogue;
 using gemm::DenseRows;
 using gemm::gemm_tile;
+using gemm::KSplit;
+using gemm::split_parts;
 using gemm::tile_of_block;
 
 // The block's parts of x_r: an even share of its 16-byte vectors.
@@ -60,7 +62,7 @@ template <typename T, typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     all_gather_gemm_kernel(const __grid_constant__ tpfuse_peers peers, const __grid_constant__ tpfuse_group_args g,
                            uint64_t descriptor, const T *x, const T *w, const T *bias, T *out, int m, int n, int k,
-                           int tiles_m, int tiles_n) {
+                           int tiles_m, int tiles_n, int parts) {
   TPFUSE_DYNAMIC_SHARED(smem);
   TPFUSE_SHARED(BlockState, st);
   TPFUSE_SHARED(uint32_t, complete); // bit p: every part of rank p acquired by this block
@@ -121,7 +123,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       if (!fused::passed(st)) break;
       if (threadIdx.x == 0) complete |= needed;
     }
-    gemm_tile<T, Cfg>(rows, w, m, n, k, tm, tn, epi, smem);
+    gemm_tile<T, Cfg>(rows, w, m, n, k, tm, tn, epi, smem, KSplit{parts, 0, parts});
     __syncthreads(); // the epilogue's reads of smem, before the next tile's writes
   }
 
@@ -137,6 +139,13 @@ int launch_config(const tpfuse_peers &peers, const tpfuse_group_args &g, int con
   const long long tiles_n = (n + Cfg::kBlockN - 1) / Cfg::kBlockN;
   if (tiles_m * tiles_n > INT_MAX / 2 || blocks > TPFUSE_MAX_FUSED_TILES) return cudaErrorInvalidValue;
   const int grid = static_cast<int>(tiles_m * tiles_n < blocks ? tiles_m * tiles_n : blocks);
+  // The GEMM's split of k (tpfuse_gemm's, so the same bits), each tile's parts in its block.
+  int sms = 0, device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0)
+    return cudaErrorInvalidDevice; // not current_sm_count's fallback of 1: S would differ from tpfuse_gemm's
+  const int parts = split_parts(n, k, sms);
+  if (!Cfg::kSplittable && parts != 1) return cudaErrorInvalidValue;
   auto all_gather_gemm = all_gather_gemm_kernel<T, Cfg>; // the name the emulator suite reports
   // Always opted in: the static shared memory counts toward the default 48 KiB (as in
   // gemm_all_reduce.cu).
@@ -146,9 +155,9 @@ int launch_config(const tpfuse_peers &peers, const tpfuse_group_args &g, int con
       kKindAllGatherGemm,
       launch_descriptor({kKindAllGatherGemm, sizeof(T), static_cast<uint64_t>(m), static_cast<uint64_t>(n),
                          static_cast<uint64_t>(k), static_cast<uint64_t>(config), static_cast<uint64_t>(grid),
-                         bias != nullptr}));
+                         bias != nullptr, static_cast<uint64_t>(parts)}));
   return launch_result(TPFUSE_LAUNCH_COOPERATIVE(all_gather_gemm, grid, Cfg::kThreads, Cfg::kSmemBytes, stream)(
-      peers, g, descriptor, x, w, bias, out, m, n, k, static_cast<int>(tiles_m), static_cast<int>(tiles_n)));
+      peers, g, descriptor, x, w, bias, out, m, n, k, static_cast<int>(tiles_m), static_cast<int>(tiles_n), parts));
 }
 
 template <typename T>

@@ -9,12 +9,19 @@
 //   8.0 and later, m > 16        sm80 tiled path: Tile64x64 or Tile128x128
 //   (9.0 with sm_90a SASS        the place for a future wgmma/TMA path: see select_config)
 //
-// Every configuration gives the same bits for the same row (gemm_sm80.cuh explains why), so
-// the choice is free to follow performance only.
+// and the split of k, S = split_parts(n, k, sms): from n, k and the SM count only, so the same
+// for every m. With S > 1 the configuration is SmallM16x64 (m <= 16) or Tile64x64, and the
+// parts run in parallel (gemm_split.cuh: a block per part of a tile) when m <= 64 and the
+// caller gave a scratch large enough, else one after another in each tile's block.
+//
+// Every configuration that runs the shape's split (all but Tile128x128 when S > 1), and either
+// way of running the parts, gives the same bits for the same row (gemm_sm80.cuh explains why),
+// so the choice is free to follow performance only. (Prefill thus runs 64x64 tiles where k
+// splits: a 128x128 tile has no registers left for the parts' running total. Unmeasured.)
 
 #include <climits>
 
-#include "gemm_sm80.cuh"
+#include "gemm_split.cuh"
 
 namespace tpfuse {
 namespace gemm {
@@ -49,8 +56,12 @@ bool device_facts(DeviceFacts &facts) {
 size_t ceil_div(size_t x, size_t y) { return (x + y - 1) / y; }
 
 // The configuration a call runs, or -1 when the device has no path.
-int select_config(size_t m, size_t n, int cc, int sms) {
+int select_config(size_t m, size_t n, size_t k, int cc, int sms) {
   if (cc < 80) return -1;
+  if (split_parts(n, k, sms) > 1) {
+    // A split: the 64-column tiles split_parts counted (Tile128x128 runs no split).
+    return m <= TPFUSE_GEMM_SMALL_M_MAX ? TPFUSE_GEMM_CONFIG_SMALL_16X64 : TPFUSE_GEMM_CONFIG_TILE_64X64;
+  }
   // A future sm90a path (wgmma + TMA, built only for sm_90a) goes here, for cc == 90 and
   // m > TPFUSE_GEMM_SMALL_M_MAX, behind the same entry point. It must keep the batch-invariance
   // contract of gemm_sm80.cuh with the small-m path (same per-element accumulation order and
@@ -76,35 +87,61 @@ template <typename Cfg> void describe(int32_t path, tpfuse_gemm_config_info &inf
   info.smem_bytes = Cfg::kSmemBytes;
 }
 
+// The scratch a parallel split of `parts` needs for [m, n]: the counts, then the partials
+// (gemm_split.cuh).
+size_t split_scratch_bytes(size_t m, size_t n, int parts) {
+  return kSplitCountsBytes + static_cast<size_t>(parts) * m * n * sizeof(float);
+}
+
 template <typename T, typename Cfg>
-int launch_config(const T *a, const T *b, const T *bias, const T *residual, T *c, int m, int n, int k,
-                  cudaStream_t stream) {
+int launch_config(const T *a, const T *b, const T *bias, const T *residual, T *c, int m, int n, int k, int parts,
+                  void *scratch, size_t scratch_bytes, cudaStream_t stream) {
   const long long tiles_m = (m + Cfg::kBlockM - 1) / Cfg::kBlockM;
   const long long tiles_n = (n + Cfg::kBlockN - 1) / Cfg::kBlockN;
-  if (tiles_m * tiles_n > INT_MAX) return cudaErrorInvalidConfiguration;
+  const long long tiles = tiles_m * tiles_n;
+  if (tiles * parts > INT_MAX) return cudaErrorInvalidConfiguration;
+  const GemmEpilogue<T> epi{c, bias, residual, n};
+  if constexpr (Cfg::kSplittable) {
+    const size_t needed = split_scratch_bytes(m, n, parts);
+    if (parts > 1 && m <= TPFUSE_GEMM_SPLIT_PARALLEL_M_MAX && tiles <= static_cast<long long>(kSplitMaxTiles) &&
+        scratch != nullptr && needed <= scratch_bytes) {
+      auto gemm_split = gemm_split_kernel<T, Cfg>;
+      // Always opted in: its static shared memory (`last`) counts with the dynamic size toward
+      // the default 48 KiB, which Tile64x64 and SmallM16x32 take exactly.
+      const cudaError_t err =
+          cudaFuncSetAttribute(gemm_split, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+      if (err != cudaSuccess) return err;
+      char *base = static_cast<char *>(scratch);
+      TPFUSE_LAUNCH(gemm_split, static_cast<unsigned>(tiles * parts), Cfg::kThreads, Cfg::kSmemBytes, stream)(
+          a, b, m, n, k, static_cast<int>(tiles_m), static_cast<int>(tiles_n), parts,
+          reinterpret_cast<uint32_t *>(base), reinterpret_cast<float *>(base + kSplitCountsBytes), epi);
+      return cudaGetLastError();
+    }
+  } else {
+    if (parts != 1) return cudaErrorInvalidValue; // a configuration without the split
+  }
   auto gemm_sm80 = gemm_sm80_kernel<T, Cfg, GemmEpilogue<T>>;
   const cudaError_t err = allow_dynamic_smem(gemm_sm80, Cfg::kSmemBytes);
   if (err != cudaSuccess) return err;
-  const GemmEpilogue<T> epi{c, bias, residual, n};
-  TPFUSE_LAUNCH(gemm_sm80, static_cast<unsigned>(tiles_m * tiles_n), Cfg::kThreads, Cfg::kSmemBytes, stream)(
-      a, b, m, n, k, static_cast<int>(tiles_m), static_cast<int>(tiles_n), epi);
+  TPFUSE_LAUNCH(gemm_sm80, static_cast<unsigned>(tiles), Cfg::kThreads, Cfg::kSmemBytes, stream)(
+      a, b, m, n, k, static_cast<int>(tiles_m), static_cast<int>(tiles_n), parts, epi);
   return cudaGetLastError();
 }
 
 template <typename T>
 int launch(int config, const void *a, const void *b, const void *bias, const void *residual, void *c, int m,
-           int n, int k, cudaStream_t stream) {
+           int n, int k, int parts, void *scratch, size_t scratch_bytes, cudaStream_t stream) {
   const T *ta = static_cast<const T *>(a);
   const T *tb = static_cast<const T *>(b);
   const T *tbias = static_cast<const T *>(bias);
   const T *tres = static_cast<const T *>(residual);
   T *tc = static_cast<T *>(c);
   switch (config) {
-  case TPFUSE_GEMM_CONFIG_SMALL_16X16: return launch_config<T, SmallM16x16>(ta, tb, tbias, tres, tc, m, n, k, stream);
-  case TPFUSE_GEMM_CONFIG_SMALL_16X32: return launch_config<T, SmallM16x32>(ta, tb, tbias, tres, tc, m, n, k, stream);
-  case TPFUSE_GEMM_CONFIG_SMALL_16X64: return launch_config<T, SmallM16x64>(ta, tb, tbias, tres, tc, m, n, k, stream);
-  case TPFUSE_GEMM_CONFIG_TILE_64X64: return launch_config<T, Tile64x64>(ta, tb, tbias, tres, tc, m, n, k, stream);
-  case TPFUSE_GEMM_CONFIG_TILE_128X128: return launch_config<T, Tile128x128>(ta, tb, tbias, tres, tc, m, n, k, stream);
+  case TPFUSE_GEMM_CONFIG_SMALL_16X16: return launch_config<T, SmallM16x16>(ta, tb, tbias, tres, tc, m, n, k, parts, scratch, scratch_bytes, stream);
+  case TPFUSE_GEMM_CONFIG_SMALL_16X32: return launch_config<T, SmallM16x32>(ta, tb, tbias, tres, tc, m, n, k, parts, scratch, scratch_bytes, stream);
+  case TPFUSE_GEMM_CONFIG_SMALL_16X64: return launch_config<T, SmallM16x64>(ta, tb, tbias, tres, tc, m, n, k, parts, scratch, scratch_bytes, stream);
+  case TPFUSE_GEMM_CONFIG_TILE_64X64: return launch_config<T, Tile64x64>(ta, tb, tbias, tres, tc, m, n, k, parts, scratch, scratch_bytes, stream);
+  case TPFUSE_GEMM_CONFIG_TILE_128X128: return launch_config<T, Tile128x128>(ta, tb, tbias, tres, tc, m, n, k, parts, scratch, scratch_bytes, stream);
   default: return cudaErrorInvalidValue;
   }
 }
@@ -115,32 +152,53 @@ constexpr size_t kMaxDim = size_t{1} << 30;
 } // namespace gemm
 } // namespace tpfuse
 
-extern "C" int tpfuse_gemm(tpfuse_dtype dtype, int32_t config, const void *a, const void *b, const void *bias,
-                           const void *residual, void *c, size_t m, size_t n, size_t k, void *stream) {
+extern "C" int tpfuse_gemm_scratch(tpfuse_dtype dtype, int32_t config, const void *a, const void *b,
+                                   const void *bias, const void *residual, void *c, size_t m, size_t n, size_t k,
+                                   void *scratch, size_t scratch_bytes, void *stream) {
   using namespace tpfuse::gemm;
   if (m == 0) return cudaSuccess;
   if (n == 0 || k == 0 || n % 8 != 0 || k % 8 != 0 || m > kMaxDim || n > kMaxDim || k > kMaxDim)
     return cudaErrorInvalidValue;
   if (a == nullptr || b == nullptr || c == nullptr) return cudaErrorInvalidValue;
-  for (const void *p : {a, b, bias, residual, static_cast<const void *>(c)})
+  for (const void *p : {a, b, bias, residual, static_cast<const void *>(c), static_cast<const void *>(scratch)})
     if (!tpfuse::is_aligned16(p)) return cudaErrorMisalignedAddress;
   DeviceFacts facts{};
   if (!device_facts(facts)) return cudaErrorInvalidDevice;
-  if (config == TPFUSE_GEMM_CONFIG_AUTO) config = select_config(m, n, facts.cc, facts.sms);
+  if (config == TPFUSE_GEMM_CONFIG_AUTO) config = select_config(m, n, k, facts.cc, facts.sms);
   if (config < 0 || facts.cc < 80) return cudaErrorNoKernelImageForDevice;
+  const int parts = split_parts(n, k, facts.sms);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int im = static_cast<int>(m), in = static_cast<int>(n), ik = static_cast<int>(k);
   switch (dtype) {
-  case TPFUSE_DTYPE_F16: return launch<__half>(config, a, b, bias, residual, c, im, in, ik, s);
-  case TPFUSE_DTYPE_BF16: return launch<__nv_bfloat16>(config, a, b, bias, residual, c, im, in, ik, s);
+  case TPFUSE_DTYPE_F16: return launch<__half>(config, a, b, bias, residual, c, im, in, ik, parts, scratch, scratch_bytes, s);
+  case TPFUSE_DTYPE_BF16:
+    return launch<__nv_bfloat16>(config, a, b, bias, residual, c, im, in, ik, parts, scratch, scratch_bytes, s);
   default: return cudaErrorInvalidValue;
   }
 }
 
+extern "C" int tpfuse_gemm(tpfuse_dtype dtype, int32_t config, const void *a, const void *b, const void *bias,
+                           const void *residual, void *c, size_t m, size_t n, size_t k, void *stream) {
+  return tpfuse_gemm_scratch(dtype, config, a, b, bias, residual, c, m, n, k, nullptr, 0, stream);
+}
+
 extern "C" int32_t tpfuse_gemm_select(size_t m, size_t n, size_t k, int32_t cc_major, int32_t cc_minor,
                                       int32_t sm_count) {
-  (void)k;  // the choice does not depend on k today; it is in the signature for later paths
-  return tpfuse::gemm::select_config(m, n, cc_major * 10 + cc_minor, sm_count > 0 ? sm_count : 1);
+  return tpfuse::gemm::select_config(m, n, k, cc_major * 10 + cc_minor, sm_count > 0 ? sm_count : 1);
+}
+
+extern "C" int32_t tpfuse_gemm_split_parts(size_t n, size_t k, int32_t sm_count) {
+  return tpfuse::gemm::split_parts(n, k, sm_count > 0 ? sm_count : 1);
+}
+
+extern "C" size_t tpfuse_gemm_scratch_bytes(size_t m, size_t n, size_t k, int32_t sm_count) {
+  using namespace tpfuse::gemm;
+  const int sms = sm_count > 0 ? sm_count : 1;
+  const int parts = split_parts(n, k, sms);
+  if (parts < 2 || m == 0 || m > TPFUSE_GEMM_SPLIT_PARALLEL_M_MAX) return 0;
+  // The split's configuration: 16 x 64 or 64 x 64 tiles, one row of them at m <= 64.
+  if (ceil_div(n, 64) > kSplitMaxTiles) return 0;
+  return split_scratch_bytes(m, n, parts);
 }
 
 extern "C" int tpfuse_gemm_describe(int32_t config, tpfuse_gemm_config_info *info) {

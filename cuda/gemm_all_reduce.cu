@@ -76,7 +76,7 @@
 #include <cstring>
 
 #include "fused_flags.cuh"
-#include "gemm_sm80.cuh"
+#include "gemm_split.cuh"
 #include "reduce.cuh"
 
 namespace tpfuse {
@@ -84,6 +84,8 @@ namespace {
 
 using gemm::DenseRows;
 using gemm::gemm_tile;
+using gemm::KSplit;
+using gemm::split_parts;
 using gemm::tile_of_block;
 
 // Rows [first, end).
@@ -243,7 +245,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
                                                                           const T *bias, T *residual, const T *gamma,
                                                                           float eps, T *out, int m, int n, int k,
                                                                           int tiles_m, int tiles_n, int row_begin,
-                                                                          int row_end, int two_shot) {
+                                                                          int row_end, int two_shot, int parts) {
   TPFUSE_DYNAMIC_SHARED(smem);
   TPFUSE_SHARED(BlockState, st);
   const Deadline deadline(g);
@@ -283,7 +285,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
   for (int tile = blockIdx.x; tile < tiles && st.failed == 0; tile += gridDim.x) {
     int tm, tn;
     tile_of_block(tile, tiles_m, tiles_n, tm, tn);
-    gemm_tile<T, Cfg>(DenseRows<T>{x, k}, w, m, n, k, tm, tn, staging, smem);
+    gemm_tile<T, Cfg>(DenseRows<T>{x, k}, w, m, n, k, tm, tn, staging, smem, KSplit{parts, 0, parts});
     __syncthreads(); // the tile's stores (and the epilogue's reads of smem), before the flags
     fused::publish(peers, g, tile, flag_value);
     if (previous >= 0 && !consume<T, Cfg>(L, deadline, st, exchange, previous)) break;
@@ -329,6 +331,13 @@ int launch_config(Reduction reduction, const tpfuse_peers &peers, const tpfuse_g
   const long long tiles_n = (n + Cfg::kBlockN - 1) / Cfg::kBlockN;
   if (tiles_m * tiles_n > TPFUSE_MAX_FUSED_TILES) return cudaErrorInvalidValue;
   const int grid = static_cast<int>(tiles_m * tiles_n < blocks ? tiles_m * tiles_n : blocks);
+  // The GEMM's split of k (tpfuse_gemm's, so the same bits), each tile's parts in its block.
+  int sms = 0, device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0)
+    return cudaErrorInvalidDevice; // not current_sm_count's fallback of 1: S would differ from tpfuse_gemm's
+  const int parts = split_parts(n, k, sms);
+  if (!Cfg::kSplittable && parts != 1) return cudaErrorInvalidValue;
   auto gemm_all_reduce = gemm_all_reduce_kernel<T, Cfg>; // the name the emulator suite reports
   // Always opted in (not only past 48 KiB, as gemm.cu does): the kernel's static shared
   // memory (BlockState, the RMSNorm's warp sums) counts with the dynamic size toward the
@@ -342,14 +351,15 @@ int launch_config(Reduction reduction, const tpfuse_peers &peers, const tpfuse_g
       reduction.kind,
       launch_descriptor({reduction.kind, sizeof(T), static_cast<uint64_t>(m), static_cast<uint64_t>(n),
                          static_cast<uint64_t>(k), static_cast<uint64_t>(config), static_cast<uint64_t>(grid),
-                         bias != nullptr, residual != nullptr, gamma != nullptr, eps_bits}));
+                         bias != nullptr, residual != nullptr, gamma != nullptr, eps_bits,
+                         static_cast<uint64_t>(parts)}));
   const int slice = m / g.world;
   const int row_begin = reduction.scatter ? g.rank * slice : 0;
   const int row_end = reduction.scatter ? row_begin + slice : m;
   // Cooperative: the two-shot's blocks wait for their own rank's slice (see above).
   return launch_result(TPFUSE_LAUNCH_COOPERATIVE(gemm_all_reduce, grid, Cfg::kThreads, Cfg::kSmemBytes, stream)(
       peers, g, descriptor, x, w, bias, residual, gamma, eps, out, m, n, k, static_cast<int>(tiles_m),
-      static_cast<int>(tiles_n), row_begin, row_end, reduction.two_shot ? 1 : 0));
+      static_cast<int>(tiles_n), row_begin, row_end, reduction.two_shot ? 1 : 0, parts));
 }
 
 template <typename T>

@@ -23,15 +23,24 @@
 // ---------------------------------------------------------------------------------------------
 // Batch invariance (the guarantee every configuration, and the small-m path, keeps):
 //
-//   Every output C[r, c] is accumulated in f32 by one chain of mma.sync m16n8k16 instructions,
-//   in one thread's four accumulator registers, starting from +0.0:
-//       acc = 0;  for s = 0, 1, ..., ceil(k/16) - 1:  acc = mma(A[r, 16s..16s+16), B[c, 16s..16s+16), acc)
-//   (the last step's k-chunk past k holds zeros in both A and B, in every configuration; no
-//   configuration runs a step that lies wholly past k). There is no split over k, no
-//   reduction across warps or blocks, and no atomics, so the value depends only on row r of A,
-//   row c of B and k: not on m, not on the row's position in its tile, not on the tile shape,
-//   not on the grid. The epilogue (GemmEpilogue::store8) then adds bias and residual in f32 in
-//   a fixed order and rounds once, the same code for every configuration.
+//   k is cut into S parts (S = split_parts(n, k, sms) in gemm.cu: a function of n, k and the
+//   device's SM count only, never of m). Part p covers k in [kb(p), kb(p+1)) with
+//   kb(p) = 64 * floor(ceil(k/64) * p / S) (and kb(S) clipped to k): boundaries at multiples of
+//   64, so whole k-slices of every configuration. Every output C[r, c] is, in f32:
+//       chain_p = 0;  for each k16-step s of part p, ascending:  chain_p = mma(A[r, s], B[c, s], chain_p)
+//       total = chain_0;  total = total + chain_1;  ...;  total = total + chain_{S-1}
+//   each chain one sequence of mma.sync m16n8k16 in one thread's accumulator registers
+//   starting from +0.0 (the last step's k-chunk past k holds zeros in both A and B, in every
+//   configuration; no configuration runs a step that lies wholly past k), and the parts added
+//   in ascending order by plain f32 additions. S = 1 is one chain over all of k. A block runs
+//   the parts of its tile one after another (KSplit{S, 0, S}: the running total in a second
+//   set of registers), or each part is a block of its own and the last of them adds the
+//   parts' f32 partials in the same order (gemm_split.cuh): the same operations on the same
+//   values, so the same bits. There is no other reduction across warps or blocks, and no
+//   atomics on values, so the value depends only on row r of A, row c of B, k and S: not on
+//   m, not on the row's position in its tile, not on the tile shape, not on the grid. The
+//   epilogue (GemmEpilogue::store8) then adds bias and residual in f32 in a fixed order and
+//   rounds once, the same code for every configuration.
 //   Hence a row of C has the same bits whatever m is and whichever path or tile configuration
 //   computes it (m = 1 decode, m = 16 / 17 across the small-m boundary, m = 4096 prefill).
 //
@@ -41,6 +50,8 @@
 //   architecture. Results may differ between architectures (different tensor cores).
 // ---------------------------------------------------------------------------------------------
 #pragma once
+
+#include <climits>
 
 #include "common.cuh"
 #include "gemm_epilogue.cuh"
@@ -67,7 +78,7 @@ template <int kChunks> __host__ __device__ constexpr int swizzle_term(int row) {
 
 // ---- Tile configurations --------------------------------------------------------------------
 
-template <int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, int MIN_BLOCKS>
+template <int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, int MIN_BLOCKS, bool SPLITTABLE = true>
 struct TileConfig {
   static constexpr int kBlockM = BM;
   static constexpr int kBlockN = BN;
@@ -76,6 +87,10 @@ struct TileConfig {
   static constexpr int kWarpsN = WARPS_N;
   static constexpr int kStages = STAGES;
   static constexpr int kMinBlocks = MIN_BLOCKS;
+  // Whether the configuration runs a split of k (a second set of accumulators: the running
+  // total of the parts). Tile128x128 does not: 64 more registers a thread would spill under
+  // its launch bounds; gemm.cu never picks it for a split shape.
+  static constexpr bool kSplittable = SPLITTABLE;
   static constexpr int kThreads = WARPS_M * WARPS_N * 32;
   static constexpr int kWarpM = BM / WARPS_M;  // rows of C per warp
   static constexpr int kWarpN = BN / WARPS_N;  // columns of C per warp
@@ -117,7 +132,7 @@ struct SmallM16x32 : TileConfig<16, 32, 64, 1, 2, 8, 1> {};   // 64 threads, 48 
 struct SmallM16x64 : TileConfig<16, 64, 64, 1, 4, 6, 1> {};   // 128 threads, 60 KiB
 // Tiled (m > 16): 64x64 when 128x128 tiles would not fill the GPU, else 128x128.
 struct Tile64x64 : TileConfig<64, 64, 32, 2, 2, 6, 2> {};     // 128 threads, 48 KiB
-struct Tile128x128 : TileConfig<128, 128, 32, 2, 4, 4, 2> {}; // 256 threads, 66 KiB
+struct Tile128x128 : TileConfig<128, 128, 32, 2, 4, 4, 2, false> {}; // 256 threads, 66 KiB, no split
 
 // Host: opts `kernel` in to `bytes` of dynamic shared memory when that is more than the
 // default 48 KiB. The attribute belongs to the function in the current context; it is set on
@@ -159,9 +174,25 @@ template <typename T> struct DenseRows {
   __device__ __forceinline__ const T *row(int r) const { return a + static_cast<size_t>(r) * static_cast<size_t>(k); }
 };
 
+// The parts of k (the batch-invariance contract above): a call computes parts [first, last)
+// of `parts` and hands the epilogue their sum (chain_first + ... in ascending order).
+struct KSplit {
+  int parts; // S >= 1
+  int first;
+  int last;  // first < last <= parts
+};
+
+// The first k (a multiple of 64) of part p of `parts`; part_begin(k, parts, parts) >= k.
+// Parts are never empty when parts <= ceil(k / 64) (gemm.cu keeps it so).
+__host__ __device__ __forceinline__ int part_begin(int k, int parts, int p) {
+  const long long k64 = (k + 63) / 64;
+  return static_cast<int>(64 * (k64 * p / parts));
+}
+
 template <typename T, typename Cfg, typename ARows, typename Epi>
 __device__ __forceinline__ void gemm_tile(const ARows &a, const T *__restrict__ b, int m, int n, int k, int tile_m,
-                                          int tile_n, const Epi &epi, unsigned char *smem) {
+                                          int tile_n, const Epi &epi, unsigned char *smem,
+                                          const KSplit split = KSplit{1, 0, 1}) {
   constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, BK = Cfg::kBlockK, STAGES = Cfg::kStages;
   constexpr int MT = Cfg::kMTiles, NT = Cfg::kNTiles;
   const int m0 = tile_m * BM;
@@ -246,6 +277,24 @@ __device__ __forceinline__ void gemm_tile(const ARows &a, const T *__restrict__ 
     for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
+  // The running total of the parts finished so far (splittable configurations only).
+  constexpr int TM = Cfg::kSplittable ? MT : 1, TN = Cfg::kSplittable ? NT : 1;
+  float total[TM][TN][4];
+  // A part ends: total = chain (the call's first part) or total + chain, then a new chain
+  // from +0.0.
+  auto end_part = [&](bool first_part) {
+    if constexpr (Cfg::kSplittable) {
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            total[i][j][q] = first_part ? acc[i][j][q] : total[i][j][q] + acc[i][j][q];
+            acc[i][j][q] = 0.0f;
+          }
+    }
+  };
 
   // The first `steps` k16-steps of the slice in `stage`, in ascending k.
   auto multiply_slice = [&](int stage, int steps) {
@@ -278,11 +327,18 @@ __device__ __forceinline__ void gemm_tile(const ARows &a, const T *__restrict__ 
   // STAGES-2 groups are pending means slice t has landed for this thread; the barrier makes
   // it visible to every warp and guarantees that every warp has finished slice t-1, whose
   // stage the copy issued next (slice t+STAGES-1) overwrites.
-  const int slices = (k + BK - 1) / BK;
-  const int last_steps = (k - (slices - 1) * BK + 15) / 16;
+  // The call's k: [k_begin, k_end), whole k-slices from slice `first_slice` on. A part's
+  // boundary slice: the slice a part after the first starts with.
+  const int k_begin = part_begin(k, split.parts, split.first);
+  const int k_end = min(part_begin(k, split.parts, split.last), k);
+  const int first_slice = k_begin / BK;
+  const int slices = (k_end - k_begin + BK - 1) / BK;
+  const int last_steps = (k_end - (first_slice + slices - 1) * BK + 15) / 16;
+  int next_part = split.first + 1; // the part whose first slice comes next
+  int boundary = next_part < split.last ? part_begin(k, split.parts, next_part) / BK : INT_MAX;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < slices) load_slice(s, s);
+    if (s < slices) load_slice(s, first_slice + s);
     cp_async_commit();
   }
   int read_stage = 0;
@@ -292,16 +348,32 @@ __device__ __forceinline__ void gemm_tile(const ARows &a, const T *__restrict__ 
   for (int t = 0; t + 1 < slices; ++t) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();
-    if (t + STAGES - 1 < slices) load_slice(write_stage, t + STAGES - 1);
+    if (t + STAGES - 1 < slices) load_slice(write_stage, first_slice + t + STAGES - 1);
     cp_async_commit();
     multiply_slice(read_stage, Cfg::kSteps);
+    if (first_slice + t + 1 == boundary) { // slice t ended part next_part - 1
+      end_part(next_part - 1 == split.first);
+      ++next_part;
+      boundary = next_part < split.last ? part_begin(k, split.parts, next_part) / BK : INT_MAX;
+    }
     read_stage = read_stage + 1 == STAGES ? 0 : read_stage + 1;
     write_stage = write_stage + 1 == STAGES ? 0 : write_stage + 1;
   }
-  // The last slice: only the steps that start before k (nothing is left to load).
+  // The last slice: only the steps that start before k_end (nothing is left to load).
   cp_async_wait<0>();
   __syncthreads();
   multiply_slice(read_stage, last_steps);
+  // Several parts: the sum is total + the last chain.
+  if constexpr (Cfg::kSplittable) {
+    if (split.last - split.first > 1) {
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) acc[i][j][q] = total[i][j][q] + acc[i][j][q];
+    }
+  }
   __syncthreads();  // every warp is done with the stages: reuse them for the output
 
   // ---- Epilogue. Fragment element q of acc[i][j] is (row g + 8*(q/2), column 2*t4 + q%2) of
@@ -347,17 +419,18 @@ __device__ __forceinline__ void gemm_tile(const ARows &a, const T *__restrict__ 
   }
 }
 
-// C = A · B^T through `epi`, one tile per block. m, n, k < 2^30; n and k multiples of 8;
+// C = A · B^T through `epi`, one tile per block, k in `parts` parts one after another (1 for
+// a configuration that is not kSplittable). m, n, k < 2^30; n and k multiples of 8;
 // every pointer 16-byte aligned; grid = tiles_m * tiles_n blocks of Cfg::kThreads,
 // Cfg::kSmemBytes of dynamic shared memory.
 template <typename T, typename Cfg, typename Epi>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     gemm_sm80_kernel(const T *__restrict__ a, const T *__restrict__ b, int m, int n, int k, int tiles_m,
-                     int tiles_n, const Epi epi) {
+                     int tiles_n, int parts, const Epi epi) {
   TPFUSE_DYNAMIC_SHARED(smem);
   int tile_m, tile_n;
   tile_of_block(blockIdx.x, tiles_m, tiles_n, tile_m, tile_n);
-  gemm_tile<T, Cfg>(DenseRows<T>{a, k}, b, m, n, k, tile_m, tile_n, epi, smem);
+  gemm_tile<T, Cfg>(DenseRows<T>{a, k}, b, m, n, k, tile_m, tile_n, epi, smem, KSplit{parts, 0, parts});
 }
 
 } // namespace gemm

@@ -237,9 +237,11 @@ int tpfuse_vocab_embedding(tpfuse_dtype dtype, const void *table, const uint32_t
  * bias, residual and C of one type), f32 accumulation, rounded once to the type. B is a
  * PyTorch weight [out_features, in_features].
  *
- * Batch invariance: every configuration accumulates each output with one chain of
- * mma.sync.m16n8k16 over k in ascending steps of 16 from zero, then runs the same epilogue,
- * so a row of C has the same bits whatever m is and whichever path or configuration runs.
+ * Batch invariance: k is cut into S parts, S = tpfuse_gemm_split_parts(n, k, SMs) (never a
+ * function of m); every configuration accumulates each output with one chain of
+ * mma.sync.m16n8k16 per part, over the part's k in ascending steps of 16 from zero, adds the
+ * parts' chains in ascending order in f32, then runs the same epilogue, so a row of C has the
+ * same bits whatever m is and whichever path or configuration runs (gemm_sm80.cuh).
  * --------------------------------------------------------------------------------------- */
 
 /* Paths (what tpfuse_gemm_describe reports). Values are part of the ABI. */
@@ -251,8 +253,13 @@ int tpfuse_vocab_embedding(tpfuse_dtype dtype, const void *table, const uint32_t
 /* The largest m the automatic choice sends to the small-m path. */
 #define TPFUSE_GEMM_SMALL_M_MAX 16
 
+/* The largest m whose parts of k run in parallel (a block per part of a tile, through the
+ * caller's scratch: tpfuse_gemm_scratch); larger m runs a tile's parts in its own block. */
+#define TPFUSE_GEMM_SPLIT_PARALLEL_M_MAX 64
+
 /* Tile configurations (block_m x block_n). AUTO lets tpfuse_gemm choose by device and shape;
- * the others force one (for tests and benchmarks: every one is valid for every shape). */
+ * the others force one (for tests and benchmarks). Every one is valid for every shape, except
+ * TILE_128X128 where k splits (tpfuse_gemm_split_parts > 1): cudaErrorInvalidValue. */
 #define TPFUSE_GEMM_CONFIG_AUTO (-1)
 #define TPFUSE_GEMM_CONFIG_SMALL_16X16 0
 #define TPFUSE_GEMM_CONFIG_SMALL_16X32 1
@@ -286,10 +293,29 @@ typedef struct tpfuse_gemm_config_info {
 int tpfuse_gemm(tpfuse_dtype dtype, int32_t config, const void *a, const void *b, const void *bias,
                 const void *residual, void *c, size_t m, size_t n, size_t k, void *stream);
 
+/* tpfuse_gemm, with a scratch for the parallel split of k: when the shape's split has S > 1
+ * parts, m <= TPFUSE_GEMM_SPLIT_PARALLEL_M_MAX and scratch_bytes >= tpfuse_gemm_scratch_bytes,
+ * a block runs each part of each tile and the last one adds them (more SMs stream the weight;
+ * the same bits). scratch: 16-byte aligned, zeroed before its first use, used by one stream at
+ * a time (not by two branches of one CUDA graph either). Calls of any shape may share it: every
+ * launch leaves its counts (its first 16 KiB) back at zero; zero it again after a launch that
+ * failed. NULL, or too small: each tile's block runs its parts one after another. */
+int tpfuse_gemm_scratch(tpfuse_dtype dtype, int32_t config, const void *a, const void *b, const void *bias,
+                        const void *residual, void *c, size_t m, size_t n, size_t k, void *scratch,
+                        size_t scratch_bytes, void *stream);
+
 /* The configuration tpfuse_gemm(AUTO) runs for this shape on a device of compute capability
  * cc_major.cc_minor with sm_count SMs, or -1 when that device has no GEMM path. */
 int32_t tpfuse_gemm_select(size_t m, size_t n, size_t k, int32_t cc_major, int32_t cc_minor,
                            int32_t sm_count);
+
+/* The parts S of k for an [n, k] weight on a device of sm_count SMs (1: no split). */
+int32_t tpfuse_gemm_split_parts(size_t n, size_t k, int32_t sm_count);
+
+/* The scratch tpfuse_gemm_scratch needs to run the parts of this shape in parallel on a device
+ * of sm_count SMs, in bytes; 0 when it would not (S = 1, or m past
+ * TPFUSE_GEMM_SPLIT_PARALLEL_M_MAX). */
+size_t tpfuse_gemm_scratch_bytes(size_t m, size_t n, size_t k, int32_t sm_count);
 
 /* Fills *info for a TPFUSE_GEMM_CONFIG_* (not AUTO). Returns 0, or cudaErrorInvalidValue. */
 int tpfuse_gemm_describe(int32_t config, tpfuse_gemm_config_info *info);

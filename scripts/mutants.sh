@@ -293,16 +293,36 @@ mutant wait-group-off-by-one emu_gemm::gemm_auto_picks_a_config_that_gives_the_s
 mutant no-sync-after-wait emu_gemm::gemm_auto_picks_a_config_that_gives_the_same_bits "no __syncthreads after the stage wait" \
   gemm_sm80.cuh $'cp_async_wait<STAGES - 2>();\n    __syncthreads();' 'cp_async_wait<STAGES - 2>();'
 mutant load-before-sync emu_gemm::gemm_bf16_every_config_shape_and_epilogue@random:1 "the next stage is loaded before the barrier that frees it" \
-  gemm_sm80.cuh $'    __syncthreads();\n    if (t + STAGES - 1 < slices) load_slice(write_stage, t + STAGES - 1);' \
-  $'    if (t + STAGES - 1 < slices) load_slice(write_stage, t + STAGES - 1);\n    __syncthreads();'
+  gemm_sm80.cuh $'    __syncthreads();\n    if (t + STAGES - 1 < slices) load_slice(write_stage, first_slice + t + STAGES - 1);' \
+  $'    if (t + STAGES - 1 < slices) load_slice(write_stage, first_slice + t + STAGES - 1);\n    __syncthreads();'
 mutant last-slice-steps emu_gemm::gemm_bf16_every_config_shape_and_epilogue "the last k-slice runs one k16-step too few" \
-  gemm_sm80.cuh 'const int last_steps = (k - (slices - 1) * BK + 15) / 16;' \
-  'const int last_steps = (k - (slices - 1) * BK) / 16;'
+  gemm_sm80.cuh 'const int last_steps = (k_end - (first_slice + slices - 1) * BK + 15) / 16;' \
+  'const int last_steps = (k_end - (first_slice + slices - 1) * BK) / 16;'
+mutant split-chain-not-restarted gpu_gemm::split_k_bf16 "a part's chain starts from the previous part's, not from zero" \
+  gemm_sm80.cuh $'            total[i][j][q] = first_part ? acc[i][j][q] : total[i][j][q] + acc[i][j][q];\n            acc[i][j][q] = 0.0f;' \
+  '            total[i][j][q] = first_part ? acc[i][j][q] : total[i][j][q] + acc[i][j][q];'
+mutant split-last-part-alone gpu_gemm::split_k_bf16 "a tile run in one block keeps only its last part" \
+  gemm_sm80.cuh 'if (split.last - split.first > 1) {' 'if (false) {'
+mutant split-parts-reversed gpu_gemm::split_k_bf16 "the parallel split adds the parts in descending order" \
+  gemm_split.cuh $'      const Vec16<float> lo = load16_peer(at + p * mn);\n      const Vec16<float> hi = load16_peer(at + p * mn + 4);' \
+  $'      const Vec16<float> lo = load16_peer(at + (parts - 1 - p) * mn);\n      const Vec16<float> hi = load16_peer(at + (parts - 1 - p) * mn + 4);'
+mutant split-count-kept gpu_gemm::split_k_bf16 "the parallel split leaves its counts at S (the next launch never finishes a tile)" \
+  gemm_split.cuh '    if (last) counts[tile] = 0;' ''
+mutant split-boundary-32 gpu_gemm::split_k_bf16 "part boundaries at multiples of 32 (inside a 64-deep k-slice)" \
+  gemm_sm80.cuh 'return static_cast<int>(64 * (k64 * p / parts));' 'return static_cast<int>(32 * (2 * k64 * p / parts));'
+mutant split-release-early gpu_gemm::split_k_bf16+weak-random "the part's count is released before the block's partial stores" \
+  gemm_split.cuh $'  __syncthreads(); // every thread\'s partial stores, before thread 0\'s release\n' ''
+mutant split-no-sync-after-acquire gpu_gemm::split_k_bf16+weak-random "the block reads the parts without the barrier after thread 0's acquire" \
+  gemm_split.cuh $'  __syncthreads(); // thread 0\'s acquire, before the block\'s loads of the other parts\n' ''
+mutant split-count-relaxed gpu_gemm::split_k_bf16+weak-random "the parts' count added relaxed (no release, no acquire)" \
+  gemm_split.cuh 'atomic_add_acq_rel_gpu(counts + tile, 1u)' 'atomicAdd(counts + tile, 1u)'
+mutant split-counts-by-tiles emu_counters::one_scratch_serves_splits_of_every_shape "the partials start after the call's own counts (their place moves with the tile count)" \
+  gemm.cu 'reinterpret_cast<float *>(base + kSplitCountsBytes)' 'reinterpret_cast<float *>(base + (tiles * 4 + 255) / 256 * 256)'
 mutant epilogue-no-bias emu_gemm::gemm_auto_picks_a_config_that_gives_the_same_bits "the GEMM epilogue reads bias at column 0" \
   gemm_epilogue.cuh 'const Vec16<T> b = load16(bias + col);' 'const Vec16<T> b = load16(bias);'
 mutant flag-before-tile emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16@random:1 "the fused kernel publishes a tile's flag before computing the tile" \
-  gemm_all_reduce.cu $'    gemm_tile<T, Cfg>(DenseRows<T>{x, k}, w, m, n, k, tm, tn, staging, smem);\n    __syncthreads(); // the tile\'s stores (and the epilogue\'s reads of smem), before the flags\n    fused::publish(peers, g, tile, flag_value);' \
-  $'    fused::publish(peers, g, tile, flag_value);\n    gemm_tile<T, Cfg>(DenseRows<T>{x, k}, w, m, n, k, tm, tn, staging, smem);\n    __syncthreads();'
+  gemm_all_reduce.cu $'    gemm_tile<T, Cfg>(DenseRows<T>{x, k}, w, m, n, k, tm, tn, staging, smem, KSplit{parts, 0, parts});\n    __syncthreads(); // the tile\'s stores (and the epilogue\'s reads of smem), before the flags\n    fused::publish(peers, g, tile, flag_value);' \
+  $'    fused::publish(peers, g, tile, flag_value);\n    gemm_tile<T, Cfg>(DenseRows<T>{x, k}, w, m, n, k, tm, tn, staging, smem, KSplit{parts, 0, parts});\n    __syncthreads();'
 mutant no-sync-before-flag emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "the fused kernel publishes a tile's flag before the whole block stored it" \
   gemm_all_reduce.cu $'    __syncthreads(); // the tile\'s stores (and the epilogue\'s reads of smem), before the flags\n' ''
 mutant epoch-not-advanced emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "the fused kernel's launches all use epoch 1" \

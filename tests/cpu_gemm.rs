@@ -3,8 +3,8 @@
 
 use half::{bf16, f16};
 use tpfuse::ops::gemm::{
-    check_gemm, gemm_paths, select_config, GemmBuffers, GemmConfig, GemmPath, GemmShape, MAX_DIM,
-    SMALL_M_MAX,
+    check_gemm, gemm_paths, select_config, split_parts, GemmBuffers, GemmConfig, GemmPath,
+    GemmShape, MAX_DIM, SMALL_M_MAX,
 };
 use tpfuse::reference::{gemm_f64, relative_error};
 use tpfuse::validate::BufferInfo;
@@ -270,28 +270,38 @@ fn the_path_follows_m_and_the_compute_capability() {
 #[test]
 fn the_tile_configuration_fills_the_gpu() {
     let h100 = (9, 0);
-    // Decode: the widest small-m block that still gives each of the 132 SMs one block.
-    assert_eq!(
-        select_config(shape(1, 1280, 8192), h100, 132),
-        Some(GemmConfig::SmallM16x16)
-    );
+    // The split of k: the fewest parts that give 64-column tiles x parts enough blocks for
+    // the SMs (at least 90% busy, the busiest at most 1.25x the mean), whatever m is.
+    assert_eq!(split_parts(8192, 1024, 132), 1); // 128 tiles: 97% of 132 SMs
+    assert_eq!(split_parts(1280, 8192, 132), 6); // 20 tiles x 6 = 120
+    assert_eq!(split_parts(768, 4096, 132), 10); // Llama-3-8B qkv at TP 8: 12 x 10
+    assert_eq!(split_parts(7168, 8192, 132), 2); // 112 x 2 = 224 (1.18x the mean)
+    assert_eq!(split_parts(8192, 1024, 108), 3); // A100: 128 would leave 20 SMs a second tile
+    assert_eq!(split_parts(64, 200, 132), 1); // k of one part (128 at least per part)
+    assert_eq!(split_parts(8, 1 << 20, 132), 16); // at most 16 parts
+                                                  // Decode without a split: the widest small-m block that still gives each SM a block.
     assert_eq!(
         select_config(shape(16, 8192, 1024), h100, 132),
         Some(GemmConfig::SmallM16x32)
+    );
+    // A split runs 16x64 (m <= 16) or 64x64 tiles, at every m.
+    assert_eq!(
+        select_config(shape(1, 1280, 8192), h100, 132),
+        Some(GemmConfig::SmallM16x64)
     );
     assert_eq!(
         select_config(shape(1, 8192, 1024), (8, 0), 108),
         Some(GemmConfig::SmallM16x64)
     );
-    // Prefill: 128x128 once those tiles fill the SMs, 64x64 before.
     assert_eq!(
         select_config(shape(64, 1280, 8192), h100, 132),
         Some(GemmConfig::Tile64x64)
     );
     assert_eq!(
         select_config(shape(4096, 1280, 8192), h100, 132),
-        Some(GemmConfig::Tile128x128)
+        Some(GemmConfig::Tile64x64)
     );
+    // Prefill without a split: 128x128 once those tiles fill the SMs, 64x64 before.
     assert_eq!(
         select_config(shape(256, 8192, 1024), h100, 132),
         Some(GemmConfig::Tile64x64)
@@ -300,6 +310,8 @@ fn the_tile_configuration_fills_the_gpu() {
         select_config(shape(1024, 8192, 3584), h100, 132),
         Some(GemmConfig::Tile128x128)
     );
+    assert!(!GemmConfig::Tile128x128.splits_k());
+    assert!(GemmConfig::ALL.iter().filter(|c| c.splits_k()).count() == 4);
 }
 
 #[test]

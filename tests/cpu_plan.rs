@@ -3,10 +3,10 @@
 //! the documented JSON keys.
 
 use std::process::Command;
-use tpfuse::ops::gemm::{select_config, GemmShape};
+use tpfuse::ops::gemm::{select_config, split_parts, GemmShape};
 use tpfuse::plan::{
-    gemm_block_bytes, plan_model, DeviceProfile, ModelShape, BUILTIN_DEVICES, BUILTIN_MODELS,
-    ELEMENT_BYTES,
+    gemm_block_bytes, gemm_split_block_bytes, plan_model, DeviceProfile, ModelShape,
+    BUILTIN_DEVICES, BUILTIN_MODELS, ELEMENT_BYTES,
 };
 
 /// The JSON keys of a row, in the order.
@@ -50,7 +50,9 @@ fn every_profile_and_model_plans_every_gemm_consistently() {
                     assert!(r.bytes_per_sm_max as f64 >= r.bytes_per_sm_mean, "{l}");
                     assert!(r.floor_us > 0.0 && r.floor_us <= r.model_us, "{l}: {r:?}");
                     assert!(r.bytes_in_flight_per_sm > 0, "{l}");
-                    assert_eq!(r.split_k, 1, "{l}");
+                    if r.op.contains("gemm") {
+                        assert_eq!(r.split_k, split_parts(r.n, r.k, p.sms), "{l}");
+                    }
                 }
                 for r in rows.iter().filter(|r| r.op == "gemm") {
                     // The row's GEMM is the launch's: the same configuration and its tiles.
@@ -61,7 +63,11 @@ fn every_profile_and_model_plans_every_gemm_consistently() {
                     };
                     let config = select_config(shape, p.compute_capability, p.sms).unwrap();
                     assert_eq!(r.config, config.name(), "{device} {model} {r:?}");
-                    let blocks = gemm_block_bytes(config, shape, false, false);
+                    let blocks = if r.choice.contains("in parallel") {
+                        gemm_split_block_bytes(config, shape, r.split_k, false, false)
+                    } else {
+                        gemm_block_bytes(config, shape, false, false)
+                    };
                     assert_eq!(r.blocks, blocks.len(), "{r:?}");
                     let total: u64 = blocks.iter().sum();
                     assert_eq!(

@@ -29,16 +29,18 @@
 
 mod common;
 use common::emu::session_with;
-use common::gpu::{random_vec, splitmix64, upload};
+use common::gpu::{download, random_vec, splitmix64, upload};
 use common::ranks::{gpu, poisoned_ranks, round, upload_ranks, virtual_group};
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 use tpfuse::emulator::counters::{self, LaunchCounters};
-use tpfuse::ops::gemm::{gemm_with_config, GemmConfig, GemmShape};
+use tpfuse::ops::gemm::{
+    gemm_with_config, gemm_with_scratch, split_parts_on, GemmConfig, GemmShape,
+};
 use tpfuse::ops::gemm_all_reduce::FusedPlan;
 use tpfuse::ops::{self, gemm_all_reduce_with, Algorithm, Epilogue, RmsNorm};
-use tpfuse::plan::gemm_block_bytes;
+use tpfuse::plan::{gemm_block_bytes, gemm_split_block_bytes};
 use tpfuse::{GroupOptions, TpGroup};
 
 const FILE: &str = "emu_counters";
@@ -283,7 +285,11 @@ fn gemm_reads_each_tile_once_without_bank_conflicts() {
     let mut c = upload(&stream, &vec![bf16::NAN; m * n]);
     let bias = upload(&stream, &random_vec::<bf16>(0x7e, n, -1.0, 1.0));
     let residual = upload(&stream, &random_vec::<bf16>(0x8e, m * n, -1.0, 1.0));
-    for config in GemmConfig::ALL {
+    let parts = tpfuse::ops::gemm::split_parts_on(&stream, n, k).expect("the SM count");
+    for config in GemmConfig::ALL
+        .into_iter()
+        .filter(|c| c.splits_k() || parts == 1)
+    {
         let info = config.info();
         for epilogue in [false, true] {
             let label = format!(
@@ -332,6 +338,151 @@ fn gemm_reads_each_tile_once_without_bank_conflicts() {
             assert_eq!(t.peer_read_bytes, 0, "{label}: peer bytes");
             assert_eq!(t.barriers, 0, "{label}: barriers");
         }
+    }
+}
+
+#[test]
+fn a_split_gemm_moves_what_the_plan_says_block_by_block() {
+    let _session = session_with(
+        FILE,
+        "a_split_gemm_moves_what_the_plan_says_block_by_block",
+        SMS,
+        60_000_000_000,
+    );
+    let gpu = gpu();
+    let stream = gpu.ctx.default_stream();
+    // 3 tiles of 64 columns (the last one 8 wide) x 5 parts on 16 SMs; k off every boundary.
+    let shape = GemmShape {
+        m: 5,
+        n: 136,
+        k: 1000,
+    };
+    let GemmShape { m, n, k } = shape;
+    let parts = split_parts_on(&stream, n, k).expect("the SM count");
+    assert_eq!(parts, 5, "the split this test was written for");
+    let a = upload(&stream, &random_vec::<bf16>(0x9e, m * k, -1.0, 1.0));
+    let b = upload(&stream, &random_vec::<bf16>(0xae, n * k, -0.1, 0.1));
+    let bias = upload(&stream, &random_vec::<bf16>(0xbe, n, -1.0, 1.0));
+    let mut c = upload(&stream, &vec![bf16::NAN; m * n]);
+    let mut scratch = stream.alloc_zeros::<u8>(1 << 20).expect("scratch");
+    let ((), recs) = counters::count(|| {
+        gemm_with_scratch(
+            &stream,
+            &a,
+            &b,
+            Some(&bias),
+            None,
+            &mut c,
+            shape,
+            &mut scratch,
+        )
+        .expect("the split GEMM");
+        stream.synchronize().expect("the GEMM runs");
+    });
+    assert_eq!(recs.len(), 1, "launches");
+    assert!(
+        recs[0].kernel.contains("gemm_split"),
+        "ran {}",
+        recs[0].kernel
+    );
+    let config = GemmConfig::SmallM16x64;
+    let planned = gemm_split_block_bytes(config, shape, parts, true, false);
+    let tiles = n.div_ceil(64);
+    assert_eq!(recs[0].blocks.len(), planned.len(), "blocks");
+    // Each block moves its part (the plan's bytes for a part that is not the last); the last
+    // block of each tile to finish also adds the parts and runs the epilogue: which one is a
+    // matter of timing, so each tile's total is the plan's.
+    for tile in 0..tiles {
+        let blocks: Vec<usize> = (0..parts).map(|p| p * tiles + tile).collect();
+        let got: u64 = blocks
+            .iter()
+            .map(|&b| recs[0].blocks[b].global_read_bytes + recs[0].blocks[b].global_write_bytes)
+            .sum();
+        let want: u64 = blocks.iter().map(|&b| planned[b]).sum();
+        assert_eq!(
+            got, want,
+            "tile {tile}: its blocks' bytes against the plan's"
+        );
+        // Adding the parts: S f32 partials read, bias read and the output written per element.
+        let outputs = (m * 64.min(n - tile * 64)) as u64;
+        let combine = parts as u64 * outputs * 4 + 2 * outputs * S;
+        let finishers = blocks
+            .iter()
+            .filter(|&&b| {
+                let got =
+                    recs[0].blocks[b].global_read_bytes + recs[0].blocks[b].global_write_bytes;
+                let part = if b / tiles + 1 == parts {
+                    planned[b] - combine
+                } else {
+                    planned[b]
+                };
+                assert!(
+                    got == part || got == part + combine,
+                    "tile {tile} block {b}: {got} bytes"
+                );
+                got == part + combine
+            })
+            .count();
+        assert_eq!(finishers, 1, "tile {tile}: one block adds the parts");
+    }
+}
+
+#[test]
+fn one_scratch_serves_splits_of_every_shape() {
+    // 132 SMs (an H100's): shapes of 100 and 10 tiles of 64 columns both split, so calls of
+    // both shapes share the scratch's counts (the review's case: counts whose place moved with
+    // the tile count left 36 tiles unfinished, silently).
+    let _session = session_with(
+        FILE,
+        "one_scratch_serves_splits_of_every_shape",
+        132,
+        60_000_000_000,
+    );
+    let gpu = gpu();
+    let stream = gpu.ctx.default_stream();
+    let mut scratch = stream.alloc_zeros::<u8>(4 << 20).expect("scratch");
+    for (round, (n, k)) in [(6400, 640), (640, 1536), (6400, 640)]
+        .into_iter()
+        .enumerate()
+    {
+        let shape = GemmShape { m: 2, n, k };
+        let parts = split_parts_on(&stream, n, k).expect("the SM count");
+        assert!(parts > 1, "n = {n}, k = {k}: {parts} parts");
+        let label = format!("round {round}: n = {n}, k = {k}, {parts} parts");
+        let a = upload(
+            &stream,
+            &random_vec::<bf16>(0xc0 + round as u64, 2 * k, -1.0, 1.0),
+        );
+        let b = upload(
+            &stream,
+            &random_vec::<bf16>(0xd0 + round as u64, n * k, -0.1, 0.1),
+        );
+        let mut alone = upload(&stream, &vec![bf16::NAN; 2 * n]);
+        let mut shared = upload(&stream, &vec![bf16::NAN; 2 * n]);
+        tpfuse::ops::gemm(&stream, &a, &b, None, None, &mut alone, 2, n, k).expect(&label);
+        let ((), recs) = counters::count(|| {
+            gemm_with_scratch(
+                &stream,
+                &a,
+                &b,
+                None,
+                None,
+                &mut shared,
+                shape,
+                &mut scratch,
+            )
+            .expect(&label);
+            stream.synchronize().expect("the GEMM runs");
+        });
+        assert!(
+            recs.iter().any(|r| r.kernel.contains("gemm_split")),
+            "{label}: {recs:?}"
+        );
+        common::assert_same_bits(
+            &label,
+            &download(&stream, &shared),
+            &download(&stream, &alone),
+        );
     }
 }
 

@@ -29,7 +29,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::sync::Arc;
 use tpfuse::ops::gemm::{
-    gemm, gemm_accumulate, gemm_with_config, GemmConfig, GemmElement, GemmPath, GemmShape,
+    gemm, gemm_accumulate, gemm_with_config, gemm_with_scratch, split_parts_on,
+    split_scratch_bytes, GemmConfig, GemmElement, GemmPath, GemmShape,
 };
 use tpfuse::reference::{gemm_f64, relative_error};
 
@@ -220,6 +221,33 @@ fn run_rows<T: TestElement>(
     got
 }
 
+/// Whether `config` runs `[n, k]` weights on this device: every configuration unless `k`
+/// splits and the configuration runs no split.
+fn runs(stream: &CudaStream, config: GemmConfig, n: usize, k: usize) -> bool {
+    config.splits_k() || split_parts_on(stream, n, k).expect("the SM count") == 1
+}
+
+/// A configuration that runs no split of k, forced on a shape whose k splits: refused
+/// before anything is launched, naming `config`.
+fn refused_for_its_split<T: TestElement>(
+    stream: &Arc<CudaStream>,
+    label: &str,
+    dev: &Device<T>,
+    shape: GemmShape,
+    config: GemmConfig,
+) {
+    let GemmShape { m, n, k } = shape;
+    let a = dev.a.slice(0..m * k);
+    let mut c = upload(stream, &vec![T::poison(); m * n]);
+    let result = gemm_with_config(stream, &a, &dev.b, None, None, &mut c, shape, config);
+    expect_invalid(label, result, "config");
+    assert_same_bits(
+        &format!("{label}: a refused call wrote c"),
+        &download(stream, &c),
+        &vec![T::poison(); m * n],
+    );
+}
+
 /// Rows to check: all for small m, else the first, the last and a random subset.
 fn checked_rows(seed: u64, m: usize) -> Vec<usize> {
     if m <= CHECKED_ROWS {
@@ -300,6 +328,10 @@ fn awkward_shapes<T: TestElement>() {
             check_accuracy(&format!("{label} auto"), &problem, &auto, &rows);
             for config in GemmConfig::ALL {
                 let l = format!("{label} {}", config.name());
+                if !runs(&stream, config, n, k) {
+                    refused_for_its_split(&stream, &l, &dev, shape, config);
+                    continue;
+                }
                 let got = run_rows(&stream, &l, &dev, shape, 0, Some(config));
                 assert_same_bits(&format!("{l} vs auto"), &got, &auto);
             }
@@ -389,7 +421,10 @@ fn batch_invariance<T: TestElement>() {
         }
 
         // Every configuration forced, on 256 rows from row 512.
-        for config in GemmConfig::ALL {
+        for config in GemmConfig::ALL
+            .into_iter()
+            .filter(|&c| runs(&stream, c, n, k))
+        {
             let got = run_rows(
                 &stream,
                 &format!("{label} {} m=256", config.name()),
@@ -646,7 +681,182 @@ where
     }
 }
 
+/// Shapes whose k splits on any device (n, k): one 64-column tile and long k (16 parts at
+/// most), a column tail with k off every part boundary, and a k of only two parts.
+const SPLIT_NK: [(usize, usize); 3] = [(64, 2048), (136, 1000), (192, 264)];
+
+/// The split of k (the batch-invariance contract with S > 1 parts): rows of every m, with
+/// the parts one after another (no scratch) and in parallel (a scratch, m <= 64, twice from
+/// the same scratch), and every configuration that runs a split, equal the rows of an m = 130
+/// run bit for bit, which is within the tolerance of the f64 reference; a scratch too small
+/// runs the parts one after another, a misaligned one is refused.
+fn split_k<T: TestElement>() {
+    let stream = gpu_stream();
+    let big_m = 130;
+    for (i, &(n, k)) in SPLIT_NK.iter().enumerate() {
+        let parts = split_parts_on(&stream, n, k).expect("the SM count");
+        assert!(
+            parts > 1,
+            "n = {n}, k = {k}: {parts} parts: the test needs a split"
+        );
+        let seed = case_seed::<T>(&[7, i as u64]);
+        let problem = Problem::<T>::new(seed, GemmShape { m: big_m, n, k }, true, true);
+        let dev = problem.upload(&stream);
+        let label = format!(
+            "gemm {} split n={n} k={k} parts={parts} seed={seed:#x}",
+            T::NAME
+        );
+        let big_shape = GemmShape { m: big_m, n, k };
+        let big = run_rows(
+            &stream,
+            &format!("{label} m={big_m}"),
+            &dev,
+            big_shape,
+            0,
+            None,
+        );
+        check_accuracy(
+            &format!("{label} m={big_m}"),
+            &problem,
+            &big,
+            &(0..big_m).collect::<Vec<_>>(),
+        );
+        let mut scratch = stream
+            .alloc_zeros::<u8>(
+                split_scratch_bytes(GemmShape { m: 64, n, k }, 1 << 20).max(1 << 16) + 256,
+            )
+            .expect("scratch");
+        for (first, m) in [
+            (0, 1),
+            (5, 1),
+            (0, 3),
+            (100, 16),
+            (64, 17),
+            (3, 64),
+            (0, 100),
+        ] {
+            let shape = GemmShape { m, n, k };
+            let want = &big[first * n..(first + m) * n];
+            let l = format!("{label} m={m} from row {first}");
+            let sequential = run_rows(&stream, &l, &dev, shape, first, None);
+            assert_same_bits(&format!("{l}: parts one after another"), &sequential, want);
+            for round in 0..2 {
+                let parallel = run_with_scratch(&stream, &l, &dev, shape, first, &mut scratch);
+                assert_same_bits(
+                    &format!("{l}: parts in parallel, round {round}"),
+                    &parallel,
+                    want,
+                );
+            }
+            for config in GemmConfig::ALL.into_iter().filter(|c| c.splits_k()) {
+                let got = run_rows(
+                    &stream,
+                    &format!("{l} {}", config.name()),
+                    &dev,
+                    shape,
+                    first,
+                    Some(config),
+                );
+                assert_same_bits(&format!("{l} {}", config.name()), &got, want);
+            }
+            refused_for_its_split(
+                &stream,
+                &format!("{l} tile-128x128"),
+                &dev,
+                shape,
+                GemmConfig::Tile128x128,
+            );
+        }
+        // On the emulator: which kernel ran, and how many blocks (a block per part of a tile
+        // with the scratch, a block per tile without).
+        #[cfg(feature = "emulator")]
+        {
+            let shape = GemmShape { m: 2, n, k };
+            let tiles = n.div_ceil(64);
+            let ((), with) = tpfuse::emulator::counters::count(|| {
+                run_with_scratch(&stream, &label, &dev, shape, 0, &mut scratch);
+            });
+            assert!(
+                with.iter()
+                    .any(|r| r.kernel.contains("gemm_split") && r.blocks.len() == tiles * parts),
+                "{label}: {with:?}"
+            );
+            let ((), without) = tpfuse::emulator::counters::count(|| {
+                run_rows(&stream, &label, &dev, shape, 0, None);
+            });
+            assert!(
+                without
+                    .iter()
+                    .any(|r| r.kernel.contains("gemm_sm80") && r.blocks.len() == tiles),
+                "{label}: {without:?}"
+            );
+        }
+        // A scratch too small for the parallel parts: one after another, the same bits.
+        let shape = GemmShape { m: 8, n, k };
+        let mut small = stream.alloc_zeros::<u8>(64).expect("scratch");
+        let got = run_with_scratch(
+            &stream,
+            &format!("{label} small scratch"),
+            &dev,
+            shape,
+            0,
+            &mut small,
+        );
+        assert_same_bits(&format!("{label} small scratch"), &got, &big[..8 * n]);
+        // Misaligned: refused, naming the scratch.
+        let a = dev.a.slice(0..8 * k);
+        let mut c = upload(&stream, &vec![T::poison(); 8 * n]);
+        let mut odd = scratch.slice_mut(8..);
+        let result = gemm_with_scratch(&stream, &a, &dev.b, None, None, &mut c, shape, &mut odd);
+        expect_invalid(&format!("{label} misaligned scratch"), result, "scratch");
+    }
+}
+
+/// [`run_rows`] through [`gemm_with_scratch`] (the automatic configuration).
+fn run_with_scratch<T: TestElement>(
+    stream: &Arc<CudaStream>,
+    label: &str,
+    dev: &Device<T>,
+    shape: GemmShape,
+    first_row: usize,
+    scratch: &mut CudaSlice<u8>,
+) -> Vec<T> {
+    let GemmShape { m, n, k } = shape;
+    let a = dev.a.slice(first_row * k..(first_row + m) * k);
+    let residual = dev
+        .residual
+        .as_ref()
+        .map(|r| r.slice(first_row * n..(first_row + m) * n));
+    let bias: Option<&dyn DevicePtr<T>> = dev.bias.as_ref().map(|x| x as &dyn DevicePtr<T>);
+    let residual_ref: Option<&dyn DevicePtr<T>> = residual.as_ref().map(|x| x as &dyn DevicePtr<T>);
+    let mut c = upload(stream, &vec![T::poison(); m * n + GUARD]);
+    {
+        let mut out = c.slice_mut(0..m * n);
+        gemm_with_scratch(
+            stream,
+            &a,
+            &dev.b,
+            bias,
+            residual_ref,
+            &mut out,
+            shape,
+            scratch,
+        )
+        .unwrap_or_else(|e| panic!("{label}: {e}"));
+    }
+    let mut got = download(stream, &c);
+    assert_same_bits(
+        &format!("{label}: the guard after the output (written out of bounds)"),
+        &got[m * n..],
+        &[T::poison(); GUARD],
+    );
+    got.truncate(m * n);
+    got
+}
+
 gpu_tests! {
+    split_k_bf16 => split_k::<bf16>();
+    split_k_f16 => split_k::<f16>();
     reference_shapes_bf16 => reference_shapes::<bf16>();
     reference_shapes_f16 => reference_shapes::<f16>();
     awkward_shapes_bf16 => awkward_shapes::<bf16>();

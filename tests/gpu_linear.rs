@@ -287,6 +287,10 @@ fn mlp_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usize) {
     if even {
         ways.push((Fusion::Fused, Algorithm::TwoShot));
     }
+    // down's GEMM: [m, inter / W] x [hidden, inter / W]^T.
+    let splits = tpfuse::ops::gemm::split_parts_on(groups[0].stream(), hidden, inter / world)
+        .expect("the SM count")
+        > 1;
     for (fusion, algo) in ways {
         layers = layers
             .into_iter()
@@ -325,6 +329,14 @@ fn mlp_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usize) {
                     ran[0],
                     RowParallelPath::Unfused(AllReduceAlgo::TwoShot),
                     "{label}"
+                )
+            }
+            // Auto leaves a GEMM whose k splits unfused (the unfused GEMM runs the parts in
+            // parallel).
+            (Fusion::Auto, _) if splits => {
+                assert!(
+                    matches!(ran[0], RowParallelPath::Unfused(_)),
+                    "{label}: {ran:?}"
                 )
             }
             // m <= 64 on virtual ranks: the placeholder rule fuses; the two-shot only where m

@@ -9,7 +9,7 @@ use crate::device::{check_rank_stream, cuda, require_driver};
 use crate::error::{Error, Result};
 use crate::symmetric::{self, IpcOutcome, SymmetricWorkspace};
 use crate::topology::{self, AllReduceRule, Discovery, Refusal};
-use cudarc::driver::{sys, CudaContext, CudaStream};
+use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream};
 use std::sync::Arc;
 
 /// What the fused GEMM kernels' planning needs of a rank's device, read once when the group
@@ -35,6 +35,15 @@ fn device_facts(ctx: &CudaContext) -> Result<DeviceFacts> {
         ),
         sms: sm_count(ctx)?,
     })
+}
+
+/// The layers' GEMM scratch ([`super::SPLIT_SCRATCH_BYTES`], zeroed: the split's counts
+/// start at 0) on the group's stream.
+fn split_scratch(stream: &Arc<CudaStream>) -> Result<std::sync::Mutex<Option<CudaSlice<u8>>>> {
+    let scratch = stream
+        .alloc_zeros::<u8>(super::SPLIT_SCRATCH_BYTES)
+        .map_err(cuda("allocating the GEMM's split scratch"))?;
+    Ok(std::sync::Mutex::new(Some(scratch)))
 }
 
 pub(crate) fn sm_count(ctx: &CudaContext) -> Result<usize> {
@@ -198,6 +207,7 @@ impl TpGroup {
                 rank,
                 world,
                 mode: Mode::Virtual,
+                split_scratch: split_scratch(&stream)?,
                 stream,
                 host_error: Some(HostErrorWord::new(ctx)?),
                 workspace: Some(ws),
@@ -307,6 +317,7 @@ impl TpGroup {
                     rank,
                     world,
                     mode: Mode::SingleProcess,
+                    split_scratch: split_scratch(comm.stream())?,
                     stream: comm.stream().clone(),
                     host_error: host_error_word(&ctx, workspace.as_ref())?,
                     workspace,
@@ -386,6 +397,7 @@ impl TpGroup {
             rank,
             world,
             mode: Mode::Ipc,
+            split_scratch: split_scratch(&stream)?,
             stream,
             host_error: host_error_word(&ctx, workspace.as_ref())?,
             clock_khz: peak_clock_khz(&ctx),

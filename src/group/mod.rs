@@ -84,6 +84,12 @@ use std::time::Duration;
 /// The most thread blocks a custom kernel launches per rank (`TPFUSE_MAX_BLOCKS`).
 pub const MAX_BLOCKS: usize = kernels::TPFUSE_MAX_BLOCKS as usize;
 
+/// Bytes of device memory each group (each virtual rank) allocates for its layers' GEMMs:
+/// the scratch of the parallel split of `k` ([`crate::ops::gemm::gemm_with_scratch`]), enough
+/// for the decode steps (m ≤ 64) of the built-in models' layers at TP 2 to 8. A shape that
+/// needs more runs its parts one after another (the same bits).
+pub const SPLIT_SCRATCH_BYTES: usize = 8 << 20;
+
 /// The largest group the custom kernels serve (`TPFUSE_MAX_RANKS`).
 pub const MAX_WORLD: usize = symmetric::MAX_RANKS;
 
@@ -157,6 +163,11 @@ impl GroupOptions {
     fn timeout_ns(&self) -> u64 {
         u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX)
     }
+}
+
+/// The SM count of `ctx`'s device.
+pub(crate) fn sm_count_of(ctx: &cudarc::driver::CudaContext) -> Result<usize> {
+    build::sm_count(ctx)
 }
 
 /// The thread blocks per custom kernel launch that a group of `world` ranks uses by
@@ -235,6 +246,9 @@ pub struct TpGroup {
     mode: Mode,
     stream: Arc<CudaStream>,
     workspace: Option<SymmetricWorkspace>,
+    /// The layers' GEMM scratch for the parallel split of k ([`SPLIT_SCRATCH_BYTES`], on the
+    /// group's stream only).
+    split_scratch: std::sync::Mutex<Option<cudarc::driver::CudaSlice<u8>>>,
     unavailable: Option<String>,
     verdict: Option<Verdict>,
     rule: AllReduceRule,
@@ -316,6 +330,15 @@ impl TpGroup {
     /// ([`AllReduceRule::default`]).
     pub fn rule(&self) -> &AllReduceRule {
         &self.rule
+    }
+
+    /// The layers' GEMM scratch (locked for one call on the group's stream).
+    pub(crate) fn split_scratch(
+        &self,
+    ) -> std::sync::MutexGuard<'_, Option<cudarc::driver::CudaSlice<u8>>> {
+        self.split_scratch
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// The bound on the fused GEMM + all-reduce's persistent grid
@@ -516,6 +539,9 @@ impl Drop for TpGroup {
             // A kernel may still read or write the buffers: leak them rather than free them
             // under it.
             std::mem::forget(ws);
+            if let Ok(mut scratch) = self.split_scratch.lock() {
+                std::mem::forget(scratch.take());
+            }
             std::mem::forget(self.host_error.take());
             return;
         }

@@ -8,11 +8,16 @@
 //! # Batch invariance
 //!
 //! A row of `C` has the same bits whatever `m` is and whichever path or tile configuration
-//! computes it: every output is accumulated by one chain of `mma.sync.m16n8k16` instructions
-//! over `k` in ascending steps of 16, starting from zero, with no split over `k`; then bias and
-//! residual are added in f32 in that order and the sum is rounded once, by the same code on
-//! every path. So a token's output in a decode step (m = 1) equals its output inside a prefill
-//! batch (m = 4096), on one GPU architecture (different architectures may round differently).
+//! computes it. `k` is cut into `S` parts ([`split_parts`]`(n, k, SMs)`: a function of `n`,
+//! `k` and the device's SM count, never of `m`; part boundaries at multiples of 64); every
+//! output accumulates each part by one chain of `mma.sync.m16n8k16` instructions over the
+//! part's `k` in ascending steps of 16 from zero, adds the parts' chains in ascending order in
+//! f32, then adds bias and residual in f32 in that order and rounds once, by the same code on
+//! every path. Whether a tile's parts run one after another in its block or each in a block of
+//! its own ([`gemm_with_scratch`]) changes the speed, never the bits. So a token's output in a
+//! decode step (m = 1) equals its output inside a prefill batch (m = 4096), on one GPU model
+//! (a device with another SM count may split differently; another architecture may round
+//! differently).
 //!
 //! # Paths
 //!
@@ -24,6 +29,10 @@
 //!   streams once.
 //! - [`GemmPath::Sm80Tiled`], m > [`SMALL_M_MAX`]: 128×128 (or 64×64) tiles, 32-deep k-slices
 //!   in a 4-stage (6-stage) `cp.async` pipeline, swizzled shared memory, `ldmatrix` + `mma.sync`.
+//!
+//! A shape whose `k` splits (`S > 1`: narrow layers, whose column tiles alone would leave SMs
+//! idle) runs 16×64 (m ≤ 16) or 64×64 tiles; with a scratch ([`gemm_with_scratch`]) and
+//! m ≤ [`SPLIT_PARALLEL_M_MAX`], each part of each tile is a block of its own.
 //!
 //! Both run on every architecture tpfuse builds (sm_80 to sm_120a, and compute_80 PTX).
 //!
@@ -86,6 +95,9 @@ pub const SMALL_M_MAX: usize = kernels::TPFUSE_GEMM_SMALL_M_MAX as usize;
 /// The largest `m`, `n` or `k` a call takes (2^30).
 pub const MAX_DIM: usize = 1 << 30;
 
+/// The largest `m` whose parts of `k` run in parallel with a scratch ([`gemm_with_scratch`]).
+pub const SPLIT_PARALLEL_M_MAX: usize = kernels::TPFUSE_GEMM_SPLIT_PARALLEL_M_MAX as usize;
+
 /// The shape of a GEMM: `A` is `[m, k]`, `B` is `[n, k]`, `C` is `[m, n]`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct GemmShape {
@@ -133,7 +145,9 @@ impl GemmPath {
 }
 
 /// A tile configuration of the kernels. Every configuration is valid for every shape and gives
-/// the same bits; [`gemm`] picks one by device and shape, [`gemm_with_config`] forces one.
+/// the same bits, except that [`GemmConfig::Tile128x128`] runs no split of `k`
+/// ([`GemmConfig::splits_k`]); [`gemm`] picks one by device and shape, [`gemm_with_config`]
+/// forces one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum GemmConfig {
@@ -234,6 +248,13 @@ impl GemmConfig {
     pub fn path(self) -> GemmPath {
         self.info().path
     }
+
+    /// Whether it runs a split of `k` ([`split_parts`] > 1). Every configuration but
+    /// [`GemmConfig::Tile128x128`] does; forcing that one on a shape whose `k` splits is an
+    /// error (it could not give the contract's bits).
+    pub fn splits_k(self) -> bool {
+        self != GemmConfig::Tile128x128
+    }
 }
 
 /// The configuration [`gemm`] runs for `shape` on a device of compute capability
@@ -257,6 +278,42 @@ pub fn select_config(
         )
     };
     GemmConfig::from_abi(id)
+}
+
+/// The parts `S` the batch-invariance contract cuts `k` into for an `[n, k]` weight on a
+/// device of `sm_count` SMs (1: no split): the fewest that give a decode step's 64-column tiles
+/// x parts enough blocks to keep the SMs busy, at most 16 and `k / 128`. The same function
+/// the kernels use; it never depends on `m`.
+pub fn split_parts(n: usize, k: usize, sm_count: usize) -> usize {
+    // SAFETY: pure function of its arguments; needs no GPU.
+    let parts = unsafe {
+        kernels::tpfuse_gemm_split_parts(n, k, i32::try_from(sm_count).unwrap_or(i32::MAX))
+    };
+    usize::try_from(parts).unwrap_or(1).max(1)
+}
+
+/// [`split_parts`] on the device of `stream` (its SM count read from the driver).
+pub fn split_parts_on(stream: &CudaStream, n: usize, k: usize) -> Result<usize> {
+    Ok(split_parts(
+        n,
+        k,
+        crate::group::sm_count_of(stream.context())?,
+    ))
+}
+
+/// The scratch, in bytes, that [`gemm_with_scratch`] needs to run the parts of `shape`'s `k`
+/// in parallel on a device of `sm_count` SMs; 0 when it would not (one part, or `m` past
+/// [`SPLIT_PARALLEL_M_MAX`]).
+pub fn split_scratch_bytes(shape: GemmShape, sm_count: usize) -> usize {
+    // SAFETY: pure function of its arguments; needs no GPU.
+    unsafe {
+        kernels::tpfuse_gemm_scratch_bytes(
+            shape.m,
+            shape.n,
+            shape.k,
+            i32::try_from(sm_count).unwrap_or(i32::MAX),
+        )
+    }
 }
 
 /// The GEMM paths this build has for each compiled architecture, in build order, e.g.
@@ -350,7 +407,9 @@ pub fn gemm_accumulate<T: GemmElement>(
 }
 
 /// [`gemm`] with a forced tile configuration instead of the automatic choice, for tests and
-/// benchmarks (every configuration gives the same bits; only the speed differs).
+/// benchmarks (every configuration gives the same bits; only the speed differs). A
+/// configuration that does not [split k](GemmConfig::splits_k) is refused
+/// ([`Error::InvalidArgument`] naming `config`) for a shape whose `k` splits on this device.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_with_config<T: GemmElement>(
     stream: &CudaStream,
@@ -364,6 +423,34 @@ pub fn gemm_with_config<T: GemmElement>(
 ) -> Result<()> {
     let residual = Residual::separate(residual);
     launch(stream, a, b, bias, residual, c, shape, Some(config))
+}
+
+/// [`gemm`] with a scratch for the parallel split of `k`: where `shape`'s `k` splits into
+/// parts ([`split_parts`] > 1) and `m` ≤ [`SPLIT_PARALLEL_M_MAX`], each part of each output
+/// tile runs in a block of its own and the last adds them, so that more SMs stream the weight.
+/// The same bits as [`gemm`] (the parts are added in the same order either way).
+///
+/// `scratch`: bytes on `stream`'s device, 16-byte aligned, **zeroed before its first use**
+/// (e.g. `alloc_zeros`), used by one stream at a time (and not by two branches of one CUDA
+/// graph). Calls of any shape may share it: its first 16 KiB hold per-tile counts that every
+/// completed call leaves at zero, the rest the parts' f32 partials, written before they are
+/// read. After a launch that failed (a device error), zero it again. [`split_scratch_bytes`]
+/// says how much a shape needs; a smaller scratch runs the parts one after another. It must
+/// not overlap any other buffer of the call. Shapes and errors as for [`gemm`], and `scratch`
+/// named when it lives elsewhere, is misaligned or overlaps.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_with_scratch<T: GemmElement>(
+    stream: &CudaStream,
+    a: &impl DevicePtr<T>,
+    b: &impl DevicePtr<T>,
+    bias: Option<&dyn DevicePtr<T>>,
+    residual: Option<&dyn DevicePtr<T>>,
+    c: &mut impl DevicePtrMut<T>,
+    shape: GemmShape,
+    scratch: &mut dyn DevicePtrMut<u8>,
+) -> Result<()> {
+    let residual = Residual::separate(residual);
+    launch_with(stream, a, b, bias, residual, c, shape, None, Some(scratch))
 }
 
 /// Where the residual comes from.
@@ -391,6 +478,21 @@ fn launch<T: GemmElement>(
     shape: GemmShape,
     config: Option<GemmConfig>,
 ) -> Result<()> {
+    launch_with(stream, a, b, bias, residual, c, shape, config, None)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn launch_with<T: GemmElement>(
+    stream: &CudaStream,
+    a: &impl DevicePtr<T>,
+    b: &impl DevicePtr<T>,
+    bias: Option<&dyn DevicePtr<T>>,
+    residual: Residual<'_, T>,
+    c: &mut impl DevicePtrMut<T>,
+    shape: GemmShape,
+    config: Option<GemmConfig>,
+    scratch: Option<&mut dyn DevicePtrMut<u8>>,
+) -> Result<()> {
     let device = stream.context().ordinal();
     // Devices and lengths first, before any pointer is taken: taking the pointer of a buffer
     // on another device would order that device's events on this stream.
@@ -407,8 +509,26 @@ fn launch<T: GemmElement>(
         c: c_info,
     };
     check_shapes(&buffers, shape, device)?;
+    if let Some(scratch) = scratch.as_deref() {
+        BufferInfo::new(0, scratch.len(), owner(scratch)).check_device("scratch", device)?;
+    }
     if shape.m == 0 {
         return Ok(());
+    }
+    if let Some(config) = config.filter(|c| !c.splits_k()) {
+        let parts = split_parts_on(stream, shape.n, shape.k)?;
+        if parts > 1 {
+            return Err(Error::invalid(
+                "config",
+                format!(
+                    "{} runs no split of k, and n = {}, k = {} split into {parts} parts on \
+                     this device",
+                    config.name(),
+                    shape.n,
+                    shape.k
+                ),
+            ));
+        }
     }
     let (a_ptr, _a_guard) = a.device_ptr(stream);
     let (b_ptr, _b_guard) = b.device_ptr(stream);
@@ -435,14 +555,25 @@ fn launch<T: GemmElement>(
     }
     buffers.c.addr = c_ptr;
     check_layout::<T>(&buffers)?;
+    let (scratch_ptr, scratch_len, _scratch_guard) = match scratch {
+        Some(s) => {
+            let len = s.len();
+            let (ptr, guard) = s.device_ptr_mut(stream);
+            check_scratch(ptr, len, &buffers)?;
+            (ptr, len, Some(guard))
+        }
+        None => (0, 0, None),
+    };
     bind(stream)?;
     let as_ptr = |p: Option<u64>| p.map_or(std::ptr::null(), |p| p as *const c_void);
     // SAFETY: validated above: a holds m*k, b n*k, bias n, residual and c m*n elements of T,
     // all on this stream's device and 16-byte aligned, n and k positive multiples of 8, every
     // dimension at most 2^30, c disjoint from a, b and bias, residual either c itself or
     // disjoint from it; the guards keep cudarc's stream ordering until the kernel is enqueued.
+    // The scratch, when given, holds scratch_len bytes on this device, 16-byte aligned and
+    // disjoint from every other buffer (checked above).
     let code = unsafe {
-        kernels::tpfuse_gemm(
+        kernels::tpfuse_gemm_scratch(
             T::DTYPE,
             config.map_or(kernels::TPFUSE_GEMM_CONFIG_AUTO, GemmConfig::abi),
             a_ptr as *const c_void,
@@ -453,6 +584,8 @@ fn launch<T: GemmElement>(
             shape.m,
             shape.n,
             shape.k,
+            scratch_ptr as *mut c_void,
+            scratch_len,
             stream.cu_stream() as *mut c_void,
         )
     };
@@ -528,6 +661,32 @@ fn check_shapes(buffers: &GemmBuffers, shape: GemmShape, device: usize) -> Resul
                     "holds {} elements but m = {m}, n = {n}, k = {k} need {formula} = {len}",
                     info.len
                 ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The scratch: 16-byte aligned, and disjoint from every buffer of the call (it is written).
+fn check_scratch(addr: u64, len: usize, buffers: &GemmBuffers) -> Result<()> {
+    let scratch = BufferInfo::new(addr, len, 0);
+    scratch.check_aligned16("scratch")?;
+    let end = addr.saturating_add(len as u64);
+    let elem = std::mem::size_of::<u16>() as u64; // GEMM elements are 16-bit
+    let named = [
+        ("a", Some(&buffers.a)),
+        ("b", Some(&buffers.b)),
+        ("bias", buffers.bias.as_ref()),
+        ("residual", buffers.residual.as_ref()),
+        ("c", Some(&buffers.c)),
+    ];
+    for (name, info) in named {
+        let Some(info) = info else { continue };
+        let info_end = info.addr.saturating_add(info.len as u64 * elem);
+        if len > 0 && info.len > 0 && addr < info_end && info.addr < end {
+            return Err(Error::invalid(
+                "scratch",
+                format!("overlaps {name}, and the scratch is written"),
             ));
         }
     }

@@ -16,7 +16,7 @@ pub use all_reduce::{
 };
 pub use collectives::{all_gather, reduce_scatter};
 pub use epilogue::{add_bias_residual, rms_norm, rms_norm_in_place};
-pub use gemm::{gemm, gemm_accumulate, GemmShape};
+pub use gemm::{gemm, gemm_accumulate, gemm_with_scratch, GemmShape};
 pub use gemm_all_reduce::{gemm_all_reduce, gemm_all_reduce_with, gemm_reduce_scatter};
 pub use linear::{ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear};
 pub use reduce_ranks::reduce_ranks;

@@ -27,5 +27,6 @@ mod rows;
 pub use model::{LayerGemm, ModelShape, BUILTIN_MODELS};
 pub use profile::{DeviceProfile, Link, BUILTIN_DEVICES};
 pub use rows::{
-    all_reduce_row, fused_row, gemm_block_bytes, gemm_row, plan_model, PlanRow, ELEMENT_BYTES,
+    all_reduce_row, fused_row, gemm_block_bytes, gemm_row, gemm_split_block_bytes, plan_model,
+    PlanRow, ELEMENT_BYTES,
 };

@@ -5,7 +5,8 @@
 use super::model::{LayerGemm, ModelShape};
 use super::profile::{DeviceProfile, Link};
 use crate::error::Result;
-use crate::ops::gemm::{select_config, GemmConfig, GemmShape};
+use crate::group::SPLIT_SCRATCH_BYTES;
+use crate::ops::gemm::{select_config, split_parts, split_scratch_bytes, GemmConfig, GemmShape};
 use crate::ops::gemm_all_reduce::MAX_TILES;
 use crate::topology::{AllReduceAlgo, AllReduceRule, FusionRule};
 
@@ -89,6 +90,45 @@ pub fn gemm_block_bytes(
             ((rows + cols) * k as u64 + per_output * rows * cols) * ELEMENT_BYTES
         })
         .collect()
+}
+
+/// Global-memory bytes of each block of the parallel split of `k` into `parts`
+/// (`cuda/gemm_split.cuh`), index = `blockIdx.x` (block `b`: part `b / tiles` of tile
+/// `b % tiles`): the tile's live rows of `A` and `B` over the part's `k`, and its f32 chains
+/// stored. The last block of a tile to finish also reads the tile's `parts` partials and runs
+/// the epilogue; which block that is depends on timing: here, the last part's.
+pub fn gemm_split_block_bytes(
+    config: GemmConfig,
+    shape: GemmShape,
+    parts: usize,
+    bias: bool,
+    residual: bool,
+) -> Vec<u64> {
+    let info = config.info();
+    let GemmShape { m, n, k } = shape;
+    let (tiles_m, tiles_n) = (m.div_ceil(info.block_m), n.div_ceil(info.block_n));
+    let tiles = tiles_m * tiles_n;
+    let per_output = 1 + u64::from(bias) + u64::from(residual);
+    (0..tiles * parts)
+        .map(|b| {
+            let (tm, tn) = tile_of_block(b % tiles, tiles_m, tiles_n);
+            let part = b / tiles;
+            let rows = info.block_m.min(m - tm * info.block_m) as u64;
+            let cols = info.block_n.min(n - tn * info.block_n) as u64;
+            let part_k =
+                (part_begin(k, parts, part + 1).min(k) - part_begin(k, parts, part)) as u64;
+            let mut bytes = (rows + cols) * part_k * ELEMENT_BYTES + rows * cols * 4;
+            if part + 1 == parts {
+                bytes += parts as u64 * rows * cols * 4 + per_output * rows * cols * ELEMENT_BYTES;
+            }
+            bytes
+        })
+        .collect()
+}
+
+/// The first `k` of part `p` of `parts` (`part_begin` of `cuda/gemm_sm80.cuh`).
+fn part_begin(k: usize, parts: usize, p: usize) -> usize {
+    64 * (k.div_ceil(64) * p / parts)
 }
 
 /// The tile `(tile_m, tile_n)` block `block` computes: `tile_of_block` of
@@ -220,11 +260,23 @@ fn chain_seconds(k: usize, tiles: usize, p: &DeviceProfile) -> f64 {
 pub fn gemm_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Option<PlanRow> {
     let shape = GemmShape { m, n: g.n, k: g.k };
     let config = select_config(shape, p.compute_capability, p.sms)?;
-    let block_bytes = gemm_block_bytes(config, shape, false, false);
+    let parts = split_parts(g.n, g.k, p.sms);
+    // The layers give decode-sized GEMMs the group's scratch: a split k runs its parts in
+    // parallel where the scratch holds them.
+    let parallel = parts > 1
+        && split_scratch_bytes(shape, p.sms) > 0
+        && split_scratch_bytes(shape, p.sms) <= SPLIT_SCRATCH_BYTES;
+    let block_bytes = if parallel {
+        gemm_split_block_bytes(config, shape, parts, false, false)
+    } else {
+        gemm_block_bytes(config, shape, false, false)
+    };
     let (max, mean, streaming) = per_sm(&block_bytes, p.sms);
     let flight = gemm_in_flight(config, m, block_bytes.len(), p, "gemm_sm80_kernel", false);
     let minimum = ((g.n * g.k + m * g.k + m * g.n) as u64 * ELEMENT_BYTES) as f64;
     let waves = block_bytes.len().div_ceil(p.sms * flight.resident);
+    // A block's chain: its part of k in parallel, all of k one after another.
+    let chain_k = if parallel { g.k.div_ceil(parts) } else { g.k };
     // DRAM moves the minimum: the re-reads of A by each column tile come from L2.
     let model = Model {
         launches: 1,
@@ -233,8 +285,13 @@ pub fn gemm_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Option
         busiest_sm_bytes: max as f64,
         peer_share: 0.0,
         in_flight: flight.bytes as f64,
-        chain_s: chain_seconds(g.k, waves, p),
+        chain_s: chain_seconds(chain_k, waves, p),
         rounds: 0,
+    };
+    let how = match (parts, parallel) {
+        (1, _) => String::new(),
+        (_, true) => format!("; k in {parts} parts, in parallel"),
+        (_, false) => format!("; k in {parts} parts, one after another"),
     };
     Some(PlanRow {
         layer: g.layer.to_string(),
@@ -244,7 +301,7 @@ pub fn gemm_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Option
         k: g.k,
         tp,
         config: config.name().into(),
-        split_k: 1,
+        split_k: parts,
         blocks: block_bytes.len(),
         sms: p.sms,
         sms_streaming: streaming,
@@ -255,9 +312,9 @@ pub fn gemm_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Option
         floor_us: us(minimum / p.dram_bytes_per_s),
         model_us: us(model.seconds(p)),
         choice: if g.row_parallel {
-            "unfused: into the workspace".into()
+            format!("unfused: into the workspace{how}")
         } else {
-            "column-parallel".into()
+            format!("column-parallel{how}")
         },
     })
 }
@@ -404,6 +461,10 @@ fn not_fused(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Option<St
     if !rule.fuse(None, m) {
         return Some(format!("m = {m} is past the fusion rule's {}", rule.max_m));
     }
+    let parts = split_parts(g.n, g.k, p.sms);
+    if parts > 1 {
+        return Some("fused, the parts would run one after another".into());
+    }
     let shape = GemmShape { m, n: g.n, k: g.k };
     let config = select_config(shape, p.compute_capability, p.sms)?;
     let info = config.info();
@@ -495,7 +556,7 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
         k: g.k,
         tp,
         config: format!("{} {name}", config.name()),
-        split_k: 1,
+        split_k: split_parts(g.n, g.k, p.sms),
         blocks: grid,
         sms: p.sms,
         sms_streaming: streaming,
@@ -505,7 +566,13 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
         sync_rounds: rounds,
         floor_us: us(floor),
         model_us: us(model.seconds(p)),
-        choice: format!("fused: m <= {}", FusionRule::default().max_m),
+        choice: match split_parts(g.n, g.k, p.sms) {
+            1 => format!("fused: m <= {}", FusionRule::default().max_m),
+            parts => format!(
+                "fused: m <= {}; k in {parts} parts, one after another",
+                FusionRule::default().max_m
+            ),
+        },
     })
 }
 
@@ -543,7 +610,7 @@ pub fn plan_model(
                     }
                     Some(reason) => {
                         let mut row = gemm_row(g, m, tp, p).ok_or_else(no_path)?;
-                        row.choice = format!("unfused: {reason}");
+                        row.choice = format!("{} ({reason})", row.choice);
                         rows.push(row);
                         if tp > 1 {
                             rows.push(all_reduce_row(g.layer, m, g.n, tp, p, true));

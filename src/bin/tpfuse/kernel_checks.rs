@@ -378,7 +378,11 @@ fn gemm(ctx: &Arc<CudaContext>, seed: u64, counting: bool) -> Result<OpReport> {
         let want = gemm_f64(&a[..m * k], &b, None, None, m, n, k);
         let shape = GemmShape { m, n, k };
         let mut first: Option<Vec<T>> = None;
-        for config in GemmConfig::ALL {
+        let parts = tpfuse::ops::gemm::split_parts_on(&stream, n, k)?;
+        for config in GemmConfig::ALL
+            .into_iter()
+            .filter(|c| c.splits_k() || parts == 1)
+        {
             let mut c = nan(&stream, m * n)?;
             let min = ((m * k + n * k + m * n) * 2) as u64;
             rep.traffic.measure(counting, min, || {

@@ -4,6 +4,7 @@
 
 use crate::error::{Error, Result};
 use crate::group::TpGroup;
+use crate::ops::gemm::{split_parts, GemmShape};
 use crate::ops::gemm_all_reduce::{facts_of, FusedFacts};
 use crate::topology::FusionRule;
 
@@ -14,8 +15,10 @@ use crate::topology::FusionRule;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fusion {
     /// [`FusionRule`]'s choice (placeholder thresholds until measured): fused for small `m`
-    /// on groups whose custom kernels run, when the shape fits the fused kernel (and, for a
-    /// row-parallel all-reduce, the layer's algorithm is
+    /// on groups whose custom kernels run, when the shape fits the fused kernel, its `k` does
+    /// not split ([`split_parts`](crate::ops::gemm::split_parts) = 1: the unfused GEMM runs the
+    /// parts in parallel, the fused kernels one after another) and, for a row-parallel
+    /// all-reduce, the layer's algorithm is
     /// [`Algorithm::Auto`](crate::ops::Algorithm::Auto)); unfused otherwise.
     Auto,
     /// Always one kernel; a shape it cannot take (an exchange over half the group's
@@ -38,19 +41,24 @@ pub enum SequenceParallelPath {
     Unfused,
 }
 
-/// Whether a layer's call of `m` rows runs `op` (e.g. "GEMM + all-reduce") fused, by its
-/// `fusion`: `auto_allowed` is what the layer adds to [`Fusion::Auto`]'s rule, `unfusable`
-/// says why the fused kernel cannot take the shape on the group. Forced fusion that cannot
-/// run is an error naming the layer (`label`).
+/// Whether a layer's call of `shape` (its GEMM's, `m` rows) runs `op` (e.g. "GEMM +
+/// all-reduce") fused, by its `fusion`: `auto_allowed` is what the layer adds to
+/// [`Fusion::Auto`]'s rule, `unfusable` says why the fused kernel cannot take the shape on the
+/// group. [`Fusion::Auto`] also leaves a shape whose `k` splits
+/// ([`split_parts`](crate::ops::gemm::split_parts) > 1) unfused: the fused kernels run a
+/// tile's parts one after another on as many SMs as there are tiles, where the unfused GEMM
+/// runs them in parallel (the same bits either way). Forced fusion that cannot run is an
+/// error naming the layer (`label`).
 pub(super) fn fuses(
     fusion: Fusion,
     label: &str,
     op: &str,
     group: &TpGroup,
-    m: usize,
+    shape: GemmShape,
     auto_allowed: bool,
     unfusable: impl FnOnce(&FusedFacts) -> Option<String>,
 ) -> Result<bool> {
+    let m = shape.m;
     let refusal = || -> Option<String> {
         if let Some(reason) = group.custom_kernels_refused() {
             return Some(format!("the group has no custom kernels: {reason}"));
@@ -69,6 +77,7 @@ pub(super) fn fuses(
         Fusion::Auto => Ok(auto_allowed
             && m > 0
             && FusionRule::default().fuse(group.verdict(), m)
+            && split_parts(shape.n, shape.k, facts_of(group).sms) == 1
             && refusal().is_none()),
     }
 }

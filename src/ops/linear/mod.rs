@@ -85,7 +85,7 @@ use crate::device::cuda;
 use crate::dtype::NcclType;
 use crate::error::{Error, Result};
 use crate::group::TpGroup;
-use crate::ops::gemm::{gemm, GemmElement};
+use crate::ops::gemm::{gemm, gemm_with_scratch, GemmElement, GemmShape, SPLIT_PARALLEL_M_MAX};
 use crate::shard::{ColumnParallelSpec, HostWeight, MergedColumnSpec, RowParallelSpec};
 use crate::validate::owner;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceSlice};
@@ -422,6 +422,29 @@ impl<T: GemmElement + NcclType, W: DevicePtr<T>> Shard<T, W> {
         m: usize,
         names: &[(&str, &str)],
     ) -> Result<()> {
+        // Decode-sized calls take the group's scratch: the parts of a split k run in parallel
+        // (the same bits as one after another, which larger m and plain `gemm` run).
+        let shape = GemmShape {
+            m,
+            n: self.n,
+            k: self.k,
+        };
+        if m <= SPLIT_PARALLEL_M_MAX {
+            let mut scratch = group.split_scratch();
+            if let Some(scratch) = scratch.as_mut() {
+                return gemm_with_scratch(
+                    group.stream(),
+                    x,
+                    &self.weight,
+                    bias,
+                    None,
+                    out,
+                    shape,
+                    scratch,
+                )
+                .map_err(in_layer(&self.label, names));
+            }
+        }
         gemm(
             group.stream(),
             x,

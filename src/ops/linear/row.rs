@@ -165,7 +165,7 @@ impl<T: GemmElement + NcclType, W: DevicePtr<T>> RowParallelLinear<T, W> {
             &self.shard.label,
             "GEMM + all-reduce",
             group,
-            m,
+            shape,
             auto_allowed,
             |facts| unfusable::<T>(shape, facts),
         )
@@ -384,7 +384,7 @@ impl<T: GemmElement + NcclType, W: DevicePtr<T>> RowParallelLinear<T, W> {
             label,
             "GEMM + reduce-scatter",
             group,
-            m,
+            shape,
             true,
             |facts| unfusable::<T>(shape, facts),
         )?;

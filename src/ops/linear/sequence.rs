@@ -55,7 +55,7 @@ impl<T: GemmElement + NcclType, W: DevicePtr<T>> Shard<T, W> {
             k: self.k,
         };
         let op = "all-gather + GEMM";
-        if fuses(fusion, label, op, group, m, true, |facts| {
+        if fuses(fusion, label, op, group, shape, true, |facts| {
             unfusable_all_gather::<T>(shape, facts)
         })? {
             all_gather_gemm(group, x, &self.weight, as_dyn(&self.bias), out, shape)
