@@ -107,28 +107,34 @@ __device__ __forceinline__ size_t global_thread_count() {
   return static_cast<size_t>(gridDim.x) * blockDim.x;
 }
 
-// Host: the SM count of the current device, queried once per device and cached (the
-// launch path stays free of repeated driver queries). A failed query answers 1 and clears
-// the runtime's last error, which the launchers read after their launch: the launch's own
-// outcome, not this query's, is what they report.
-inline int current_sm_count() {
+// Host: the SM count of the current device into `sms`, queried once per device and cached
+// (the launch path stays free of repeated driver queries); false, with the runtime's last
+// error cleared, when the driver cannot say (the launchers read the last error after their
+// launch: the launch's own outcome, not this query's, is what they report).
+inline bool current_sm_count_checked(int &sms) {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> cache[kMaxDevices];
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) {
     (void)cudaGetLastError();
-    return 1;
+    return false;
   }
-  int sms = cache[device].load(std::memory_order_relaxed);
+  sms = cache[device].load(std::memory_order_relaxed);
   if (sms <= 0) {
     if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
         sms <= 0) {
       (void)cudaGetLastError();
-      return 1;
+      return false;
     }
     cache[device].store(sms, std::memory_order_relaxed);
   }
-  return sms;
+  return true;
+}
+
+// Host: the SM count of the current device for sizing a grid: 1 when the driver cannot say.
+inline int current_sm_count() {
+  int sms = 0;
+  return current_sm_count_checked(sms) ? sms : 1;
 }
 
 // Host: launch config for a grid-stride kernel over `work` items, at most 8 blocks per SM.

@@ -49,8 +49,7 @@ bool device_facts(DeviceFacts &facts) {
     cc_cache[device].store(cc, std::memory_order_relaxed);
   }
   facts.cc = cc;
-  facts.sms = current_sm_count();
-  return true;
+  return current_sm_count_checked(facts.sms); // no guess: the split of k follows the SM count
 }
 
 size_t ceil_div(size_t x, size_t y) { return (x + y - 1) / y; }

@@ -85,7 +85,7 @@ namespace {
 using gemm::DenseRows;
 using gemm::gemm_tile;
 using gemm::KSplit;
-using gemm::split_parts;
+using gemm::split_parts_here;
 using gemm::tile_of_block;
 
 // Rows [first, end).
@@ -332,11 +332,8 @@ int launch_config(Reduction reduction, const tpfuse_peers &peers, const tpfuse_g
   if (tiles_m * tiles_n > TPFUSE_MAX_FUSED_TILES) return cudaErrorInvalidValue;
   const int grid = static_cast<int>(tiles_m * tiles_n < blocks ? tiles_m * tiles_n : blocks);
   // The GEMM's split of k (tpfuse_gemm's, so the same bits), each tile's parts in its block.
-  int sms = 0, device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0)
-    return cudaErrorInvalidDevice; // not current_sm_count's fallback of 1: S would differ from tpfuse_gemm's
-  const int parts = split_parts(n, k, sms);
+  const int parts = split_parts_here(n, k);
+  if (parts == 0) return cudaErrorInvalidDevice;
   if (!Cfg::kSplittable && parts != 1) return cudaErrorInvalidValue;
   auto gemm_all_reduce = gemm_all_reduce_kernel<T, Cfg>; // the name the emulator suite reports
   // Always opted in (not only past 48 KiB, as gemm.cu does): the kernel's static shared

@@ -55,6 +55,13 @@ inline int split_parts(size_t n, size_t k, int sms) {
   return static_cast<int>(most);
 }
 
+// Host: split_parts on the current device, or 0 when its SM count cannot be read (never a
+// guess: another S would give other bits than the launches that read it).
+inline int split_parts_here(size_t n, size_t k) {
+  int sms = 0;
+  return current_sm_count_checked(sms) ? split_parts(n, k, sms) : 0;
+}
+
 // The most tiles a parallel split takes, and the bytes of the counts at the start of the
 // scratch (the same for every shape).
 constexpr size_t kSplitMaxTiles = 4096;

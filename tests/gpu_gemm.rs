@@ -182,8 +182,9 @@ impl<T: TestElement> Problem<T> {
     }
 }
 
-/// Runs a GEMM on rows `rows` of the device problem into a NaN-poisoned output with a
-/// poisoned guard after it; returns the output (the guard checked and dropped).
+/// Runs a GEMM on rows `first_row..first_row + m` of the device problem (through [`gemm`], or
+/// a forced configuration) into a NaN-poisoned output with a poisoned guard after it; returns
+/// the output (the guard checked and dropped).
 fn run_rows<T: TestElement>(
     stream: &Arc<CudaStream>,
     label: &str,
@@ -191,6 +192,26 @@ fn run_rows<T: TestElement>(
     shape: GemmShape,
     first_row: usize,
     config: Option<GemmConfig>,
+) -> Vec<T> {
+    let how = config.map_or(How::Auto, How::Config);
+    run_rows_how(stream, label, dev, shape, first_row, how)
+}
+
+/// Which entry point a run takes.
+enum How<'s> {
+    Auto,
+    Config(GemmConfig),
+    Scratch(&'s mut CudaSlice<u8>),
+}
+
+/// [`run_rows`] through any entry point.
+fn run_rows_how<T: TestElement>(
+    stream: &Arc<CudaStream>,
+    label: &str,
+    dev: &Device<T>,
+    shape: GemmShape,
+    first_row: usize,
+    how: How<'_>,
 ) -> Vec<T> {
     let GemmShape { m, n, k } = shape;
     let a = dev.a.slice(first_row * k..(first_row + m) * k);
@@ -203,11 +224,21 @@ fn run_rows<T: TestElement>(
     let mut c = upload(stream, &vec![T::poison(); m * n + GUARD]);
     {
         let mut out = c.slice_mut(0..m * n);
-        let result = match config {
-            None => gemm(stream, &a, &dev.b, bias, residual_ref, &mut out, m, n, k),
-            Some(cfg) => {
+        let result = match how {
+            How::Auto => gemm(stream, &a, &dev.b, bias, residual_ref, &mut out, m, n, k),
+            How::Config(cfg) => {
                 gemm_with_config(stream, &a, &dev.b, bias, residual_ref, &mut out, shape, cfg)
             }
+            How::Scratch(scratch) => gemm_with_scratch(
+                stream,
+                &a,
+                &dev.b,
+                bias,
+                residual_ref,
+                &mut out,
+                shape,
+                scratch,
+            ),
         };
         result.unwrap_or_else(|e| panic!("{label}: {e}"));
     }
@@ -741,7 +772,8 @@ fn split_k<T: TestElement>() {
             let sequential = run_rows(&stream, &l, &dev, shape, first, None);
             assert_same_bits(&format!("{l}: parts one after another"), &sequential, want);
             for round in 0..2 {
-                let parallel = run_with_scratch(&stream, &l, &dev, shape, first, &mut scratch);
+                let parallel =
+                    run_rows_how(&stream, &l, &dev, shape, first, How::Scratch(&mut scratch));
                 assert_same_bits(
                     &format!("{l}: parts in parallel, round {round}"),
                     &parallel,
@@ -774,7 +806,7 @@ fn split_k<T: TestElement>() {
             let shape = GemmShape { m: 2, n, k };
             let tiles = n.div_ceil(64);
             let ((), with) = tpfuse::emulator::counters::count(|| {
-                run_with_scratch(&stream, &label, &dev, shape, 0, &mut scratch);
+                run_rows_how(&stream, &label, &dev, shape, 0, How::Scratch(&mut scratch));
             });
             assert!(
                 with.iter()
@@ -794,13 +826,13 @@ fn split_k<T: TestElement>() {
         // A scratch too small for the parallel parts: one after another, the same bits.
         let shape = GemmShape { m: 8, n, k };
         let mut small = stream.alloc_zeros::<u8>(64).expect("scratch");
-        let got = run_with_scratch(
+        let got = run_rows_how(
             &stream,
             &format!("{label} small scratch"),
             &dev,
             shape,
             0,
-            &mut small,
+            How::Scratch(&mut small),
         );
         assert_same_bits(&format!("{label} small scratch"), &got, &big[..8 * n]);
         // Misaligned: refused, naming the scratch.
@@ -810,48 +842,6 @@ fn split_k<T: TestElement>() {
         let result = gemm_with_scratch(&stream, &a, &dev.b, None, None, &mut c, shape, &mut odd);
         expect_invalid(&format!("{label} misaligned scratch"), result, "scratch");
     }
-}
-
-/// [`run_rows`] through [`gemm_with_scratch`] (the automatic configuration).
-fn run_with_scratch<T: TestElement>(
-    stream: &Arc<CudaStream>,
-    label: &str,
-    dev: &Device<T>,
-    shape: GemmShape,
-    first_row: usize,
-    scratch: &mut CudaSlice<u8>,
-) -> Vec<T> {
-    let GemmShape { m, n, k } = shape;
-    let a = dev.a.slice(first_row * k..(first_row + m) * k);
-    let residual = dev
-        .residual
-        .as_ref()
-        .map(|r| r.slice(first_row * n..(first_row + m) * n));
-    let bias: Option<&dyn DevicePtr<T>> = dev.bias.as_ref().map(|x| x as &dyn DevicePtr<T>);
-    let residual_ref: Option<&dyn DevicePtr<T>> = residual.as_ref().map(|x| x as &dyn DevicePtr<T>);
-    let mut c = upload(stream, &vec![T::poison(); m * n + GUARD]);
-    {
-        let mut out = c.slice_mut(0..m * n);
-        gemm_with_scratch(
-            stream,
-            &a,
-            &dev.b,
-            bias,
-            residual_ref,
-            &mut out,
-            shape,
-            scratch,
-        )
-        .unwrap_or_else(|e| panic!("{label}: {e}"));
-    }
-    let mut got = download(stream, &c);
-    assert_same_bits(
-        &format!("{label}: the guard after the output (written out of bounds)"),
-        &got[m * n..],
-        &[T::poison(); GUARD],
-    );
-    got.truncate(m * n);
-    got
 }
 
 gpu_tests! {

@@ -165,11 +165,6 @@ impl GroupOptions {
     }
 }
 
-/// The SM count of `ctx`'s device.
-pub(crate) fn sm_count_of(ctx: &cudarc::driver::CudaContext) -> Result<usize> {
-    build::sm_count(ctx)
-}
-
 /// The thread blocks per custom kernel launch that a group of `world` ranks uses by
 /// default, on devices of `sms` streaming multiprocessors.
 ///

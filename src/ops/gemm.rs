@@ -294,11 +294,7 @@ pub fn split_parts(n: usize, k: usize, sm_count: usize) -> usize {
 
 /// [`split_parts`] on the device of `stream` (its SM count read from the driver).
 pub fn split_parts_on(stream: &CudaStream, n: usize, k: usize) -> Result<usize> {
-    Ok(split_parts(
-        n,
-        k,
-        crate::group::sm_count_of(stream.context())?,
-    ))
+    Ok(split_parts(n, k, crate::group::sm_count(stream.context())?))
 }
 
 /// The scratch, in bytes, that [`gemm_with_scratch`] needs to run the parts of `shape`'s `k`
@@ -389,7 +385,17 @@ pub fn gemm<T: GemmElement>(
     k: usize,
 ) -> Result<()> {
     let residual = Residual::separate(residual);
-    launch(stream, a, b, bias, residual, c, GemmShape { m, n, k }, None)
+    launch(
+        stream,
+        a,
+        b,
+        bias,
+        residual,
+        c,
+        GemmShape { m, n, k },
+        None,
+        None,
+    )
 }
 
 /// `c = c + a · bᵀ (+ bias)` in place, enqueued on `stream`: [`gemm`] with `c` as its own
@@ -403,7 +409,7 @@ pub fn gemm_accumulate<T: GemmElement>(
     c: &mut impl DevicePtrMut<T>,
     shape: GemmShape,
 ) -> Result<()> {
-    launch(stream, a, b, bias, Residual::InPlace, c, shape, None)
+    launch(stream, a, b, bias, Residual::InPlace, c, shape, None, None)
 }
 
 /// [`gemm`] with a forced tile configuration instead of the automatic choice, for tests and
@@ -422,7 +428,7 @@ pub fn gemm_with_config<T: GemmElement>(
     config: GemmConfig,
 ) -> Result<()> {
     let residual = Residual::separate(residual);
-    launch(stream, a, b, bias, residual, c, shape, Some(config))
+    launch(stream, a, b, bias, residual, c, shape, Some(config), None)
 }
 
 /// [`gemm`] with a scratch for the parallel split of `k`: where `shape`'s `k` splits into
@@ -450,7 +456,7 @@ pub fn gemm_with_scratch<T: GemmElement>(
     scratch: &mut dyn DevicePtrMut<u8>,
 ) -> Result<()> {
     let residual = Residual::separate(residual);
-    launch_with(stream, a, b, bias, residual, c, shape, None, Some(scratch))
+    launch(stream, a, b, bias, residual, c, shape, None, Some(scratch))
 }
 
 /// Where the residual comes from.
@@ -469,20 +475,6 @@ impl<'a, T> Residual<'a, T> {
 
 #[allow(clippy::too_many_arguments)]
 fn launch<T: GemmElement>(
-    stream: &CudaStream,
-    a: &impl DevicePtr<T>,
-    b: &impl DevicePtr<T>,
-    bias: Option<&dyn DevicePtr<T>>,
-    residual: Residual<'_, T>,
-    c: &mut impl DevicePtrMut<T>,
-    shape: GemmShape,
-    config: Option<GemmConfig>,
-) -> Result<()> {
-    launch_with(stream, a, b, bias, residual, c, shape, config, None)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn launch_with<T: GemmElement>(
     stream: &CudaStream,
     a: &impl DevicePtr<T>,
     b: &impl DevicePtr<T>,

@@ -6,9 +6,11 @@ use super::model::{LayerGemm, ModelShape};
 use super::profile::{DeviceProfile, Link};
 use crate::error::Result;
 use crate::group::SPLIT_SCRATCH_BYTES;
+use crate::ops::all_reduce::Algorithm;
 use crate::ops::gemm::{select_config, split_parts, split_scratch_bytes, GemmConfig, GemmShape};
-use crate::ops::gemm_all_reduce::MAX_TILES;
-use crate::topology::{AllReduceAlgo, AllReduceRule, FusionRule};
+use crate::ops::gemm_all_reduce::{fused_all_reduce_algo, unfusable, FusedFacts};
+use crate::topology::{AllReduceAlgo, AllReduceRule, FusionRule, SizeLimits};
+use half::bf16;
 
 /// Bytes of one element: the plan assumes 16-bit activations and weights (f16 / bf16).
 pub const ELEMENT_BYTES: u64 = 2;
@@ -84,9 +86,7 @@ pub fn gemm_block_bytes(
     let per_output = 1 + u64::from(bias) + u64::from(residual);
     (0..tiles_m * tiles_n)
         .map(|b| {
-            let (tm, tn) = tile_of_block(b, tiles_m, tiles_n);
-            let rows = info.block_m.min(m - tm * info.block_m) as u64;
-            let cols = info.block_n.min(n - tn * info.block_n) as u64;
+            let (rows, cols, _) = tile_extent(config, shape, b);
             ((rows + cols) * k as u64 + per_output * rows * cols) * ELEMENT_BYTES
         })
         .collect()
@@ -111,10 +111,8 @@ pub fn gemm_split_block_bytes(
     let per_output = 1 + u64::from(bias) + u64::from(residual);
     (0..tiles * parts)
         .map(|b| {
-            let (tm, tn) = tile_of_block(b % tiles, tiles_m, tiles_n);
+            let (rows, cols, _) = tile_extent(config, shape, b % tiles);
             let part = b / tiles;
-            let rows = info.block_m.min(m - tm * info.block_m) as u64;
-            let cols = info.block_n.min(n - tn * info.block_n) as u64;
             let part_k =
                 (part_begin(k, parts, part + 1).min(k) - part_begin(k, parts, part)) as u64;
             let mut bytes = (rows + cols) * part_k * ELEMENT_BYTES + rows * cols * 4;
@@ -129,6 +127,20 @@ pub fn gemm_split_block_bytes(
 /// The first `k` of part `p` of `parts` (`part_begin` of `cuda/gemm_sm80.cuh`).
 fn part_begin(k: usize, parts: usize, p: usize) -> usize {
     64 * (k.div_ceil(64) * p / parts)
+}
+
+/// The live rows and columns of tile `tile` (in `tile_of_block`'s order) of `shape` in
+/// `config`'s tiles, and the tile's column index.
+fn tile_extent(config: GemmConfig, shape: GemmShape, tile: usize) -> (u64, u64, usize) {
+    let info = config.info();
+    let (tiles_m, tiles_n) = (
+        shape.m.div_ceil(info.block_m),
+        shape.n.div_ceil(info.block_n),
+    );
+    let (tm, tn) = tile_of_block(tile, tiles_m, tiles_n);
+    let rows = info.block_m.min(shape.m - tm * info.block_m) as u64;
+    let cols = info.block_n.min(shape.n - tn * info.block_n) as u64;
+    (rows, cols, tn)
 }
 
 /// The tile `(tile_m, tile_n)` block `block` computes: `tile_of_block` of
@@ -322,15 +334,29 @@ pub fn gemm_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Option
 /// The algorithm the layer's all-reduce of `bytes` per rank takes on `tp` ranks of `p`
 /// (the group's rule, [`AllReduceRule`], as a group with that link would apply it).
 fn all_reduce_algo(bytes: usize, tp: usize, p: &DeviceProfile) -> AllReduceAlgo {
+    AllReduceRule::choose_within(limits(tp, p), bytes)
+}
+
+/// The all-reduce rule's limits for `tp` ranks on `p`'s link (`None`: no custom kernels).
+fn limits(tp: usize, p: &DeviceProfile) -> Option<SizeLimits> {
     let rule = AllReduceRule::default();
-    let limits = match p.link {
+    match p.link {
         Link::NvSwitch => rule.nvlink_limits(tp),
-        Link::Pcie => rule.pcie.iter().find(|l| tp <= l.max_world).copied(),
-    };
-    match limits {
-        Some(l) if bytes < l.one_shot_below => AllReduceAlgo::OneShot,
-        Some(l) if bytes < l.two_shot_below => AllReduceAlgo::TwoShot,
-        _ => AllReduceAlgo::Nccl,
+        Link::Pcie => rule.pcie_limits(tp),
+    }
+}
+
+/// What a real group of `tp` ranks on `p` offers the fused kernels (default options; the
+/// persistent grid one block per SM, as `TpGroup::fused_blocks` on a real group).
+fn fused_facts(tp: usize, p: &DeviceProfile) -> FusedFacts {
+    FusedFacts {
+        device: 0,
+        world: tp,
+        capacity: crate::group::GroupOptions::default().capacity_bytes,
+        compute_capability: p.compute_capability,
+        sms: p.sms,
+        blocks: p.sms,
+        one_shot_below: limits(tp, p).map(|l| l.one_shot_below),
     }
 }
 
@@ -447,14 +473,10 @@ pub fn all_reduce_row(
 /// Why a row-parallel layer at `m` on `tp` ranks of `p` does not fuse (None: it fuses), by
 /// [`FusionRule`] and what the fused kernel takes.
 fn not_fused(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Option<String> {
-    let custom = match p.link {
-        Link::NvSwitch => tp <= crate::group::MAX_WORLD,
-        Link::Pcie => tp <= 2,
-    };
     if tp < 2 {
         return Some("one rank: nothing to reduce".into());
     }
-    if !custom {
+    if limits(tp, p).is_none() {
         return Some(format!("no custom kernels for {tp} ranks over PCIe"));
     }
     let rule = FusionRule::default();
@@ -465,20 +487,7 @@ fn not_fused(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Option<St
     if parts > 1 {
         return Some("fused, the parts would run one after another".into());
     }
-    let shape = GemmShape { m, n: g.n, k: g.k };
-    let config = select_config(shape, p.compute_capability, p.sms)?;
-    let info = config.info();
-    let tiles = m.div_ceil(info.block_m) * g.n.div_ceil(info.block_n);
-    if tiles > MAX_TILES {
-        return Some(format!(
-            "{tiles} tiles exceed the fused kernel's {MAX_TILES}"
-        ));
-    }
-    let default_capacity = crate::group::GroupOptions::default().capacity_bytes;
-    if m * g.n * ELEMENT_BYTES as usize > default_capacity / 2 {
-        return Some("the exchange exceeds half the default symmetric capacity".into());
-    }
-    None
+    unfusable::<bf16>(GemmShape { m, n: g.n, k: g.k }, &fused_facts(tp, p))
 }
 
 /// The row of a fused row-parallel layer: GEMM + all-reduce + residual + RMSNorm in one
@@ -494,20 +503,14 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
     let s = ELEMENT_BYTES;
     let w = tp as u64;
     let bytes = (m * g.n) as u64 * s;
-    let algo = match all_reduce_algo(bytes as usize, tp, p) {
-        AllReduceAlgo::OneShot => AllReduceAlgo::OneShot,
-        _ if m % tp == 0 => AllReduceAlgo::TwoShot,
-        _ => AllReduceAlgo::OneShot,
-    };
+    let algo = fused_all_reduce_algo::<bf16>(shape, &fused_facts(tp, p), Algorithm::Auto).ok()?;
     // Per tile: the GEMM's A rows and B rows, its partial stored; one-shot: the W partials
     // read, bias-free residual read and written, out written; the norm of a strip by the
     // block that completes it (out read twice, gamma, out written per element of the strip).
     let gemm_bytes = gemm_block_bytes(config, shape, false, false);
     let mut per_block = vec![0u64; grid];
     for tile in 0..tiles {
-        let (tm, tn) = tile_of_block(tile, tiles_m, tiles_n);
-        let rows = info.block_m.min(m - tm * info.block_m) as u64;
-        let cols = info.block_n.min(g.n - tn * info.block_n) as u64;
+        let (rows, cols, tn) = tile_extent(config, shape, tile);
         let out = rows * cols * s;
         let reduce = match algo {
             AllReduceAlgo::OneShot => (w + 3) * out,

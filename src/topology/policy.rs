@@ -337,7 +337,12 @@ impl AllReduceRule {
     /// `verdict`. NCCL whenever the custom all-reduce is refused, or the group or message
     /// is larger than any limit covers.
     pub fn choose(&self, verdict: &Verdict, bytes: usize) -> AllReduceAlgo {
-        match self.limits_for(verdict) {
+        Self::choose_within(self.limits_for(verdict), bytes)
+    }
+
+    /// The algorithm for `bytes` under `limits` (`None`: the custom all-reduce may not run).
+    pub fn choose_within(limits: Option<SizeLimits>, bytes: usize) -> AllReduceAlgo {
+        match limits {
             Some(l) if bytes < l.one_shot_below => AllReduceAlgo::OneShot,
             Some(l) if bytes < l.two_shot_below => AllReduceAlgo::TwoShot,
             _ => AllReduceAlgo::Nccl,
@@ -351,7 +356,7 @@ impl AllReduceRule {
             (true, Some(Interconnect::NvSwitch | Interconnect::NvLink)) => {
                 self.nvlink_limits(world)
             }
-            (true, Some(Interconnect::Pcie)) => limits_in(&self.pcie, world),
+            (true, Some(Interconnect::Pcie)) => self.pcie_limits(world),
             _ => None,
         }
     }
@@ -360,6 +365,11 @@ impl AllReduceRule {
     /// such as virtual ranks, use).
     pub fn nvlink_limits(&self, world: usize) -> Option<SizeLimits> {
         limits_in(&self.nvlink, world)
+    }
+
+    /// The PCIe limits for a group of `world` ranks.
+    pub fn pcie_limits(&self, world: usize) -> Option<SizeLimits> {
+        limits_in(&self.pcie, world)
     }
 }
 
