@@ -72,6 +72,9 @@ struct Pad {
     return reinterpret_cast<uint64_t *>(reinterpret_cast<char *>(base) + TPFUSE_SIGNAL_TILE_FLAGS_OFFSET) +
            static_cast<size_t>(tile) * TPFUSE_MAX_RANKS + src;
   }
+  __device__ uint64_t *strip_flag(int strip) const {
+    return reinterpret_cast<uint64_t *>(reinterpret_cast<char *>(base) + TPFUSE_SIGNAL_STRIP_FLAGS_OFFSET) + strip;
+  }
   __device__ uint32_t *slice_count() const { return base + TPFUSE_SIGNAL_SLICE_COUNT_OFFSET / 4; }
   __device__ uint64_t *slice_flag(int src) const {
     return reinterpret_cast<uint64_t *>(reinterpret_cast<char *>(base) + TPFUSE_SIGNAL_SLICE_FLAGS_OFFSET) + src;

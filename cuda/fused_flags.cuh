@@ -119,20 +119,22 @@ __device__ __forceinline__ void publish(const tpfuse_peers &peers, const tpfuse_
 // blocks) that times out is TPFUSE_ERROR_GRID_TIMEOUT: the rank's blocks were not all
 // resident. Once the error word is set, a wait gives up at once.
 //
-// A `consequent` wait (the two-shot's slice flags) is for a flag whose producer itself waits
+// A `consequent` wait (the two-shot's slice flags, the one-shot's strip flags) is for a flag whose producer itself waits
 // for other flags: when it stalls, a wait of some block for a tile flag stalls too, and that
 // one names the rank that is really missing. So a consequent wait runs to twice the deadline
 // (%globaltimer; the %clock64 backstop stays as it is), by which the cause is in the error
 // word (it then gives up without reporting), and reports only if nothing else did.
-__device__ __forceinline__ void await(const tpfuse_peers &peers, const tpfuse_group_args &g, const Deadline &deadline,
-                                      BlockState &st, int slot, int src, uint64_t descriptor,
-                                      bool consequent = false) {
+//
+// await_flag is the same wait for any flag of this rank's pad whose writer is rank `src` (the
+// one-shot's strip flags: this rank's own blocks).
+__device__ __forceinline__ void await_flag(const tpfuse_peers &peers, const tpfuse_group_args &g,
+                                           const Deadline &deadline, BlockState &st, const uint64_t *flag, int src,
+                                           uint64_t descriptor, bool consequent) {
   const Pad own{peers.signals[g.rank]};
   if (ld_relaxed_sys(own.error()) != 0) {
     atomicAdd(&st.failed, 1);
     return;
   }
-  const uint64_t *flag = flag_at(own, slot, src);
   // The flag's launch, relative to this one: 0 (this launch), 1 (the next), else older.
   const auto ahead = [&](uint64_t v) { return ((v >> kDescriptorBits) - st.epoch) & kEpochMask; };
   const auto ready = [&](uint64_t v) { return ahead(v) <= 1; };
@@ -156,6 +158,12 @@ __device__ __forceinline__ void await(const tpfuse_peers &peers, const tpfuse_gr
     if (ld_relaxed_sys(own.error()) == 0) report_failure(peers, g, word);
     atomicAdd(&st.failed, 1);
   }
+}
+
+__device__ __forceinline__ void await(const tpfuse_peers &peers, const tpfuse_group_args &g, const Deadline &deadline,
+                                      BlockState &st, int slot, int src, uint64_t descriptor,
+                                      bool consequent = false) {
+  await_flag(peers, g, deadline, st, flag_at(Pad{peers.signals[g.rank]}, slot, src), src, descriptor, consequent);
 }
 
 // After the waits of one unit (every thread): whether the block may go on; a pass counts as

@@ -100,13 +100,16 @@ int launch_config(const T *a, const T *b, const T *bias, const T *residual, T *c
   const long long tiles = tiles_m * tiles_n;
   if (tiles * parts > INT_MAX) return cudaErrorInvalidConfiguration;
   const GemmEpilogue<T> epi{c, bias, residual, n};
-  if constexpr (Cfg::kSplittable) {
+  // The parts in parallel only for the configurations select_config gives a split (64
+  // columns: 16 x 64, 64 x 64); a forced 16 x 16 or 16 x 32 runs its parts one after another
+  // (the same bits).
+  if constexpr (Cfg::kSplittable && Cfg::kBlockN == 64) {
     const size_t needed = split_scratch_bytes(m, n, parts);
     if (parts > 1 && m <= TPFUSE_GEMM_SPLIT_PARALLEL_M_MAX && tiles <= static_cast<long long>(kSplitMaxTiles) &&
         scratch != nullptr && needed <= scratch_bytes) {
       auto gemm_split = gemm_split_kernel<T, Cfg>;
       // Always opted in: its static shared memory (`last`) counts with the dynamic size toward
-      // the default 48 KiB, which Tile64x64 and SmallM16x32 take exactly.
+      // the default 48 KiB, which Tile64x64 takes exactly.
       const cudaError_t err =
           cudaFuncSetAttribute(gemm_split, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
       if (err != cudaSuccess) return err;
@@ -116,7 +119,7 @@ int launch_config(const T *a, const T *b, const T *bias, const T *residual, T *c
           reinterpret_cast<uint32_t *>(base), reinterpret_cast<float *>(base + kSplitCountsBytes), epi);
       return cudaGetLastError();
     }
-  } else {
+  } else if constexpr (!Cfg::kSplittable) {
     if (parts != 1) return cudaErrorInvalidValue; // a configuration without the split
   }
   auto gemm_sm80 = gemm_sm80_kernel<T, Cfg, GemmEpilogue<T>>;

@@ -35,9 +35,10 @@
 // of every rank runs, however many SMs other kernels hold meanwhile (they can delay the
 // launch, not strand part of it). For virtual ranks sharing one device, G is the SMs divided
 // among them (TpGroup::fused_blocks), so the W grids fit together (that cooperative grids of
-// different streams then run at once is assumed, not documented: backend.cuh). The one-shot's blocks never
-// wait for one another; the two-shot's gather waits for its own rank's slice flag, which is
-// why the co-residency of a rank's own blocks matters (issue 21).
+// different streams then run at once is assumed, not documented: backend.cuh). A rank's blocks
+// also wait for one another: the two-shot's gather for its own rank's slice flag, the
+// one-shot's dealt RMSNorm rows for their strip's flag; that is why the co-residency of a
+// rank's own blocks matters (issue 21).
 //
 // Epochs, the flags' encoding and why a launch needs no closing barrier (two exchange areas,
 // by the epoch's parity): fused_flags.cuh. Here every rank consumes tiles of every peer in
@@ -48,9 +49,21 @@
 // of row strip s (the tile's BM rows), thread 0 adds 1 to strip_counts[s] (atom.acq_rel.gpu:
 // the release of the block's stores, ordered by __syncthreads; the adds of one counter form
 // a release sequence, so the last adder acquires every earlier tile's stores). The block that
-// brings the count to the strip's tile count normalises the strip's rows (rms_norm_row:
-// the standalone kernel's order, so the bits do not depend on which block does it) and sets
-// the count back to 0.
+// brings the count to the strip's tile count sets the count back to 0 and normalises the
+// strip's first row at once (rms_norm_row: the standalone kernel's order, so the bits do not
+// depend on which block does it). The strip's other rows are spread over the grid: when the
+// strip has more than one row, that thread 0 also stores the launch's flag into strip_flags[s]
+// of this rank's pad (st.release.sys, after its acquire in program order: cumulative over
+// every tile's stores it acquired), and once a block has consumed its last tile, it
+// normalises rows b, b + G, ... that are not a strip's first, each after thread 0 waited for
+// its strip's flag (await_flag: ld.relaxed spin, ld.acquire, then the __syncthreads of
+// passed(): the rows' loads come after). So a block normalises its share of the rows (m / G
+// rounded up) and the first rows of the strips it completes, where the block completing a
+// strip used to normalise the strip's BM rows alone. No
+// deadlock: a strip flag needs only consumes, which wait only for tile flags published before
+// any wait, and the strip waits come after a block's last publish and consume; the
+// cooperative launch keeps every block of the rank resident. A strip wait is consequent (a
+// stall is some tile wait's stall, which names the missing rank).
 //
 // Two-shot. Rank r consumes the tiles of its slice of rows, as the reduce-scatter does, and
 // writes the reduced rows h (through the bias and the residual, whose rows of the slice it
@@ -190,17 +203,44 @@ __device__ __forceinline__ bool consume(const Launch<T> &L, const Deadline &dead
   if (L.gamma == nullptr) return true;
   __syncthreads(); // the tile's stores, before thread 0's release
   if (threadIdx.x == 0) {
-    uint32_t *count = Pad{L.peers.signals[L.g.rank]}.strip_count(tm);
+    const Pad own{L.peers.signals[L.g.rank]};
+    uint32_t *count = own.strip_count(tm);
     st.last = atomic_add_acq_rel_gpu(count, 1u) + 1u == static_cast<uint32_t>(L.tiles_n);
-    if (st.last) *count = 0; // no other block of this launch adds to it again
+    if (st.last) {
+      *count = 0; // no other block of this launch adds to it again
+      // The strip's other rows, for the blocks they are dealt to (after the acquire above).
+      if (min(L.m, (tm + 1) * Cfg::kBlockM) - tm * Cfg::kBlockM > 1)
+        st_release_sys(own.strip_flag(tm), fused::flag_of(st.epoch, L.descriptor));
+    }
   }
   __syncthreads(); // the whole block after thread 0's acquire
   if (st.last) {
-    const int row_end = min(L.m, (tm + 1) * Cfg::kBlockM);
-    for (int row = tm * Cfg::kBlockM; row < row_end; ++row) {
-      T *h = L.out + static_cast<size_t>(row) * L.n;
-      rms_norm_row(h, L.gamma, L.eps, h, static_cast<size_t>(L.n));
+    T *h = L.out + static_cast<size_t>(tm) * Cfg::kBlockM * L.n;
+    rms_norm_row(h, L.gamma, L.eps, h, static_cast<size_t>(L.n));
+  }
+  return true;
+}
+
+// One-shot with RMSNorm, after the block's last consume: rows b, b + G, ... that are not a
+// strip's first (the block completing a strip normalised that one), each once its strip's
+// flag says every tile of the strip is reduced. False when the block gave up.
+template <typename T, int BM>
+__device__ __forceinline__ bool normalize_dealt_rows(const Launch<T> &L, const Deadline &deadline, BlockState &st) {
+  int awaited = -1; // the strip whose flag this block has acquired
+#pragma unroll 1
+  for (int row = blockIdx.x; row < L.m; row += gridDim.x) {
+    const int strip = row / BM;
+    if (row == strip * BM) continue;
+    if (strip != awaited) {
+      if (threadIdx.x == 0) {
+        const uint64_t *flag = Pad{L.peers.signals[L.g.rank]}.strip_flag(strip);
+        fused::await_flag(L.peers, L.g, deadline, st, flag, L.g.rank, L.descriptor, true);
+      }
+      if (!fused::passed(st)) return false;
+      awaited = strip;
     }
+    T *h = L.out + static_cast<size_t>(row) * L.n;
+    rms_norm_row(h, L.gamma, L.eps, h, static_cast<size_t>(L.n));
   }
   return true;
 }
@@ -297,6 +337,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
   const bool last_tile = previous >= 0 && st.failed == 0;
   __syncthreads();
   if (last_tile) consume<T, Cfg>(L, deadline, st, exchange, previous);
+  // The same rule before the strip waits.
+  const bool norming = L.gamma != nullptr && st.failed == 0;
+  __syncthreads();
+  if (norming) normalize_dealt_rows<T, Cfg::kBlockM>(L, deadline, st);
   // The same rule before the gather's waits.
   const bool gathering = two_shot && st.failed == 0;
   __syncthreads();

@@ -97,6 +97,10 @@ int tpfuse_fp_contraction_probe(const float *abc, float *out, void *stream);
  *                                                         a part of the all-gather + GEMM's
  *                                                         input): epoch (40 bits) << 24 |
  *                                                         descriptor (24 bits)
+ *       uint64 strip_flags[TPFUSE_MAX_FUSED_TILES]        strip_flags[s]: row strip s of this
+ *                                                         rank's GEMM + all-reduce output is
+ *                                                         reduced (RMSNorm; a flag as
+ *                                                         tile_flags')
  *   (cuda/fused_flags.cuh explains the fused words)
  * The kernels never reset flags: every barrier waits for a larger value (epochs), so the
  * same launch can be replayed from a CUDA graph.
@@ -123,7 +127,8 @@ int tpfuse_fp_contraction_probe(const float *abc, float *out, void *stream);
 #define TPFUSE_SIGNAL_SLICE_FLAGS_OFFSET (TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET + 64)
 #define TPFUSE_SIGNAL_STRIP_COUNTS_OFFSET (TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET + 256)
 #define TPFUSE_SIGNAL_TILE_FLAGS_OFFSET (TPFUSE_SIGNAL_STRIP_COUNTS_OFFSET + 4 * TPFUSE_MAX_FUSED_TILES)
-#define TPFUSE_SIGNAL_PAD_BYTES (TPFUSE_SIGNAL_TILE_FLAGS_OFFSET + 8 * TPFUSE_MAX_FUSED_TILES * TPFUSE_MAX_RANKS)
+#define TPFUSE_SIGNAL_STRIP_FLAGS_OFFSET (TPFUSE_SIGNAL_TILE_FLAGS_OFFSET + 8 * TPFUSE_MAX_FUSED_TILES * TPFUSE_MAX_RANKS)
+#define TPFUSE_SIGNAL_PAD_BYTES (TPFUSE_SIGNAL_STRIP_FLAGS_OFFSET + 8 * TPFUSE_MAX_FUSED_TILES)
 
 /* Error word values. TIMEOUT | p: rank p did not arrive before the deadline. MISMATCH | p |
  * (q << 16): ranks p and q launched different kernels, sizes, epilogues or grids (q noticed).
@@ -296,7 +301,8 @@ int tpfuse_gemm(tpfuse_dtype dtype, int32_t config, const void *a, const void *b
 /* tpfuse_gemm, with a scratch for the parallel split of k: when the shape's split has S > 1
  * parts, m <= TPFUSE_GEMM_SPLIT_PARALLEL_M_MAX and scratch_bytes >= tpfuse_gemm_scratch_bytes,
  * a block runs each part of each tile and the last one adds them (more SMs stream the weight;
- * the same bits). scratch: 16-byte aligned, zeroed before its first use, used by one stream at
+ * the same bits), with the configurations AUTO chooses where k splits (SMALL_16X64, TILE_64X64;
+ * a forced SMALL_16X16 or SMALL_16X32 runs each tile's parts in its block). scratch: 16-byte aligned, zeroed before its first use, used by one stream at
  * a time (not by two branches of one CUDA graph either). Calls of any shape may share it: every
  * launch leaves its counts (its first 16 KiB) back at zero; zero it again after a launch that
  * failed. NULL, or too small: each tile's block runs its parts one after another. */

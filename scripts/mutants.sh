@@ -329,6 +329,19 @@ mutant epoch-not-advanced emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce
   fused_flags.cuh '*own.fused_epoch() = st.epoch;' ''
 mutant norm-before-row-complete emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "the first block to reduce a tile of a strip normalises it" \
   gemm_all_reduce.cu '+ 1u == static_cast<uint32_t>(L.tiles_n);' '+ 1u == 1u;'
+mutant strip-rows-without-waiting emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "one-shot normalises its dealt rows without waiting for the strip's flag" \
+  gemm_all_reduce.cu 'fused::await_flag(L.peers, L.g, deadline, st, flag, L.g.rank, L.descriptor, true);' '(void)flag;'
+mutant strip-flag-weak-store emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16+weak "the strip's flag stored without release" \
+  gemm_all_reduce.cu 'st_release_sys(own.strip_flag(tm), fused::flag_of(st.epoch, L.descriptor));' '*own.strip_flag(tm) = fused::flag_of(st.epoch, L.descriptor);'
+mutant strip-flag-every-tile emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "the strip's flag published by every block that reduced one of its tiles" \
+  gemm_all_reduce.cu $'    if (st.last) {\n      *count = 0; // no other block of this launch adds to it again\n' \
+  $'    st_release_sys(own.strip_flag(tm), fused::flag_of(st.epoch, L.descriptor));\n    if (st.last) {\n      *count = 0;\n'
+mutant strip-one-row-per-block emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "one-shot normalises only the first row dealt to each block" \
+  gemm_all_reduce.cu 'for (int row = blockIdx.x; row < L.m; row += gridDim.x) {' 'for (int row = blockIdx.x; row < L.m; row += L.m) {'
+mutant strip-rows-on-block-0 emu_counters::the_fused_one_shot_deals_its_rmsnorm_rows_over_the_grid "one-shot normalises every dealt row on block 0 (the same bits, one block's chain)" \
+  gemm_all_reduce.cu 'for (int row = blockIdx.x; row < L.m; row += gridDim.x) {' 'for (int row = blockIdx.x == 0 ? 0 : L.m; row < L.m; ++row) {'
+mutant strip-first-row-skipped emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "the block completing a strip leaves its first row" \
+  gemm_all_reduce.cu $'  if (st.last) {\n    T *h = L.out + static_cast<size_t>(tm) * Cfg::kBlockM * L.n;' $'  if (false) {\n    T *h = L.out + static_cast<size_t>(tm) * Cfg::kBlockM * L.n;'
 mutant fused-failure-unmarked emu_fused_failures::a_missing_rank_is_named_by_the_two_shot_too "the fused kernel's last block leaves a failed launch's outputs" \
   fused_flags.cuh '  return st.last && st.failed;' '  return false;'
 mutant fused-no-descriptor-check emu_fused_failures::ranks_that_launch_different_shapes_get_a_mismatch "the fused kernel accepts a tile flag of another launch's shape" \

@@ -19,7 +19,7 @@ start() {
   (
     t0=$(date +%s%N)
     rc=0
-    LD_PRELOAD=${TPFUSE_TEST_PRELOAD:-${LD_PRELOAD:-}} "$bin" --exact "$test" >"$work/$n.log" 2>&1 || rc=$?
+    LD_PRELOAD=${TPFUSE_TEST_PRELOAD:-${LD_PRELOAD:-}} "$bin" --exact "$test" </dev/null >"$work/$n.log" 2>&1 || rc=$?
     echo "$rc $((($(date +%s%N) - t0) / 1000000))" >"$work/$n.status"
   ) &
 }
@@ -27,6 +27,7 @@ start() {
 failed=()
 n=0
 : >"$work/binaries"
+: >"$work/queue"
 for bin in "$@"; do
   name=$(basename "$bin" | sed 's/-[0-9a-f]*$//')
   listed=$("$bin" --list 2>/dev/null | sed -n 's/: test$//p')
@@ -35,11 +36,24 @@ for bin in "$@"; do
   for test in $listed; do
     n=$((n + 1))
     echo "$name $test" >"$work/$n.name"
-    while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n || true; done
-    start "$n" "$bin" "$test"
+    echo "$n $bin $name::$test" >>"$work/queue"
   done
   echo "$first $n $name" >>"$work/binaries"
 done
+# The slowest tests first (scripts/slow-tests.txt, slowest first; a hint for the order only):
+# a long test started last would keep one core busy while the others idle.
+slow=$(dirname "$0")/slow-tests.txt
+{
+  if [ -f "$slow" ]; then
+    grep -v '^#' "$slow" | while read -r want; do awk -v t="$want" '$3 == t' "$work/queue"; done
+  fi
+  cat "$work/queue"
+} | awk '!seen[$1]++' >"$work/order"
+while read -r i bin _; do
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n || true; done
+  read -r _ test <"$work/$i.name"
+  start "$i" "$bin" "$test"
+done <"$work/order"
 wait
 
 while read -r first last name; do

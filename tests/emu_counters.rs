@@ -689,3 +689,93 @@ fn fused_gemm_all_reduce_reads_the_peers_once_or_twice_by_slices() {
         }
     }
 }
+
+/// The fused one-shot's RMSNorm rows, block by block (what `tpfuse::plan::fused_row` charges
+/// each block): the block
+/// that completes a row strip normalises the strip's first row, and the strip's other rows
+/// are dealt over the grid, row r to block r mod G; none normalises a whole strip alone. A
+/// block's rows are what it writes with the norm beyond what it writes without (n elements a
+/// row; the strips' counts and flags add less than half a row).
+#[test]
+fn the_fused_one_shot_deals_its_rmsnorm_rows_over_the_grid() {
+    let _session = session_with(
+        FILE,
+        "the_fused_one_shot_deals_its_rmsnorm_rows_over_the_grid",
+        SMS,
+        60_000_000_000,
+    );
+    let gpu = gpu();
+    // One strip of 16 rows (16-row tiles: 17 tiles on 8 blocks); three strips of 64, 64 and 1
+    // rows (64-row tiles: 9 tiles on 8 blocks; a strip of one row has no flag).
+    for (world, m, n, k) in [(2usize, 16usize, 264usize, 40usize), (2, 129, 136, 40)] {
+        let groups = virtual_group(&gpu.ctx, world, GroupOptions::default());
+        let shape = GemmShape { m, n, k };
+        let xs: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0x9f, world, m * k));
+        let ws: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0xaf, world, n * k));
+        let gammas: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0xbf, world, n));
+        let mut outs: Vec<CudaSlice<bf16>> = poisoned_ranks(&groups, m * n);
+        let label = format!("GEMM + all-reduce one-shot W={world} (m, n, k)=({m}, {n}, {k})");
+        let mut run = |norm: bool| {
+            let mut plans = Vec::new();
+            let ((), recs) = counters::count(|| {
+                plans = round(&groups, &label, |r| {
+                    let epilogue = Epilogue {
+                        norm: norm.then(|| RmsNorm {
+                            gamma: &gammas[r],
+                            eps: 1e-5,
+                        }),
+                        ..Epilogue::default()
+                    };
+                    let (x, wt, out) = (&xs[r], &ws[r], &mut outs[r]);
+                    gemm_all_reduce_with(
+                        &groups[r],
+                        x,
+                        wt,
+                        epilogue,
+                        out,
+                        shape,
+                        Algorithm::OneShot,
+                    )
+                });
+            });
+            (plans, recs)
+        };
+        let (plans, plain) = run(false);
+        let (_, normed) = run(true);
+        let plan: FusedPlan = plans[0];
+        let (grid, block_m) = (plan.grid, plan.config.info().block_m);
+        let strips = m.div_ceil(block_m);
+        let row_bytes = n as u64 * S;
+        for recs in [&plain, &normed] {
+            assert_eq!(recs.len(), world, "{label}: launches");
+            assert!(
+                recs.iter()
+                    .all(|rec| rec.kernel.contains("gemm_all_reduce")),
+                "{label}: {recs:#?}"
+            );
+        }
+        for rank in 0..world {
+            let find = |recs: &[LaunchCounters]| {
+                recs.iter()
+                    .find(|rec| rec.rank == Some(rank))
+                    .unwrap_or_else(|| panic!("{label}: no launch of rank {rank}"))
+                    .blocks
+                    .clone()
+            };
+            let (without, with) = (find(&plain), find(&normed));
+            assert_eq!(with.len(), grid, "{label}: blocks");
+            let mut completed = 0;
+            for b in 0..grid {
+                let extra = with[b].global_write_bytes - without[b].global_write_bytes;
+                let rows = ((extra + row_bytes / 2) / row_bytes) as usize;
+                let dealt = (0..m).filter(|r| r % grid == b && r % block_m != 0).count();
+                assert!(
+                    rows >= dealt && rows - dealt <= strips,
+                    "{label} rank {rank} block {b}: normalised {rows} rows, dealt {dealt}"
+                );
+                completed += rows - dealt;
+            }
+            assert_eq!(completed, strips, "{label} rank {rank}: strips' first rows");
+        }
+    }
+}

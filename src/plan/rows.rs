@@ -59,7 +59,8 @@ pub struct PlanRow {
     pub bytes_per_sm_mean: f64,
     /// Bytes of loads in flight on a busy SM: resident blocks x loads in flight per block.
     pub bytes_in_flight_per_sm: u64,
-    /// Cross-GPU synchronisation rounds on the critical path.
+    /// Synchronisation rounds on the critical path: flag or barrier waits across GPUs, and the
+    /// fused one-shot's wait for a row strip's flag within one (its dealt RMSNorm rows).
     pub sync_rounds: usize,
     /// The least time the op's minimum bytes take at the device's peak bandwidths (DRAM, and
     /// the link for peer bytes), plus one round for a collective, µs.
@@ -505,8 +506,10 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
     let bytes = (m * g.n) as u64 * s;
     let algo = fused_all_reduce_algo::<bf16>(shape, &fused_facts(tp, p), Algorithm::Auto).ok()?;
     // Per tile: the GEMM's A rows and B rows, its partial stored; one-shot: the W partials
-    // read, bias-free residual read and written, out written; the norm of a strip by the
-    // block that completes it (out read twice, gamma, out written per element of the strip).
+    // read, bias-free residual read and written, out written; the norm of a row (out read
+    // twice, gamma, out written per element): a strip's first row by the block that completes
+    // the strip (in the kernel whichever block adds last; here the block of its last column's
+    // tile), its other rows dealt over the grid (row r to block r mod G).
     let gemm_bytes = gemm_block_bytes(config, shape, false, false);
     let mut per_block = vec![0u64; grid];
     for tile in 0..tiles {
@@ -518,7 +521,12 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
         };
         per_block[tile % grid] += gemm_bytes[tile] + reduce;
         if tn + 1 == tiles_n && algo == AllReduceAlgo::OneShot {
-            per_block[tile % grid] += 4 * rows * g.n as u64 * s;
+            per_block[tile % grid] += 4 * g.n as u64 * s;
+        }
+    }
+    if algo == AllReduceAlgo::OneShot {
+        for row in (0..m).filter(|row| row % info.block_m != 0) {
+            per_block[row % grid] += 4 * g.n as u64 * s;
         }
     }
     if algo == AllReduceAlgo::TwoShot {
@@ -533,7 +541,12 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
         _ => 2.0 * (w - 1) as f64 / w as f64 * bytes as f64,
     };
     let total: u64 = per_block.iter().sum();
-    let rounds = if algo == AllReduceAlgo::OneShot { 1 } else { 2 };
+    // One-shot: the tiles' flags, then (a strip of more than one row) the strip's flag for
+    // its dealt rows; two-shot: the tiles', then the slices'.
+    let rounds = match algo {
+        AllReduceAlgo::OneShot if m == 1 => 1,
+        _ => 2,
+    };
     let minimum = ((g.n * g.k + m * g.k + 3 * m * g.n) as u64 * s) as f64;
     let floor = (minimum / p.dram_bytes_per_s).max(peer_bytes / p.link_bytes_per_s) + p.round_s;
     let model = Model {
