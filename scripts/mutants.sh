@@ -79,6 +79,9 @@ build_library() {
   fi
   mkdir -p "$out/obj"
   cp "$work/baseline/out/obj/"*.o "$out/obj/"
+  # The baseline's precompiled standard headers, linked (the same list and flags; build.sh
+  # checks the list, and replaces a .gch rather than writing into it).
+  cp -rl "$work/baseline/out/pch" "$out/"
   while read -r file; do
     for unit in $(units_reaching "$work/$name/cuda" "$file"); do
       rm -f "$out/obj/$(basename "$unit").o"
