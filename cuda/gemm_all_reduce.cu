@@ -209,13 +209,13 @@ __device__ __forceinline__ bool consume(const Launch<T> &L, const Deadline &dead
     if (st.last) {
       *count = 0; // no other block of this launch adds to it again
       // The strip's other rows, for the blocks they are dealt to (after the acquire above).
-      if (min(L.m, (tm + 1) * Cfg::kBlockM) - tm * Cfg::kBlockM > 1)
+      if (rows.end - rows.first > 1)
         st_release_sys(own.strip_flag(tm), fused::flag_of(st.epoch, L.descriptor));
     }
   }
   __syncthreads(); // the whole block after thread 0's acquire
   if (st.last) {
-    T *h = L.out + static_cast<size_t>(tm) * Cfg::kBlockM * L.n;
+    T *h = L.out + static_cast<size_t>(rows.first) * L.n;
     rms_norm_row(h, L.gamma, L.eps, h, static_cast<size_t>(L.n));
   }
   return true;

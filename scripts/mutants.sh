@@ -344,7 +344,7 @@ mutant strip-one-row-per-block emu_gemm_all_reduce::fused_equals_gemm_then_all_r
 mutant strip-rows-on-block-0 emu_counters::the_fused_one_shot_deals_its_rmsnorm_rows_over_the_grid "one-shot normalises every dealt row on block 0 (the same bits, one block's chain)" \
   gemm_all_reduce.cu 'for (int row = blockIdx.x; row < L.m; row += gridDim.x) {' 'for (int row = blockIdx.x == 0 ? 0 : L.m; row < L.m; ++row) {'
 mutant strip-first-row-skipped emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "the block completing a strip leaves its first row" \
-  gemm_all_reduce.cu $'  if (st.last) {\n    T *h = L.out + static_cast<size_t>(tm) * Cfg::kBlockM * L.n;' $'  if (false) {\n    T *h = L.out + static_cast<size_t>(tm) * Cfg::kBlockM * L.n;'
+  gemm_all_reduce.cu $'  if (st.last) {\n    T *h = L.out + static_cast<size_t>(rows.first) * L.n;' $'  if (false) {\n    T *h = L.out + static_cast<size_t>(rows.first) * L.n;'
 mutant fused-failure-unmarked emu_fused_failures::a_missing_rank_is_named_by_the_two_shot_too "the fused kernel's last block leaves a failed launch's outputs" \
   fused_flags.cuh '  return st.last && st.failed;' '  return false;'
 mutant fused-no-descriptor-check emu_fused_failures::ranks_that_launch_different_shapes_get_a_mismatch "the fused kernel accepts a tile flag of another launch's shape" \
