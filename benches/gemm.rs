@@ -25,7 +25,9 @@ use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBi
 use half::{bf16, f16};
 use std::sync::Arc;
 use std::time::Duration;
-use tpfuse::ops::gemm::{gemm, select_config, GemmElement, GemmShape};
+use tpfuse::ops::gemm::{
+    gemm, gemm_with_scratch, select_config, split_scratch_bytes, GemmElement, GemmShape,
+};
 
 const SHAPES: [(&str, usize, usize); 4] = [
     ("qkv", 1280, 8192),
@@ -91,6 +93,9 @@ struct Row {
     gemm: GemmShape,
     config: &'static str,
     ours: Duration,
+    /// With a split scratch ([`gemm_with_scratch`]: k's parts in parallel blocks, what a
+    /// group's decode GEMMs run), where the shape splits.
+    split: Option<Duration>,
     theirs: Option<Duration>,
 }
 
@@ -213,6 +218,30 @@ where
             bench.iter_custom(|iters| time_graph(stream, &ours, iters) / copies as u32)
         });
         let ours_median = median_call(stream, &ours, copies);
+        let split_median = match split_scratch_bytes(s, sms) {
+            0 => None,
+            bytes => {
+                let mut scratch = stream.alloc_zeros::<u8>(bytes).expect("a split scratch");
+                let mut call = |i: usize| {
+                    let mut o = out.slice_mut(0..m * n);
+                    gemm_with_scratch(
+                        stream,
+                        &a_m,
+                        &weights[i],
+                        None,
+                        None,
+                        &mut o,
+                        s,
+                        &mut scratch,
+                    )
+                    .expect("gemm_with_scratch");
+                };
+                call(0);
+                stream.synchronize().expect("gemm_with_scratch warm-up");
+                let split = capture(stream, copies, call);
+                Some(median_call(stream, &split, copies))
+            }
+        };
 
         let theirs_median = blas.map(|blas| {
             cublaslt(blas, &a, &weights[0], &mut out, s);
@@ -231,6 +260,7 @@ where
             gemm: s,
             config,
             ours: ours_median,
+            split: split_median,
             theirs: theirs_median,
         });
     }
@@ -241,7 +271,7 @@ where
 fn print_table(gpu: &str, rows: &[Row]) {
     println!("\ngemm on {gpu}: median of {TABLE_SAMPLES} graph launches, time of one call");
     println!(
-        "{:<5} {:<8} {:>5} {:>5} {:>5}  {:<14} {:>10} {:>8} {:>8}  {:>10} {:>8}  {:>6}",
+        "{:<5} {:<8} {:>5} {:>5} {:>5}  {:<14} {:>10} {:>8} {:>8}  {:>9} {:>8}  {:>10} {:>8}  {:>6}",
         "dtype",
         "layer",
         "m",
@@ -250,6 +280,8 @@ fn print_table(gpu: &str, rows: &[Row]) {
         "config",
         "tpfuse us",
         "TFLOP/s",
+        "W GB/s",
+        "split us",
         "W GB/s",
         "cuBLASLt",
         "TFLOP/s",
@@ -267,8 +299,15 @@ fn print_table(gpu: &str, rows: &[Row]) {
             ),
             None => ("-".into(), "-".into(), "-".into()),
         };
+        let (split_us, split_gbs) = match r.split {
+            Some(t) => (
+                format!("{:.1}", t.as_secs_f64() * 1e6),
+                format!("{:.0}", (s.n * s.k * 2) as f64 / t.as_secs_f64() / 1e9),
+            ),
+            None => ("-".into(), "-".into()),
+        };
         println!(
-            "{:<5} {:<8} {:>5} {:>5} {:>5}  {:<14} {:>10.1} {:>8.1} {:>8.0}  {:>10} {:>8}  {:>6}",
+            "{:<5} {:<8} {:>5} {:>5} {:>5}  {:<14} {:>10.1} {:>8.1} {:>8.0}  {:>9} {:>8}  {:>10} {:>8}  {:>6}",
             r.dtype,
             r.shape,
             s.m,
@@ -278,12 +317,18 @@ fn print_table(gpu: &str, rows: &[Row]) {
             r.ours.as_secs_f64() * 1e6,
             tflops(r.ours),
             weight_gbs,
+            split_us,
+            split_gbs,
             theirs_us,
             theirs_tf,
             ratio
         );
     }
-    println!("ratio = cuBLASLt time / tpfuse time (above 1: tpfuse is faster)");
+    println!(
+        "split = gemm_with_scratch (k's parts in parallel blocks, as a group's decode GEMMs run; \
+         '-' where the shape does not split); ratio = cuBLASLt time / tpfuse time (above 1: \
+         tpfuse is faster)"
+    );
 }
 
 /// Whether cuBLASLt can be loaded. With the `candle` feature cudarc links it instead

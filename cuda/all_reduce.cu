@@ -29,6 +29,7 @@
 
 #include "barrier.cuh"
 #include "reduce.cuh"
+#include "kernel_list.cuh"
 
 namespace tpfuse {
 namespace {
@@ -398,7 +399,21 @@ int launch_all_reduce(int algo, const tpfuse_peers &peers, const tpfuse_group_ar
   return cudaGetLastError();
 }
 
+template <typename T> void add_all_reduce_kernels(KernelList &list) {
+  list.add(one_shot_kernel<T>);
+  list.add(two_shot_kernel<T>);
+  list.add(reduce_scatter_kernel<T>);
+}
+
 } // namespace
+
+void all_reduce_kernels(KernelList &list) {
+  add_all_reduce_kernels<float>(list);
+  add_all_reduce_kernels<__half>(list);
+  add_all_reduce_kernels<__nv_bfloat16>(list);
+  list.add(all_gather_kernel);
+}
+
 } // namespace tpfuse
 
 extern "C" int tpfuse_all_reduce(tpfuse_dtype dtype, int32_t algo, const tpfuse_peers *peers,

@@ -2,6 +2,7 @@
 // paths that cannot fuse it (two-shot RMSNorm, NCCL).
 
 #include "epilogue.cuh"
+#include "kernel_list.cuh"
 
 namespace tpfuse {
 namespace {
@@ -67,6 +68,15 @@ int launch_bias_residual(const void *x, const void *bias, void *residual, void *
       static_cast<const T *>(x), static_cast<const T *>(bias), static_cast<T *>(residual),
       static_cast<T *>(out), n, hidden);
   return cudaGetLastError();
+}
+
+void epilogue_kernels(KernelList &list) {
+  list.add(rms_norm_kernel<float>);
+  list.add(rms_norm_kernel<__half>);
+  list.add(rms_norm_kernel<__nv_bfloat16>);
+  list.add(bias_residual_kernel<float>);
+  list.add(bias_residual_kernel<__half>);
+  list.add(bias_residual_kernel<__nv_bfloat16>);
 }
 
 } // namespace tpfuse

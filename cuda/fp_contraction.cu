@@ -5,6 +5,7 @@
 // product-plus-addend whose two results differ.
 
 #include "backend.cuh"
+#include "kernel_list.cuh"
 #include "tpfuse.h"
 
 namespace {
@@ -18,6 +19,10 @@ __global__ void fp_contraction_kernel(const float *abc, float *out) {
 }
 
 } // namespace
+
+namespace tpfuse {
+void fp_contraction_kernels(KernelList &list) { list.add(fp_contraction_kernel); }
+} // namespace tpfuse
 
 extern "C" int tpfuse_fp_contraction_probe(const float *abc, float *out, void *stream) {
   if (abc == nullptr || out == nullptr) return cudaErrorInvalidValue;

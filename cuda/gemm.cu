@@ -22,6 +22,7 @@
 #include <climits>
 
 #include "gemm_split.cuh"
+#include "kernel_list.cuh"
 
 namespace tpfuse {
 namespace gemm {
@@ -150,8 +151,25 @@ int launch(int config, const void *a, const void *b, const void *bias, const voi
 
 constexpr size_t kMaxDim = size_t{1} << 30;
 
+template <typename T> void add_gemm_kernels(KernelList &list) {
+  list.add(gemm_sm80_kernel<T, SmallM16x16, GemmEpilogue<T>>);
+  list.add(gemm_sm80_kernel<T, SmallM16x32, GemmEpilogue<T>>);
+  list.add(gemm_sm80_kernel<T, SmallM16x64, GemmEpilogue<T>>);
+  list.add(gemm_sm80_kernel<T, Tile128x128, GemmEpilogue<T>>);
+  list.add(gemm_sm80_kernel<T, Tile64x64, GemmEpilogue<T>>);
+  // The parallel split only where launch_config launches it (64 columns).
+  list.add(gemm_split_kernel<T, SmallM16x64>);
+  list.add(gemm_split_kernel<T, Tile64x64>);
+}
+
 } // namespace
 } // namespace gemm
+
+void gemm_kernels(KernelList &list) {
+  gemm::add_gemm_kernels<__half>(list);
+  gemm::add_gemm_kernels<__nv_bfloat16>(list);
+}
+
 } // namespace tpfuse
 
 extern "C" int tpfuse_gemm_scratch(tpfuse_dtype dtype, int32_t config, const void *a, const void *b,

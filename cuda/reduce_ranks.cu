@@ -5,6 +5,7 @@
 // an element, it gets the same bits.
 
 #include "common.cuh"
+#include "kernel_list.cuh"
 
 namespace tpfuse {
 namespace {
@@ -71,6 +72,13 @@ int launch(const void *const *inputs, int num_inputs, void *out, size_t len, cud
 }
 
 } // namespace
+
+void reduce_ranks_kernels(KernelList &list) {
+  list.add(reduce_ranks_kernel<float>);
+  list.add(reduce_ranks_kernel<__half>);
+  list.add(reduce_ranks_kernel<__nv_bfloat16>);
+}
+
 } // namespace tpfuse
 
 extern "C" int tpfuse_reduce_ranks(tpfuse_dtype dtype, const void *const *inputs,

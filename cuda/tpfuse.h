@@ -54,6 +54,19 @@ const char *tpfuse_error_string(int32_t code);
 /* CUDART_VERSION the kernels were compiled against, e.g. 13000. */
 int32_t tpfuse_cudart_version(void);
 
+/* How many kernels (instantiations) this build holds. */
+int32_t tpfuse_kernel_count(void);
+
+/*
+ * The handles (CUfunction, from cudaGetFuncBySymbol) of every kernel in the context current on
+ * this thread, in functions[0 .. tpfuse_kernel_count()). Under CUDA's lazy loading (the default
+ * since CUDA 12.2) a handle may be partly loaded, and a kernel's first use may then wait for
+ * everything running in the context: cuFuncLoad on each handle loads them all now (what the
+ * Rust side does when it builds a group; kernel_list.cuh says why). Returns a cudaError_t:
+ * cudaErrorInvalidValue when `capacity` is smaller than the count.
+ */
+int tpfuse_kernel_functions(void **functions, int32_t capacity);
+
 /* out[0] = abc[0] * abc[1] + abc[2] as written (a multiply, then an add: two roundings),
  * out[1] = fmaf(abc[0], abc[1], abc[2]) (one rounding), on `stream`: how the kernels' floating
  * point is compiled (no implicit contraction; fp_contraction.cu). abc: 3 floats, out: 2, device

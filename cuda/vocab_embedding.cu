@@ -18,6 +18,7 @@
 // synchronisation.
 
 #include "common.cuh"
+#include "kernel_list.cuh"
 
 namespace tpfuse {
 namespace {
@@ -52,6 +53,9 @@ __global__ void __launch_bounds__(kEmbeddingThreads)
 }
 
 } // namespace
+
+void vocab_embedding_kernels(KernelList &list) { list.add(vocab_embedding_kernel); }
+
 } // namespace tpfuse
 
 extern "C" int tpfuse_vocab_embedding(tpfuse_dtype dtype, const void *table, const uint32_t *ids,

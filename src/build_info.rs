@@ -70,6 +70,13 @@ pub fn kernel_resources() -> Vec<KernelResources> {
         .collect()
 }
 
+/// How many kernels (instantiations) this build holds: the ones
+/// [`device::load_kernels`](crate::device::load_kernels) loads.
+pub fn kernel_count() -> usize {
+    // SAFETY: no arguments; counts a static list.
+    unsafe { crate::ffi::kernels::tpfuse_kernel_count() }.max(0) as usize
+}
+
 /// The distinct kernel names, sorted.
 pub fn kernels() -> Vec<String> {
     let mut names: Vec<String> = kernel_resources().into_iter().map(|k| k.kernel).collect();

@@ -57,6 +57,41 @@ pub fn open(ordinal: usize) -> Result<Arc<CudaContext>> {
     CudaContext::new(ordinal).map_err(cuda("opening the device"))
 }
 
+/// Loads every tpfuse kernel into `ctx` now, so that no later launch of one loads it.
+///
+/// Since CUDA 12.2 a kernel is loaded into a context when it is first used, and that load may
+/// wait for every kernel running in the context (CUDA's lazy loading). A rank's collective
+/// kernel waits for its peers' kernels; when one host thread enqueues the ranks one after
+/// another ([`TpGroup::virtual_ranks`](crate::TpGroup::virtual_ranks), or one process driving
+/// several GPUs), a first use on rank 0's context between rank 0's collective and rank 1's
+/// (an unfused epilogue, a GEMM) waits until rank 0's kernel fails at its deadline. Every
+/// group constructor calls this for each rank's context. An engine that launches kernels of
+/// its own between two ranks' launches should load those too (`CUDA_MODULE_LOADING=EAGER` in
+/// the environment before CUDA starts does it for every module of the process).
+///
+/// Returns how many kernels were loaded: [`crate::build_info::kernel_count`]; 0 on a driver
+/// older than CUDA 12.4, which has no `cuFuncLoad` (there the hazard stays).
+pub fn load_kernels(ctx: &Arc<CudaContext>) -> Result<usize> {
+    if driver_version()? < (12, 4) {
+        return Ok(0);
+    }
+    ctx.bind_to_thread().map_err(cuda("binding the context"))?;
+    let count = crate::build_info::kernel_count();
+    let mut functions = vec![std::ptr::null_mut::<std::ffi::c_void>(); count];
+    // SAFETY: `functions` holds `count` pointers; the context is current on this thread.
+    let code = unsafe {
+        crate::ffi::kernels::tpfuse_kernel_functions(functions.as_mut_ptr(), count as i32)
+    };
+    crate::validate::launched("tpfuse_kernel_functions", code)?;
+    for f in functions {
+        // SAFETY: `f` is a handle cudaGetFuncBySymbol returned for the current context.
+        unsafe { sys::cuFuncLoad(f.cast()) }
+            .result()
+            .map_err(cuda("loading a kernel (cuFuncLoad)"))?;
+    }
+    Ok(count)
+}
+
 /// Errors when `stream` is one of CUDA's special handles (the legacy default stream, null or
 /// `CU_STREAM_LEGACY`, or `CU_STREAM_PER_THREAD`), which cannot carry a rank: the legacy
 /// stream waits for every other blocking stream of the context (virtual ranks would wait for

@@ -129,6 +129,16 @@ pub fn now_ns() -> u64 {
     unsafe { sys::tpfuse_emu_now_ns() }
 }
 
+/// How many kernels are loaded on emulated device `device`: by `cuFuncLoad`
+/// ([`device::load_kernels`](crate::device::load_kernels)) or by a first use. The emulator
+/// models CUDA's lazy loading strictly: a kernel's first use on a device waits for everything
+/// enqueued on that device's streams (cuda/emu/loading.cpp).
+pub fn loaded_kernels(device: usize) -> usize {
+    let device = i32::try_from(device).unwrap_or(i32::MAX);
+    // SAFETY: no pointers.
+    unsafe { sys::tpfuse_emu_loaded_kernels(device) }
+}
+
 /// Runs the device until everything enqueued on every stream so far has completed (frees
 /// that cudarc enqueued when its buffers dropped included); errors stay with their streams.
 pub fn drain() {

@@ -37,6 +37,17 @@ fn every_kernel_is_built_for_every_architecture() {
 }
 
 #[test]
+fn the_kernel_list_names_every_kernel_of_the_build() {
+    // device::load_kernels loads the kernels of cuda/kernel_list.cu's list: one left out would
+    // load at its first use, which may wait for every kernel running on its device.
+    assert_eq!(
+        build_info::kernel_count(),
+        build_info::kernels().len(),
+        "tpfuse_kernel_count() against the kernels of the ptxas report"
+    );
+}
+
+#[test]
 fn no_kernel_spills_registers() {
     let spills: Vec<_> = build_info::kernel_resources()
         .into_iter()

@@ -59,6 +59,12 @@ thread_local std::vector<Context *> context_stack;
 
 int device_count() { return emulated_devices(); }
 
+} // namespace
+
+int current_device() { return context_stack.empty() ? 0 : context_stack.back()->device; }
+
+namespace {
+
 bool any_stream_capturing() {
   Device &dev = device();
   std::lock_guard<std::mutex> lk(dev.mu);

@@ -162,12 +162,8 @@ std::unique_ptr<Launch> clone_op(const Launch &op) {
   return copy;
 }
 
-cudaError_t synchronize_stream(Stream *only) {
+void run_until_completed(std::unique_lock<std::mutex> &lk, const std::vector<std::pair<Stream *, uint64_t>> &targets) {
   Device &dev = device();
-  std::unique_lock<std::mutex> lk(dev.mu);
-  std::vector<std::pair<Stream *, uint64_t>> targets;
-  for (auto &s : dev.streams)
-    if (only == nullptr || s.get() == only) targets.emplace_back(s.get(), s->enqueued);
   ++dev.waiters;
   dev.wake_device.notify_one();
   dev.work_done.wait(lk, [&] {
@@ -176,6 +172,15 @@ cudaError_t synchronize_stream(Stream *only) {
     return true;
   });
   --dev.waiters;
+}
+
+cudaError_t synchronize_stream(Stream *only) {
+  Device &dev = device();
+  std::unique_lock<std::mutex> lk(dev.mu);
+  std::vector<std::pair<Stream *, uint64_t>> targets;
+  for (auto &s : dev.streams)
+    if (only == nullptr || s.get() == only) targets.emplace_back(s.get(), s->enqueued);
+  run_until_completed(lk, targets);
   cudaError_t error = cudaSuccess;
   for (auto &t : targets)
     if (error == cudaSuccess) error = t.first->error;
@@ -266,8 +271,10 @@ cudaError_t enqueue_launch(const LaunchSpec &spec, std::function<void()> body) {
                             std::to_string(per_sm) + " a SM x " + std::to_string(dev.config.sms) + " SMs at once";
     return fail(cudaErrorCooperativeLaunchTooLarge, why.c_str(), spec);
   }
+  Stream *stream = stream_of(spec.stream);
+  load_function(spec.func, stream->device);  // a first use: CUDA's lazy loading (loading.cpp)
   auto launch = std::make_unique<Launch>();
-  launch->stream = stream_of(spec.stream);
+  launch->stream = stream;
   launch->func = spec.func;
   launch->name = instantiation_name(spec.name, spec.context);
   launch->grid = dim3(spec.grid);
@@ -343,6 +350,7 @@ cudaError_t tpfuse_emu_func_set_attribute(const void *func, cudaFuncAttribute at
       static_cast<size_t>(value) > sm_limits().smem_opt_in) {
     return cudaErrorInvalidValue;
   }
+  load_function(func, current_device());  // a first use: CUDA's lazy loading (loading.cpp)
   Device &dev = device();
   std::lock_guard<std::mutex> lk(dev.mu);
   dev.max_dynamic_smem[func] = value;

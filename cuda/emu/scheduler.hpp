@@ -249,8 +249,17 @@ void yield_to_scheduler();
 // Enqueues an operation on `launch->stream` (or records it, while the stream captures);
 // takes mu.
 void enqueue_op(std::unique_ptr<Launch> launch);
+// CUDA's lazy loading (loading.cpp): the first use of `func` on device `dev_index` (a launch,
+// cudaFuncSetAttribute, cuFuncLoad) waits for everything enqueued on that device's streams.
+void load_function(const void *func, int dev_index);
+// The device of the context current on this thread (0 when none, as the runtime's calls
+// assume).
+int current_device();
 // A copy of an operation, for a CUDA graph's replay.
 std::unique_ptr<Launch> clone_op(const Launch &op);
+// With mu held through `lk`: runs the device until each stream has completed the count of
+// operations paired with it.
+void run_until_completed(std::unique_lock<std::mutex> &lk, const std::vector<std::pair<Stream *, uint64_t>> &targets);
 // Runs the device until everything enqueued on `stream` so far has completed (every stream
 // when null); the stream's sticky error.
 cudaError_t synchronize_stream(Stream *stream);

@@ -84,6 +84,10 @@ int32_t tpfuse_emu_stream_set_clock_divisor(void *stream, uint32_t divisor);
 void *tpfuse_emu_malloc(size_t bytes);
 void tpfuse_emu_free(void *ptr);
 
+/* How many kernels are loaded on emulated device `device` (cuFuncLoad, or a first use:
+ * loading.cpp, CUDA's lazy loading). */
+size_t tpfuse_emu_loaded_kernels(int32_t device);
+
 /* Virtual time in nanoseconds (what %globaltimer reads). */
 uint64_t tpfuse_emu_now_ns(void);
 

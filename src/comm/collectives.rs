@@ -24,7 +24,14 @@ pub enum ReduceOp {
 }
 
 impl ReduceOp {
-    fn raw(self) -> sys::ncclRedOp_t {
+    /// NCCL's operator for this one on a communicator of `world` ranks. On one rank every
+    /// operator returns its input, and `Avg` goes to NCCL as `Sum` (the same bits, x * 1/1 = x):
+    /// NCCL before 2.29.7 leaves the tail of a one-rank `ncclAvg` unwritten (NVIDIA/nccl#1950;
+    /// seen here with n = 4097 f32 on an H200, docs/gpu-runs/2026-11-26-h200-suite).
+    fn raw(self, world: usize) -> sys::ncclRedOp_t {
+        if world == 1 && self == ReduceOp::Avg {
+            return sys::ncclRedOp_t_ncclSum;
+        }
         match self {
             ReduceOp::Sum => sys::ncclRedOp_t_ncclSum,
             ReduceOp::Prod => sys::ncclRedOp_t_ncclProd,
@@ -50,7 +57,7 @@ impl Comm {
         let n = send.len();
         // SAFETY (closure): both buffers hold `n` elements of T on this device.
         self.send_recv("ncclAllReduce", send, recv, 0, |s, r, stream| unsafe {
-            f(s, r, n, T::NCCL, op.raw(), self.raw(), stream)
+            f(s, r, n, T::NCCL, op.raw(self.world()), self.raw(), stream)
         })
     }
 
@@ -64,7 +71,7 @@ impl Comm {
         let n = buf.len();
         // SAFETY (closure): NCCL allows sendbuff == recvbuff; `n` elements of T.
         self.in_place("ncclAllReduce", buf, |p, stream| unsafe {
-            f(p, p, n, T::NCCL, op.raw(), self.raw(), stream)
+            f(p, p, n, T::NCCL, op.raw(self.world()), self.raw(), stream)
         })
     }
 
@@ -121,7 +128,7 @@ impl Comm {
             send,
             recv,
             in_place_at,
-            |s, r, stream| unsafe { f(s, r, n, T::NCCL, op.raw(), self.raw(), stream) },
+            |s, r, stream| unsafe { f(s, r, n, T::NCCL, op.raw(self.world()), self.raw(), stream) },
         )
     }
 
@@ -155,7 +162,16 @@ impl Comm {
         let n = send.len();
         // SAFETY (closure): lengths checked above.
         self.send_recv("ncclReduce", send, recv, 0, |s, r, stream| unsafe {
-            f(s, r, n, T::NCCL, op.raw(), root as i32, self.raw(), stream)
+            f(
+                s,
+                r,
+                n,
+                T::NCCL,
+                op.raw(self.world()),
+                root as i32,
+                self.raw(),
+                stream,
+            )
         })
     }
 
@@ -329,5 +345,14 @@ mod tests {
         assert!(check_in_place::<f64>("rs", (base, 32), (base + 64, 8), -8).is_ok());
         let e = check_in_place::<f64>("rs", (base, 32), (base + 128, 8), -8).unwrap_err();
         assert!(e.to_string().contains("-8 elements"), "{e}");
+    }
+
+    #[test]
+    fn avg_goes_to_nccl_as_sum_on_one_rank_only() {
+        assert_eq!(ReduceOp::Avg.raw(1), sys::ncclRedOp_t_ncclSum);
+        assert_eq!(ReduceOp::Avg.raw(2), sys::ncclRedOp_t_ncclAvg);
+        for op in [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Max, ReduceOp::Min] {
+            assert_eq!(op.raw(1), op.raw(8), "{op:?}");
+        }
     }
 }

@@ -5,7 +5,7 @@ use super::agreement::{agree, agreed_verdict, RankRecord};
 use super::failure::{HostErrorWord, Poison};
 use super::{cta_budget, GroupOptions, Mode, TpGroup, MAX_BLOCKS};
 use crate::comm::{Comm, CommOptions};
-use crate::device::{check_rank_stream, cuda, require_driver};
+use crate::device::{check_rank_stream, cuda, load_kernels, require_driver};
 use crate::error::{Error, Result};
 use crate::symmetric::{self, IpcOutcome, SymmetricWorkspace};
 use crate::topology::{self, AllReduceRule, Discovery, Refusal};
@@ -196,6 +196,9 @@ impl TpGroup {
                 ),
             ));
         }
+        // Before any rank's kernel can run: a first use between two ranks' launches could
+        // wait for the earlier rank's kernel (device::load_kernels).
+        load_kernels(ctx)?;
         let workspaces = symmetric::virtual_ranks(ctx, world, options.capacity_bytes)?;
         let poison = Arc::new(Poison::default());
         let mut groups = Vec::with_capacity(world);
@@ -280,6 +283,7 @@ impl TpGroup {
         let mut budget = MAX_BLOCKS;
         let mut fewest_sms = usize::MAX;
         for ctx in &ctxs {
+            load_kernels(ctx)?; // see virtual_ranks_on
             let sms = sm_count(ctx)?;
             fewest_sms = fewest_sms.min(sms);
             budget = budget.min(cta_budget(sms, world, false));
@@ -363,6 +367,7 @@ impl TpGroup {
         let (rank, world) = (comm.rank(), comm.world());
         let stream = comm.stream().clone();
         let ctx = stream.context().clone();
+        load_kernels(&ctx)?; // see virtual_ranks_on
         let mine = RankRecord::local(&ctx, &options)?;
         let records = symmetric::exchange(&comm, &mine.encode())?
             .iter()

@@ -154,6 +154,10 @@ impl Ranks {
 
     /// W ranks with `capacity` bytes of staging (and of result) each.
     pub fn with_capacity(world: usize, blocks: i32, timeout_ns: u64, capacity: usize) -> Ranks {
+        // As a group does: a kernel's first use between two ranks' launches would wait for
+        // the earlier rank's kernel (CUDA's lazy loading, cuda/emu/loading.cpp).
+        let ctx = tpfuse::device::open(0).expect("device 0");
+        tpfuse::device::load_kernels(&ctx).expect("loading the kernels");
         let pad_words = abi::TPFUSE_SIGNAL_PAD_BYTES as usize / 4;
         Ranks {
             world,

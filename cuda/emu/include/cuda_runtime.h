@@ -37,6 +37,7 @@ typedef enum cudaError {
 } cudaError_t;
 
 typedef struct CUstream_st *cudaStream_t;
+typedef struct CUfunc_st *cudaFunction_t;
 
 typedef enum cudaDeviceAttr {
   cudaDevAttrMaxThreadsPerBlock = 1,
@@ -81,6 +82,8 @@ cudaError_t cudaGetLastError(void);
 cudaError_t cudaPeekAtLastError(void);
 const char *cudaGetErrorString(cudaError_t error);
 cudaError_t tpfuse_emu_func_set_attribute(const void *func, cudaFuncAttribute attr, int value);
+// The kernel's handle: the kernel itself (loading.cpp); it loads nothing (cuFuncLoad does).
+cudaError_t cudaGetFuncBySymbol(cudaFunction_t *function, const void *symbol);
 }
 
 #include "../device.hpp"
