@@ -63,7 +63,7 @@ int32_t tpfuse_kernel_count(void);
  * since CUDA 12.2) a handle may be partly loaded, and a kernel's first use may then wait for
  * everything running in the context: cuFuncLoad on each handle loads them all now (what the
  * Rust side does when it builds a group; kernel_list.cuh says why). Returns a cudaError_t:
- * cudaErrorInvalidValue when `capacity` is smaller than the count.
+ * cudaErrorInvalidValue when `functions` is NULL or `capacity` is smaller than the count.
  */
 int tpfuse_kernel_functions(void **functions, int32_t capacity);
 

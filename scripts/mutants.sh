@@ -446,7 +446,7 @@ mutant kernel-list-no-epilogues emu_loading::a_first_use_waits_for_the_device_an
 mutant kernel-list-no-bias-residual-bf16 emu_loading::a_first_use_waits_for_the_device_and_groups_load_every_kernel_first "load_kernels leaves bias_residual<bf16> unloaded (the H200's unfused hang)" \
   epilogue.cu '  list.add(bias_residual_kernel<__nv_bfloat16>);' ''
 mutant emu-lazy-load-no-wait emu_loading::a_first_use_waits_for_the_device_and_groups_load_every_kernel_first "the emulator's first use of a kernel waits for nothing" \
-  emu/loading.cpp '  if (targets.empty()) return;' '  return;'
+  emu/loading.cpp '  if (!targets.empty()) run_until_completed(lk, targets);' ''
 mutant emu-mma-b-rows emu_ops::mma_m16n8k16_bf16_matches_the_isa_fragment_tables "the emulated mma reads b1 as k rows 2t..2t+1" \
   emu/warp.cpp 'B[2 * t + 8 * r][g] =' 'B[2 * t + 0 * r][g] ='
 

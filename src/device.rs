@@ -69,8 +69,12 @@ pub fn open(ordinal: usize) -> Result<Arc<CudaContext>> {
 /// its own between two ranks' launches should load those too (`CUDA_MODULE_LOADING=EAGER` in
 /// the environment before CUDA starts does it for every module of the process).
 ///
-/// Returns how many kernels were loaded: [`crate::build_info::kernel_count`]; 0 on a driver
-/// older than CUDA 12.4, which has no `cuFuncLoad` (there the hazard stays).
+/// Build every group before the first collective runs on its contexts: the loading itself may
+/// wait for what runs there.
+///
+/// Returns the number of kernels in the build's list ([`crate::build_info::kernel_count`]),
+/// every one of them loaded now or before; 0 on a driver older than CUDA 12.4, which has no
+/// `cuFuncLoad` (there the hazard stays).
 pub fn load_kernels(ctx: &Arc<CudaContext>) -> Result<usize> {
     if driver_version()? < (12, 4) {
         return Ok(0);

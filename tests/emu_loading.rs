@@ -54,14 +54,25 @@ fn a_first_use_waits_for_the_device_and_groups_load_every_kernel_first() {
     );
     stream.synchronize().expect("rms_norm");
 
-    // 2. load_kernels loads every kernel of the build; a first launch afterwards waits for
-    //    nothing.
-    let count = device::load_kernels(&ctx).expect("load_kernels");
-    assert_eq!(count, build_info::kernel_count());
+    // 2. Building a group loads every kernel of the build (device::load_kernels); a first
+    //    launch afterwards waits for nothing.
+    let world = 2;
+    let options = GroupOptions {
+        timeout: Duration::from_millis(200),
+        ..GroupOptions::default()
+    };
+    let groups = virtual_group(&ctx, world, options);
+    let count = build_info::kernel_count();
     assert_eq!(
         emulator::loaded_kernels(0),
         count + 1,
         "every listed kernel once, and the emulator's busy kernel"
+    );
+    assert_eq!(device::load_kernels(&ctx).expect("load_kernels"), count);
+    assert_eq!(
+        emulator::loaded_kernels(0),
+        count + 1,
+        "loading twice loads nothing more"
     );
     let mut residual = stream
         .clone_htod(&vec![f16::from_f32(1.0); hidden])
@@ -80,15 +91,9 @@ fn a_first_use_waits_for_the_device_and_groups_load_every_kernel_first() {
     busy.synchronize().expect("busy");
     stream.synchronize().expect("ops");
 
-    // 3. The unfused sequence of the H200 run, on virtual ranks whose group loaded every kernel:
-    //    rank 0's one-shot waits for rank 1's, which this thread enqueues after rank 0's
-    //    bias_residual::<bf16> (never used before in this process).
-    let world = 2;
-    let options = GroupOptions {
-        timeout: Duration::from_millis(200),
-        ..GroupOptions::default()
-    };
-    let groups = virtual_group(&ctx, world, options);
+    // 3. The unfused sequence of the H200 run on those ranks: rank 0's one-shot waits for
+    //    rank 1's, which this thread enqueues after rank 0's bias_residual::<bf16> (loaded
+    //    with the group, never launched before in this process).
     let n = 4 * hidden;
     let partials = random_ranks::<bf16>(world, n, |r| splitmix64(0x10ad ^ r as u64));
     let inputs = upload_ranks(&groups, &partials);

@@ -112,9 +112,9 @@ fn forward<T: TestElement>(
         if let Some(algo) = fused {
             let (x, w, out) = (&xs[r], &ws[r], &mut outs[r]);
             let plan = gemm_all_reduce_with(&groups[r], x, w, epilogue, out, shape, algo)?;
-            // Auto follows the group's one-shot bound, which depends on the device: one-shot
-            // at the emulator's shrunk shapes, two-shot for W = 8, m = 64 of o_proj on an H200
-            // (docs/gpu-runs/2026-11-26-h200-suite).
+            // The op reduces as the group's rule says (tests/cpu_gemm.rs checks the rule);
+            // under Auto that depends on the device: one-shot at the emulator's shrunk shapes,
+            // two-shot for W = 8, m = 64 of o_proj on an H200 (docs/gpu-runs/2026-11-26-*).
             let want = fused_all_reduce_algo::<T>(shape, &facts_of(&groups[r]), algo)?;
             assert_eq!(plan.all_reduce, Some(want), "{label}: the reduction");
             Ok(())

@@ -27,15 +27,17 @@ std::set<std::pair<int, const void *>> &loaded() {
 
 } // namespace
 
+// Marked loaded only once the wait is over: another thread's first use meanwhile waits too,
+// and cuFuncIsLoaded says "not loaded" until then.
 void load_function(const void *func, int dev_index) {
   Device &dev = device();
   std::unique_lock<std::mutex> lk(dev.mu);
-  if (!loaded().emplace(dev_index, func).second) return;
+  if (loaded().count({dev_index, func})) return;
   std::vector<std::pair<Stream *, uint64_t>> targets;
   for (auto &s : dev.streams)
     if (s->device == dev_index && s->completed < s->enqueued) targets.emplace_back(s.get(), s->enqueued);
-  if (targets.empty()) return;
-  run_until_completed(lk, targets);
+  if (!targets.empty()) run_until_completed(lk, targets);
+  loaded().emplace(dev_index, func);
 }
 
 } // namespace tpfuse_emu
