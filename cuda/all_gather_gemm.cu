@@ -178,19 +178,13 @@ int launch(int config, const tpfuse_peers &peers, const tpfuse_group_args &g, in
 
 constexpr size_t kMaxDim = size_t{1} << 30;
 
-template <typename T> void add_all_gather_gemm_kernels(KernelList &list) {
-  list.add(all_gather_gemm_kernel<T, gemm::SmallM16x16>);
-  list.add(all_gather_gemm_kernel<T, gemm::SmallM16x32>);
-  list.add(all_gather_gemm_kernel<T, gemm::SmallM16x64>);
-  list.add(all_gather_gemm_kernel<T, gemm::Tile128x128>);
-  list.add(all_gather_gemm_kernel<T, gemm::Tile64x64>);
-}
-
 } // namespace
 
 void all_gather_gemm_kernels(KernelList &list) {
-  add_all_gather_gemm_kernels<__half>(list);
-  add_all_gather_gemm_kernels<__nv_bfloat16>(list);
+  gemm::for_each_config([&](auto cfg) {
+    list.add(all_gather_gemm_kernel<__half, decltype(cfg)>);
+    list.add(all_gather_gemm_kernel<__nv_bfloat16, decltype(cfg)>);
+  });
 }
 
 } // namespace tpfuse

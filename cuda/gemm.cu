@@ -93,6 +93,11 @@ size_t split_scratch_bytes(size_t m, size_t n, int parts) {
   return kSplitCountsBytes + static_cast<size_t>(parts) * m * n * sizeof(float);
 }
 
+// The parts in parallel only for the configurations select_config gives a split (64 columns:
+// 16 x 64, 64 x 64); a forced 16 x 16 or 16 x 32 runs its parts one after another (the same
+// bits).
+template <typename Cfg> constexpr bool kParallelSplit = Cfg::kSplittable && Cfg::kBlockN == 64;
+
 template <typename T, typename Cfg>
 int launch_config(const T *a, const T *b, const T *bias, const T *residual, T *c, int m, int n, int k, int parts,
                   void *scratch, size_t scratch_bytes, cudaStream_t stream) {
@@ -101,10 +106,7 @@ int launch_config(const T *a, const T *b, const T *bias, const T *residual, T *c
   const long long tiles = tiles_m * tiles_n;
   if (tiles * parts > INT_MAX) return cudaErrorInvalidConfiguration;
   const GemmEpilogue<T> epi{c, bias, residual, n};
-  // The parts in parallel only for the configurations select_config gives a split (64
-  // columns: 16 x 64, 64 x 64); a forced 16 x 16 or 16 x 32 runs its parts one after another
-  // (the same bits).
-  if constexpr (Cfg::kSplittable && Cfg::kBlockN == 64) {
+  if constexpr (kParallelSplit<Cfg>) {
     const size_t needed = split_scratch_bytes(m, n, parts);
     if (parts > 1 && m <= TPFUSE_GEMM_SPLIT_PARALLEL_M_MAX && tiles <= static_cast<long long>(kSplitMaxTiles) &&
         scratch != nullptr && needed <= scratch_bytes) {
@@ -151,23 +153,19 @@ int launch(int config, const void *a, const void *b, const void *bias, const voi
 
 constexpr size_t kMaxDim = size_t{1} << 30;
 
-template <typename T> void add_gemm_kernels(KernelList &list) {
-  list.add(gemm_sm80_kernel<T, SmallM16x16, GemmEpilogue<T>>);
-  list.add(gemm_sm80_kernel<T, SmallM16x32, GemmEpilogue<T>>);
-  list.add(gemm_sm80_kernel<T, SmallM16x64, GemmEpilogue<T>>);
-  list.add(gemm_sm80_kernel<T, Tile128x128, GemmEpilogue<T>>);
-  list.add(gemm_sm80_kernel<T, Tile64x64, GemmEpilogue<T>>);
-  // The parallel split only where launch_config launches it (64 columns).
-  list.add(gemm_split_kernel<T, SmallM16x64>);
-  list.add(gemm_split_kernel<T, Tile64x64>);
+template <typename T, typename Cfg> void add_gemm_kernels(KernelList &list) {
+  list.add(gemm_sm80_kernel<T, Cfg, GemmEpilogue<T>>);
+  if constexpr (kParallelSplit<Cfg>) list.add(gemm_split_kernel<T, Cfg>);
 }
 
 } // namespace
 } // namespace gemm
 
 void gemm_kernels(KernelList &list) {
-  gemm::add_gemm_kernels<__half>(list);
-  gemm::add_gemm_kernels<__nv_bfloat16>(list);
+  gemm::for_each_config([&](auto cfg) {
+    gemm::add_gemm_kernels<__half, decltype(cfg)>(list);
+    gemm::add_gemm_kernels<__nv_bfloat16, decltype(cfg)>(list);
+  });
 }
 
 } // namespace tpfuse

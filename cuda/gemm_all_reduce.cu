@@ -462,19 +462,13 @@ int checked_launch(Reduction reduction, tpfuse_dtype dtype, int32_t config, cons
   }
 }
 
-template <typename T> void add_gemm_all_reduce_kernels(KernelList &list) {
-  list.add(gemm_all_reduce_kernel<T, gemm::SmallM16x16>);
-  list.add(gemm_all_reduce_kernel<T, gemm::SmallM16x32>);
-  list.add(gemm_all_reduce_kernel<T, gemm::SmallM16x64>);
-  list.add(gemm_all_reduce_kernel<T, gemm::Tile128x128>);
-  list.add(gemm_all_reduce_kernel<T, gemm::Tile64x64>);
-}
-
 } // namespace
 
 void gemm_all_reduce_kernels(KernelList &list) {
-  add_gemm_all_reduce_kernels<__half>(list);
-  add_gemm_all_reduce_kernels<__nv_bfloat16>(list);
+  gemm::for_each_config([&](auto cfg) {
+    list.add(gemm_all_reduce_kernel<__half, decltype(cfg)>);
+    list.add(gemm_all_reduce_kernel<__nv_bfloat16, decltype(cfg)>);
+  });
 }
 
 } // namespace tpfuse

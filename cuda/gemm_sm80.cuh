@@ -134,6 +134,15 @@ struct SmallM16x64 : TileConfig<16, 64, 64, 1, 4, 6, 1> {};   // 128 threads, 60
 struct Tile64x64 : TileConfig<64, 64, 32, 2, 2, 6, 2> {};     // 128 threads, 48 KiB
 struct Tile128x128 : TileConfig<128, 128, 32, 2, 4, 4, 2, false> {}; // 256 threads, 66 KiB, no split
 
+// Host: f(Cfg{}) for every configuration above (the kernel lists of kernel_list.cuh).
+template <typename F> void for_each_config(F &&f) {
+  f(SmallM16x16{});
+  f(SmallM16x32{});
+  f(SmallM16x64{});
+  f(Tile64x64{});
+  f(Tile128x128{});
+}
+
 // Host: opts `kernel` in to `bytes` of dynamic shared memory when that is more than the
 // default 48 KiB. The attribute belongs to the function in the current context; it is set on
 // every call rather than cached: a context can be destroyed and recreated under the same
