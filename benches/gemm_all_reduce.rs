@@ -29,7 +29,9 @@
 //! W = 2, 4, 8 as far as the machine has GPUs with peer access). Every way runs from per-rank
 //! CUDA graphs of 16 rounds (launch overhead does not favour the fused path), timed with CUDA
 //! events across all ranks' streams (`time_rounds`). After the groups the bench prints the
-//! ratios fused/gemm and fused/unfused from its own event-timed medians.
+//! ratios fused/gemm and fused/unfused from its own event-timed medians, then, for every
+//! fused way, where the blocks of its last launch spent their time
+//! ([`TpGroup::fused_phases`]: per block, µs computing a tile, publishing, waiting, reducing).
 //!
 //! Without a CUDA driver the bench prints one line and registers nothing. Quick run:
 //! `cargo bench --bench gemm_all_reduce -- --warm-up-time 0.5 --measurement-time 1`.
@@ -43,6 +45,7 @@ use cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
 use half::bf16;
 use std::sync::Arc;
 use std::time::Duration;
+use tpfuse::group::BlockPhases;
 use tpfuse::ops::{self, Algorithm, Epilogue, GemmShape, RmsNorm};
 use tpfuse::{GroupOptions, TpGroup};
 
@@ -212,7 +215,68 @@ fn per_call(streams: &[Arc<CudaStream>], graphs: &[CudaGraph]) -> Duration {
     times[SAMPLES / 2]
 }
 
-fn bench_groups(c: &mut Criterion, kind: &str, groups: &[TpGroup], summary: &mut Vec<String>) {
+/// Where the blocks of every rank's last fused launch spent their time
+/// ([`TpGroup::fused_phases`], the kernels' own `%globaltimer` reads): the longest rank's span
+/// (its first block's start to its last block's end) and the widest spread of one rank's
+/// block starts, how far apart the ranks started (virtual ranks only: one timer), and per
+/// block the mean µs computing a tile, publishing, waiting, reducing, after the last tile,
+/// and the rest (start and end), and the longest wait of a block.
+fn phases_line(groups: &[TpGroup]) -> String {
+    let mut ranks = Vec::new();
+    for g in groups {
+        match g.fused_phases() {
+            Ok(p) if !p.is_empty() => ranks.push(p),
+            Ok(_) => return "no phase records".into(),
+            Err(e) => return format!("no phase records: {e}"),
+        }
+    }
+    let us = |ns: u64| ns as f64 / 1e3;
+    let first = |r: &[BlockPhases]| r.iter().map(|b| b.start_ns).min().unwrap_or(0);
+    let span = ranks
+        .iter()
+        .map(|r| us(r.iter().map(|b| b.end_ns).max().unwrap_or(0) - first(r)))
+        .fold(0.0, f64::max);
+    let spread = ranks
+        .iter()
+        .map(|r| us(r.iter().map(|b| b.start_ns).max().unwrap_or(0) - first(r)))
+        .fold(0.0, f64::max);
+    let skew = if groups.iter().all(TpGroup::is_virtual) {
+        let firsts: Vec<u64> = ranks.iter().map(|r| first(r)).collect();
+        let (lo, hi) = (firsts.iter().min(), firsts.iter().max());
+        format!(
+            ", ranks' starts within {:.1} us",
+            us(hi.unwrap_or(&0) - lo.unwrap_or(&0))
+        )
+    } else {
+        String::new()
+    };
+    let blocks: Vec<&BlockPhases> = ranks.iter().flatten().collect();
+    let n = blocks.len() as f64;
+    let mean = |f: &dyn Fn(&BlockPhases) -> u64| blocks.iter().map(|b| us(f(b))).sum::<f64>() / n;
+    let tiles: u64 = blocks.iter().map(|b| b.tiles).sum();
+    let gemm_per_tile = blocks.iter().map(|b| us(b.gemm_ns)).sum::<f64>() / tiles.max(1) as f64;
+    let rest = mean(&|b| {
+        (b.end_ns - b.start_ns)
+            .saturating_sub(b.gemm_ns + b.publish_ns + b.wait_ns + b.reduce_ns + b.tail_ns)
+    });
+    let longest_wait = blocks.iter().map(|b| us(b.wait_ns)).fold(0.0, f64::max);
+    format!(
+        "span {span:.1} us, block starts within {spread:.1} us{skew}; {} blocks, {tiles} tiles; per block: gemm {gemm_per_tile:.2} us/tile, publish {:.2}, wait {:.2} (longest {longest_wait:.2}), reduce {:.2}, tail {:.2}, rest {rest:.2}",
+        blocks.len(),
+        mean(&|b| b.publish_ns),
+        mean(&|b| b.wait_ns),
+        mean(&|b| b.reduce_ns),
+        mean(&|b| b.tail_ns),
+    )
+}
+
+fn bench_groups(
+    c: &mut Criterion,
+    kind: &str,
+    groups: &[TpGroup],
+    summary: &mut Vec<String>,
+    phases: &mut Vec<String>,
+) {
     let world = groups.len();
     let streams: Vec<Arc<CudaStream>> = groups.iter().map(|g| g.stream().clone()).collect();
     for (op, layer, n, k, ms) in CASES {
@@ -238,6 +302,12 @@ fn bench_groups(c: &mut Criterion, kind: &str, groups: &[TpGroup], summary: &mut
                 });
                 medians.push(per_call(&streams, &gs));
                 check_all(groups, "timed rounds");
+                if way != Way::Gemm && way != Way::Unfused {
+                    phases.push(format!(
+                        "{op_name} {kind} W={world} {layer} m={m} {way:?}: {}",
+                        phases_line(groups)
+                    ));
+                }
             }
             let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64();
             let forced = match medians[..] {
@@ -278,11 +348,12 @@ fn main() {
         ..GroupOptions::default()
     };
     let mut summary = Vec::new();
+    let mut phases = Vec::new();
     let ctx = tpfuse::device::open(0).unwrap_or_else(|e| panic!("opening GPU 0: {e}"));
     // SAFETY: every buffer lives on its rank's stream.
     unsafe { ctx.disable_event_tracking() };
     match TpGroup::virtual_ranks(&ctx, 2, options.clone()) {
-        Ok(groups) => bench_groups(&mut c, "virtual", &groups, &mut summary),
+        Ok(groups) => bench_groups(&mut c, "virtual", &groups, &mut summary, &mut phases),
         Err(e) => println!("virtual ranks could not be built: {e}"),
     }
     let count = tpfuse::device::device_count().unwrap_or(0);
@@ -290,7 +361,7 @@ fn main() {
         let ordinals: Vec<usize> = (0..world).collect();
         match TpGroup::single_process(&ordinals, options.clone()) {
             Ok(groups) if groups[0].custom_kernels_refused().is_none() => {
-                bench_groups(&mut c, "gpus", &groups, &mut summary)
+                bench_groups(&mut c, "gpus", &groups, &mut summary, &mut phases)
             }
             Ok(groups) => println!(
                 "GPUs {ordinals:?}: no custom kernels ({}): the fused path cannot run",
@@ -302,6 +373,10 @@ fn main() {
     c.final_summary();
     println!("\nmedian per call, {SAMPLES} samples of {ROUNDS}-call graphs:");
     for line in summary {
+        println!("  {line}");
+    }
+    println!("\nwhere the last fused launch's blocks spent their time (TpGroup::fused_phases):");
+    for line in phases {
         println!("  {line}");
     }
 }

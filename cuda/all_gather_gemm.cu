@@ -93,6 +93,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     __syncthreads(); // every thread's stores, before the flags
     fused::publish(peers, g, blockIdx.x, fused::flag_of(st.epoch, descriptor));
   }
+  st.clock.mark(fused::kPhasePublish);
 
   // Compute: the block's tiles, from this rank's rows on, reading A [m, k] from this rank's
   // area.
@@ -121,11 +122,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         const int p = first + i / parts;
         if (needed & (1u << p)) fused::await(peers, g, deadline, st, i % parts, p, descriptor);
       }
-      if (!fused::passed(st)) break;
+      const bool arrived = fused::passed(st);
+      st.clock.mark(fused::kPhaseWait);
+      if (!arrived) break;
       if (threadIdx.x == 0) complete |= needed;
     }
     gemm_tile<T, Cfg>(rows, w, m, n, k, tm, tn, epi, smem, KSplit{parts, 0, parts});
     __syncthreads(); // the epilogue's reads of smem, before the next tile's writes
+    st.clock.tile_computed();
   }
 
   if (fused::end(peers, g, st)) mark_failed(out, 0, static_cast<size_t>(m) * n);

@@ -76,6 +76,10 @@ struct Pad {
     return reinterpret_cast<uint64_t *>(reinterpret_cast<char *>(base) + TPFUSE_SIGNAL_STRIP_FLAGS_OFFSET) + strip;
   }
   __device__ uint32_t *slice_count() const { return base + TPFUSE_SIGNAL_SLICE_COUNT_OFFSET / 4; }
+  __device__ uint64_t *phase_record(int block) const {
+    return reinterpret_cast<uint64_t *>(reinterpret_cast<char *>(base) + TPFUSE_SIGNAL_PHASES_OFFSET) +
+           static_cast<size_t>(block) * TPFUSE_PHASE_FIELDS;
+  }
   __device__ uint64_t *slice_flag(int src) const {
     return reinterpret_cast<uint64_t *>(reinterpret_cast<char *>(base) + TPFUSE_SIGNAL_SLICE_FLAGS_OFFSET) + src;
   }

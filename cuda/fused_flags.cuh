@@ -56,6 +56,7 @@
 
 #include "barrier.cuh"
 #include "failure.cuh"
+#include "phase_clock.cuh"
 
 namespace tpfuse {
 namespace fused {
@@ -80,6 +81,7 @@ struct BlockState {
   uint64_t epoch; // E
   int failed;     // nonzero once the block gave up (or the group was poisoned at its start)
   int last;       // scratch for "this block was the last" decisions
+  PhaseClock clock; // thread 0's: where the block spends its time (phase_clock.cuh)
 };
 
 // The slot of a rank's slice flag (two-shot GEMM + all-reduce), beside the tile slots.
@@ -98,6 +100,7 @@ __device__ __forceinline__ uint64_t flag_of(uint64_t epoch, uint64_t descriptor)
 // The start of a block: E and whether the group was poisoned, read once by thread 0, then
 // the whole block. fused_epoch changes only when every block of this launch has read it.
 __device__ __forceinline__ void begin(const Pad &own, BlockState &st) {
+  st.clock.begin();
   if (threadIdx.x == 0) {
     st.epoch = *own.fused_epoch() + 1;
     st.failed = ld_relaxed_sys(own.error()) != 0 ? 1 : 0;
@@ -178,6 +181,7 @@ __device__ __forceinline__ bool passed(BlockState &st) {
 // The end of a block (every thread): the last block of the rank to get here advances the
 // epoch and, when the launch failed on this rank or anywhere, publishes the error word to the
 // host; true in every thread of that block then: it must mark the rank's outputs failed.
+// Every block then stores its phase record.
 __device__ __forceinline__ bool end(const tpfuse_peers &peers, const tpfuse_group_args &g, BlockState &st) {
   const Pad own{peers.signals[g.rank]};
   __syncthreads();
@@ -191,6 +195,7 @@ __device__ __forceinline__ bool end(const tpfuse_peers &peers, const tpfuse_grou
     }
   }
   __syncthreads();
+  st.clock.store(own, st.epoch);
   return st.last && st.failed;
 }
 

@@ -195,7 +195,9 @@ __device__ __forceinline__ bool consume(const Launch<T> &L, const Deadline &dead
   tile_of_block(tile, L.tiles_m, L.tiles_n, tm, tn);
   const Range2 rows = rows_to_reduce<T, Cfg::kBlockM>(L, tm);
   if (rows.first >= rows.end) return true; // another rank's rows (reduce-scatter): no wait
-  if (!wait_for_tile(L, deadline, st, tile)) return false;
+  const bool arrived = wait_for_tile(L, deadline, st, tile);
+  st.clock.mark(fused::kPhaseWait);
+  if (!arrived) return false;
   reduce_tile<T, Cfg::kBlockM, Cfg::kBlockN>(L, exchange, tm, tn);
   if (L.slice_tiles > 0) {
     count_slice_tile(L, st);
@@ -328,8 +330,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
     tile_of_block(tile, tiles_m, tiles_n, tm, tn);
     gemm_tile<T, Cfg>(DenseRows<T>{x, k}, w, m, n, k, tm, tn, staging, smem, KSplit{parts, 0, parts});
     __syncthreads(); // the tile's stores (and the epilogue's reads of smem), before the flags
+    st.clock.tile_computed();
     fused::publish(peers, g, tile, flag_value);
-    if (previous >= 0 && !consume<T, Cfg>(L, deadline, st, exchange, previous)) break;
+    st.clock.mark(fused::kPhasePublish);
+    const bool consumed = previous < 0 || consume<T, Cfg>(L, deadline, st, exchange, previous);
+    st.clock.mark(fused::kPhaseReduce);
+    if (!consumed) break;
     previous = tile;
   }
   // st.failed is read by every thread, then a __syncthreads, before the waits below can
@@ -338,6 +344,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
   const bool last_tile = previous >= 0 && st.failed == 0;
   __syncthreads();
   if (last_tile) consume<T, Cfg>(L, deadline, st, exchange, previous);
+  st.clock.mark(fused::kPhaseReduce);
   // The same rule before the strip waits.
   const bool norming = L.gamma != nullptr && st.failed == 0;
   __syncthreads();
@@ -346,6 +353,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
   const bool gathering = two_shot && st.failed == 0;
   __syncthreads();
   if (gathering) gather_rows(peers, g, deadline, st, descriptor, exchange, out, residual, gamma, eps, m, n);
+  st.clock.mark(fused::kPhaseTail);
 
   if (fused::end(peers, g, st)) {
     const size_t len = static_cast<size_t>(two_shot ? m : row_end - row_begin) * n;

@@ -114,6 +114,9 @@ int tpfuse_fp_contraction_probe(const float *abc, float *out, void *stream);
  *                                                         rank's GEMM + all-reduce output is
  *                                                         reduced (RMSNorm; a flag as
  *                                                         tile_flags')
+ *       uint64 phases[TPFUSE_MAX_PHASE_BLOCKS][TPFUSE_PHASE_FIELDS]  phases[b]: where block b
+ *                                                         of this rank's last fused GEMM launch
+ *                                                         spent its time (diagnostics, below)
  *   (cuda/fused_flags.cuh explains the fused words)
  * The kernels never reset flags: every barrier waits for a larger value (epochs), so the
  * same launch can be replayed from a CUDA graph.
@@ -124,6 +127,26 @@ int tpfuse_fp_contraction_probe(const float *abc, float *out, void *stream);
  * `residual` when given), and its error word into this rank's host-mapped error word
  * (tpfuse_group_args.host_error), which the host can read at any time without waiting.
  * --------------------------------------------------------------------------------------- */
+
+/* The phase records of the fused GEMM kernels (cuda/phase_clock.cuh): every block b <
+ * TPFUSE_MAX_PHASE_BLOCKS of a fused launch stores, at its end, uint64 fields at these indices
+ * of phases[b] in its rank's pad: the launch's epoch (fused_epoch + 1), %globaltimer at the
+ * block's start and end (ns), the tiles it computed, and the nanoseconds it spent computing
+ * them (GEMM), publishing its flags (the all-gather: pushing its rows too), waiting for other
+ * ranks' flags, reducing tiles (and their epilogue), and after its last tile (the dealt
+ * RMSNorm rows, the two-shot's gather). Plain stores, for the host to read once the launch is
+ * done; a later launch overwrites them. */
+#define TPFUSE_MAX_PHASE_BLOCKS 256
+#define TPFUSE_PHASE_FIELDS 9
+#define TPFUSE_PHASE_EPOCH 0
+#define TPFUSE_PHASE_START_NS 1
+#define TPFUSE_PHASE_END_NS 2
+#define TPFUSE_PHASE_TILES 3
+#define TPFUSE_PHASE_GEMM_NS 4
+#define TPFUSE_PHASE_PUBLISH_NS 5
+#define TPFUSE_PHASE_WAIT_NS 6
+#define TPFUSE_PHASE_REDUCE_NS 7
+#define TPFUSE_PHASE_TAIL_NS 8
 
 #define TPFUSE_MAX_RANKS 8
 #define TPFUSE_MAX_BLOCKS 64
@@ -141,7 +164,9 @@ int tpfuse_fp_contraction_probe(const float *abc, float *out, void *stream);
 #define TPFUSE_SIGNAL_STRIP_COUNTS_OFFSET (TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET + 256)
 #define TPFUSE_SIGNAL_TILE_FLAGS_OFFSET (TPFUSE_SIGNAL_STRIP_COUNTS_OFFSET + 4 * TPFUSE_MAX_FUSED_TILES)
 #define TPFUSE_SIGNAL_STRIP_FLAGS_OFFSET (TPFUSE_SIGNAL_TILE_FLAGS_OFFSET + 8 * TPFUSE_MAX_FUSED_TILES * TPFUSE_MAX_RANKS)
-#define TPFUSE_SIGNAL_PAD_BYTES (TPFUSE_SIGNAL_STRIP_FLAGS_OFFSET + 8 * TPFUSE_MAX_FUSED_TILES)
+#define TPFUSE_SIGNAL_PHASES_OFFSET (TPFUSE_SIGNAL_STRIP_FLAGS_OFFSET + 8 * TPFUSE_MAX_FUSED_TILES)
+#define TPFUSE_SIGNAL_PAD_BYTES (TPFUSE_SIGNAL_PHASES_OFFSET + 8 * TPFUSE_PHASE_FIELDS * TPFUSE_MAX_PHASE_BLOCKS)
+
 
 /* Error word values. TIMEOUT | p: rank p did not arrive before the deadline. MISMATCH | p |
  * (q << 16): ranks p and q launched different kernels, sizes, epilogues or grids (q noticed).

@@ -447,6 +447,12 @@ mutant kernel-list-no-bias-residual-bf16 emu_loading::a_first_use_waits_for_the_
   epilogue.cu '  list.add(bias_residual_kernel<__nv_bfloat16>);' ''
 mutant emu-lazy-load-no-wait emu_loading::a_first_use_waits_for_the_device_and_groups_load_every_kernel_first "the emulator's first use of a kernel waits for nothing" \
   emu/loading.cpp '  if (!targets.empty()) run_until_completed(lk, targets);' ''
+mutant phases-no-tile-count gpu_gemm_all_reduce::fused_reduce_scatter_equals_gemm_then_reduce_scatter "the phase records count no tiles" \
+  phase_clock.cuh '    if (threadIdx.x == 0) ++tiles;' ''
+mutant phases-first-block-only gpu_gemm_all_reduce::fused_reduce_scatter_equals_gemm_then_reduce_scatter "only block 0 stores its phase record" \
+  phase_clock.cuh 'if (threadIdx.x != 0 || blockIdx.x >= TPFUSE_MAX_PHASE_BLOCKS) return;' 'if (threadIdx.x != 0 || blockIdx.x >= 1) return;'
+mutant phases-marks-from-start gpu_gemm_all_reduce::fused_reduce_scatter_equals_gemm_then_reduce_scatter "every phase interval is counted from the block's start" \
+  phase_clock.cuh '    last = now;' ''
 mutant emu-mma-b-rows emu_ops::mma_m16n8k16_bf16_matches_the_isa_fragment_tables "the emulated mma reads b1 as k rows 2t..2t+1" \
   emu/warp.cpp 'B[2 * t + 8 * r][g] =' 'B[2 * t + 0 * r][g] ='
 

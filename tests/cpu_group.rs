@@ -126,10 +126,19 @@ fn the_abi_limits_are_the_headers() {
     assert_eq!(MAX_BLOCKS, 64);
     // flags[64][8] + counters[64] (u32 each) + 256 bytes for the error word and the rank's
     // grid barrier + descriptors[64][8] + 256 bytes for the fused kernel's epoch and end
-    // count + strip_counts[4096] (u32) + tile_flags[4096][8] (u64) + strip_flags[4096] (u64).
+    // count + strip_counts[4096] (u32) + tile_flags[4096][8] (u64) + strip_flags[4096] (u64)
+    // + the fused blocks' phase records [256][9] (u64).
     assert_eq!(
         SIGNAL_PAD_BYTES,
-        4 * 64 * 8 + 4 * 64 + 256 + 4 * 64 * 8 + 256 + 4 * 4096 + 8 * 4096 * 8 + 8 * 4096
+        4 * 64 * 8
+            + 4 * 64
+            + 256
+            + 4 * 64 * 8
+            + 256
+            + 4 * 4096
+            + 8 * 4096 * 8
+            + 8 * 4096
+            + 8 * 256 * 9
     );
 }
 

@@ -4,6 +4,7 @@
 
 use std::process::Command;
 use tpfuse::ops::gemm::{select_config, split_parts, GemmShape};
+use tpfuse::ops::linear::Fusion;
 use tpfuse::plan::{
     gemm_block_bytes, gemm_split_block_bytes, plan_model, DeviceProfile, ModelShape,
     BUILTIN_DEVICES, BUILTIN_MODELS, ELEMENT_BYTES,
@@ -31,6 +32,8 @@ const KEYS: [&str; 18] = [
     "choice",
 ];
 
+const FUSIONS: [Fusion; 3] = [Fusion::Auto, Fusion::Fused, Fusion::Unfused];
+
 #[test]
 fn every_profile_and_model_plans_every_gemm_consistently() {
     for device in BUILTIN_DEVICES {
@@ -38,9 +41,23 @@ fn every_profile_and_model_plans_every_gemm_consistently() {
         assert!(!p.sources.is_empty(), "{device}: sources");
         for model in BUILTIN_MODELS {
             let shape = ModelShape::builtin(model).expect("a built-in model");
-            for tp in [1, 2, 4, 8] {
-                let rows = plan_model(&shape, tp, &[1, 16, 64, 128], &p)
+            for (tp, fusion) in [1, 2, 4, 8]
+                .into_iter()
+                .flat_map(|tp| FUSIONS.map(|f| (tp, f)))
+            {
+                let rows = plan_model(&shape, tp, &[1, 16, 64, 128], &p, fusion)
                     .unwrap_or_else(|e| panic!("{device} {model} tp {tp}: {e}"));
+                // What the layers run: Auto (their default) and Unfused never fuse the
+                // row-parallel GEMM + all-reduce (measured slower fused); Fused does, where
+                // custom kernels run and the kernel takes the shape.
+                let fused = rows.iter().filter(|r| r.op == "gemm_all_reduce").count();
+                match fusion {
+                    Fusion::Auto | Fusion::Unfused => assert_eq!(fused, 0, "{device} {model}"),
+                    Fusion::Fused if tp > 1 && device == "h100-sxm" => {
+                        assert!(fused > 0, "{device} {model} tp {tp}")
+                    }
+                    Fusion::Fused => {}
+                }
                 let gemms = rows.iter().filter(|r| r.op.contains("gemm")).count();
                 assert_eq!(gemms, 16, "{device} {model} tp {tp}: four GEMMs per m");
                 for r in &rows {

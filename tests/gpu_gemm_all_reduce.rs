@@ -9,6 +9,8 @@
 //! - A CUDA graph of the fused op replayed 100 times (the residual carried from replay to
 //!   replay) ends with the bits of 100 eager unfused calls.
 //! - Bad calls are typed errors naming the argument, before anything runs.
+//! - Every fused launch leaves a phase record per block ([`TpGroup::fused_phases`]): the
+//!   block's tiles, its phases inside its start and end.
 //! - GEMM + reduce-scatter ([`tpfuse::ops::gemm_reduce_scatter`]) is bit for bit [`gemm`] then
 //!   [`tpfuse::ops::reduce_scatter`], every rank's slice; all-gather + GEMM
 //!   ([`tpfuse::ops::all_gather_gemm`]) is bit for bit [`tpfuse::ops::all_gather`] then [`gemm`].
@@ -30,7 +32,7 @@ use common::{assert_same_bits, Bits};
 use cudarc::driver::{CudaSlice, DevicePtrMut};
 use half::{bf16, f16};
 use tpfuse::ops::gemm::GemmElement;
-use tpfuse::ops::gemm_all_reduce::{facts_of, fused_all_reduce_algo};
+use tpfuse::ops::gemm_all_reduce::{facts_of, fused_all_reduce_algo, FusedPlan};
 use tpfuse::ops::linear::{Fusion, RowParallelLinear, RowParallelPath};
 use tpfuse::ops::{
     self, all_gather_gemm, gemm, gemm_all_reduce, gemm_all_reduce_with, gemm_reduce_scatter,
@@ -99,7 +101,7 @@ fn forward<T: TestElement>(
     let mut residuals = upload_copies(groups, &c.residual);
     let mut partials: Vec<CudaSlice<T>> = poisoned_ranks(groups, m * n);
     let mut outs: Vec<CudaSlice<T>> = poisoned_ranks(groups, m * n);
-    round(groups, label, |r| {
+    let plans = round(groups, label, |r| {
         let epilogue = Epilogue {
             bias: Some(&biases[r]),
             residual: Some(&mut residuals[r]),
@@ -117,7 +119,7 @@ fn forward<T: TestElement>(
             // two-shot for W = 8, m = 64 of o_proj on an H200 (docs/gpu-runs/2026-11-26-*).
             let want = fused_all_reduce_algo::<T>(shape, &facts_of(&groups[r]), algo)?;
             assert_eq!(plan.all_reduce, Some(want), "{label}: the reduction");
-            Ok(())
+            Ok(Some(plan))
         } else {
             gemm(
                 groups[r].stream(),
@@ -137,13 +139,43 @@ fn forward<T: TestElement>(
                 &mut outs[r],
                 Algorithm::Auto,
             )
-            .map(|_| ())
+            .map(|_| None)
         }
     });
+    if let Some(plan) = &plans[0] {
+        check_phases(groups, plan, label);
+    }
     (
         download_ranks(groups, &outs),
         download_ranks(groups, &residuals),
     )
+}
+
+/// The phase records of every rank's last fused launch ([`TpGroup::fused_phases`]): one per
+/// block of `plan`'s grid, every block of every rank at one launch epoch, each
+/// block's tiles those of its turn (b, b + grid, ...), its phases inside its start and end,
+/// and time spent computing every tile.
+fn check_phases(groups: &[TpGroup], plan: &FusedPlan, label: &str) {
+    let mut epoch = None;
+    for (r, g) in groups.iter().enumerate() {
+        let at = format!("{label} rank {r}: phases");
+        let phases = g.fused_phases().unwrap_or_else(|e| panic!("{at}: {e}"));
+        assert_eq!(
+            phases.len(),
+            plan.grid.min(256),
+            "{at}: one record per block"
+        );
+        for p in &phases {
+            let launch = *epoch.get_or_insert(p.epoch);
+            assert_eq!(p.epoch, launch, "{at}: {p:?}");
+            let tiles = (plan.tiles - p.block).div_ceil(plan.grid) as u64;
+            assert_eq!(p.tiles, tiles, "{at}: {p:?}");
+            let spent = p.gemm_ns + p.publish_ns + p.wait_ns + p.reduce_ns + p.tail_ns;
+            assert!(p.start_ns <= p.end_ns, "{at}: {p:?}");
+            assert!(spent <= p.end_ns - p.start_ns, "{at}: {p:?}");
+            assert!(p.gemm_ns > 0, "{at}: {p:?}");
+        }
+    }
 }
 
 fn reference_shapes<T: TestElement>() {
@@ -247,7 +279,7 @@ fn all_gather_gemm_shapes() {
         let mut unfused: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * n);
         let mut gathered: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * k);
         let shape = GemmShape { m, n, k };
-        round(&groups, &format!("{label} fused"), |r| {
+        let plans = round(&groups, &format!("{label} fused"), |r| {
             all_gather_gemm(
                 &groups[r],
                 &xs[r],
@@ -257,6 +289,7 @@ fn all_gather_gemm_shapes() {
                 shape,
             )
         });
+        check_phases(&groups, &plans[0], &label);
         round(&groups, &format!("{label} unfused"), |r| {
             ops::all_gather(&groups[r], &xs[r], &mut gathered[r])?;
             gemm(
@@ -332,9 +365,10 @@ fn reduce_scatter_shapes() {
         let mut unfused: Vec<CudaSlice<T>> = poisoned_ranks(&groups, rows * n);
         let mut partials: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * n);
         let shape = GemmShape { m, n, k };
-        round(&groups, &format!("{label} fused"), |r| {
+        let plans = round(&groups, &format!("{label} fused"), |r| {
             gemm_reduce_scatter(&groups[r], &xs[r], &ws[r], &mut fused[r], shape)
         });
+        check_phases(&groups, &plans[0], &label);
         round(&groups, &format!("{label} unfused"), |r| {
             gemm(
                 groups[r].stream(),

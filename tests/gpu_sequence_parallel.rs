@@ -10,8 +10,9 @@
 //!   path; the fused path leaves `partial` untouched.
 //! - Column-parallel (with a bias) and QKV: `[m, out / W]` is bit for bit `forward` on the
 //!   whole input, on every path; the fused path leaves `gathered` untouched.
-//! - `Fusion::Auto` fuses these small `m` on virtual ranks and falls back to the unfused path
-//!   when the gathered input does not fit the group's capacity; `Fusion::Fused` on that shape,
+//! - `Fusion::Auto` fuses the all-gather + GEMM at these small `m` on virtual ranks and falls
+//!   back to the unfused path when the gathered input does not fit the group's capacity; it
+//!   never fuses the row-parallel GEMM + reduce-scatter (`FusionRule`: measured slower fused); `Fusion::Fused` on that shape,
 //!   `m` not a multiple of W, a row-parallel layer with a bias and wrong lengths are errors
 //!   naming the layer, with nothing written.
 //!
@@ -37,6 +38,7 @@ use tpfuse::ops::linear::{
     SequenceParallelPath,
 };
 use tpfuse::shard::{ColumnParallelSpec, HostWeight, MergedColumnSpec, RowParallelSpec};
+use tpfuse::topology::FusedKernel;
 use tpfuse::{GroupOptions, NcclType, TpGroup};
 
 trait TestElement: common::gpu::TestElement + GemmElement + NcclType {}
@@ -49,12 +51,13 @@ fn seed_of<T: TestElement>(parts: &[u64]) -> u64 {
     mix_seed(splitmix64(base_seed(0x5e9_0012) ^ T::ID), parts)
 }
 
-/// What a forward under `fusion` must have run for a shape the fused kernel takes, at the
-/// small `m` of these tests (`Fusion::Auto` fuses them on virtual ranks).
-fn expected_path(fusion: Fusion) -> SequenceParallelPath {
-    match fusion {
-        Fusion::Unfused => SequenceParallelPath::Unfused,
-        Fusion::Fused | Fusion::Auto => SequenceParallelPath::Fused,
+/// What a forward of `kernel` under `fusion` must have run for a shape the fused kernel
+/// takes, at the small `m` of these tests (`Fusion::Auto` fuses the all-gather + GEMM on
+/// virtual ranks, never the row-parallel GEMM + reduce-scatter).
+fn expected_path(kernel: FusedKernel, fusion: Fusion) -> SequenceParallelPath {
+    match (kernel, fusion) {
+        (_, Fusion::Fused) | (FusedKernel::AllGather, Fusion::Auto) => SequenceParallelPath::Fused,
+        _ => SequenceParallelPath::Unfused,
     }
 }
 
@@ -114,7 +117,11 @@ fn row_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usize) {
         });
         for (r, g) in groups.iter().enumerate() {
             let at = format!("{label} rank {r}");
-            assert_eq!(ran[r], expected_path(fusion), "{at}: what ran");
+            assert_eq!(
+                ran[r],
+                expected_path(FusedKernel::RowParallel, fusion),
+                "{at}: what ran"
+            );
             assert_same_bits(
                 &format!("{at}: its rows of forward"),
                 &download(g, &outs[r]),
@@ -200,7 +207,10 @@ fn column_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usize) {
             let at = format!("{label} rank {r}");
             assert_eq!(
                 ran[r],
-                (expected_path(fusion), expected_path(fusion)),
+                (
+                    expected_path(FusedKernel::AllGather, fusion),
+                    expected_path(FusedKernel::AllGather, fusion)
+                ),
                 "{at}"
             );
             assert_same_bits(

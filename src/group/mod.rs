@@ -66,6 +66,7 @@
 mod agreement;
 mod build;
 mod failure;
+mod phases;
 
 use build::backstop_cycles;
 pub(crate) use build::{sm_count, DeviceFacts};
@@ -80,6 +81,8 @@ use cudarc::driver::{sys, CudaStream};
 use failure::{error_of_word, HostErrorWord, Poison};
 use std::sync::Arc;
 use std::time::Duration;
+
+pub use phases::BlockPhases;
 
 /// The most thread blocks a custom kernel launches per rank (`TPFUSE_MAX_BLOCKS`).
 pub const MAX_BLOCKS: usize = kernels::TPFUSE_MAX_BLOCKS as usize;

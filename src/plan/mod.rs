@@ -10,11 +10,12 @@
 //! against published measurements. The model is a model: no GPU measured it.
 //!
 //! ```
+//! use tpfuse::ops::linear::Fusion;
 //! use tpfuse::plan::{plan_model, DeviceProfile, ModelShape};
 //!
 //! let model = ModelShape::builtin("llama-3-70b").unwrap();
 //! let h100 = DeviceProfile::builtin("h100-sxm").unwrap();
-//! let rows = plan_model(&model, 8, &[1], &h100).unwrap();
+//! let rows = plan_model(&model, 8, &[1], &h100, Fusion::Auto).unwrap();
 //! let qkv = &rows[0];
 //! assert_eq!((qkv.layer.as_str(), qkv.n, qkv.k), ("qkv", 1280, 8192));
 //! assert!(qkv.floor_us <= qkv.model_us);

@@ -9,7 +9,8 @@ use crate::group::SPLIT_SCRATCH_BYTES;
 use crate::ops::all_reduce::Algorithm;
 use crate::ops::gemm::{select_config, split_parts, split_scratch_bytes, GemmConfig, GemmShape};
 use crate::ops::gemm_all_reduce::{fused_all_reduce_algo, unfusable, FusedFacts};
-use crate::topology::{AllReduceAlgo, AllReduceRule, FusionRule, SizeLimits};
+use crate::ops::linear::Fusion;
+use crate::topology::{AllReduceAlgo, AllReduceRule, FusedKernel, FusionRule, SizeLimits};
 use half::bf16;
 
 /// Bytes of one element: the plan assumes 16-bit activations and weights (f16 / bf16).
@@ -471,22 +472,37 @@ pub fn all_reduce_row(
     }
 }
 
-/// Why a row-parallel layer at `m` on `tp` ranks of `p` does not fuse (None: it fuses), by
-/// [`FusionRule`] and what the fused kernel takes.
-fn not_fused(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Option<String> {
+/// Why a row-parallel layer at `m` on `tp` ranks of `p` does not fuse under `fusion` (None:
+/// it fuses), by [`FusionRule`] and what the fused kernel takes (a layer that forces fusion
+/// on a shape the kernel cannot take gets an error; its row says why).
+fn not_fused(
+    g: &LayerGemm,
+    m: usize,
+    tp: usize,
+    p: &DeviceProfile,
+    fusion: Fusion,
+) -> Option<String> {
     if tp < 2 {
         return Some("one rank: nothing to reduce".into());
     }
     if limits(tp, p).is_none() {
         return Some(format!("no custom kernels for {tp} ranks over PCIe"));
     }
-    let rule = FusionRule::default();
-    if !rule.fuse(None, m) {
-        return Some(format!("m = {m} is past the fusion rule's {}", rule.max_m));
-    }
-    let parts = split_parts(g.n, g.k, p.sms);
-    if parts > 1 {
-        return Some("fused, the parts would run one after another".into());
+    match fusion {
+        Fusion::Unfused => return Some("Fusion::Unfused".into()),
+        Fusion::Fused => {}
+        Fusion::Auto => {
+            let max_m = FusionRule::default().max_m(FusedKernel::RowParallel);
+            if max_m == 0 {
+                return Some("Auto: slower fused on an H200, docs/performance.md".into());
+            }
+            if m > max_m {
+                return Some(format!("m = {m} is past the fusion rule's {max_m}"));
+            }
+            if split_parts(g.n, g.k, p.sms) > 1 {
+                return Some("fused, the parts would run one after another".into());
+            }
+        }
     }
     unfusable::<bf16>(GemmShape { m, n: g.n, k: g.k }, &fused_facts(tp, p))
 }
@@ -583,23 +599,22 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
         floor_us: us(floor),
         model_us: us(model.seconds(p)),
         choice: match split_parts(g.n, g.k, p.sms) {
-            1 => format!("fused: m <= {}", FusionRule::default().max_m),
-            parts => format!(
-                "fused: m <= {}; k in {parts} parts, one after another",
-                FusionRule::default().max_m
-            ),
+            1 => "fused".into(),
+            parts => format!("fused; k in {parts} parts, one after another"),
         },
     })
 }
 
 /// Every row of one layer of `model` on `tp` ranks of `p`, for each `m` of `ms`: per `m`,
 /// the four GEMMs in order, a row-parallel one as its fused row or as its GEMM row followed
-/// by its all-reduce row.
+/// by its all-reduce row, as a row-parallel layer with `fusion` runs it
+/// ([`Fusion::Auto`]: the layers' default).
 pub fn plan_model(
     model: &ModelShape,
     tp: usize,
     ms: &[usize],
     p: &DeviceProfile,
+    fusion: Fusion,
 ) -> Result<Vec<PlanRow>> {
     let gemms = model.layer_gemms(tp)?;
     let (major, minor) = p.compute_capability;
@@ -616,7 +631,7 @@ pub fn plan_model(
     for &m in ms {
         for g in &gemms {
             if g.row_parallel {
-                match not_fused(g, m, tp, p) {
+                match not_fused(g, m, tp, p, fusion) {
                     None => {
                         let mut row = fused_row(g, m, tp, p).ok_or_else(no_path)?;
                         let alone = gemm_row(g, m, tp, p).ok_or_else(no_path)?;

@@ -15,7 +15,7 @@ pub use nvml::{
     discover, Discovery,
 };
 pub use policy::{
-    assess, assess_places, groups, AllReduceAlgo, AllReduceRule, FusionRule, Interconnect,
-    RankPlace, Refusal, SizeLimits, Verdict,
+    assess, assess_places, groups, AllReduceAlgo, AllReduceRule, FusedKernel, FusionRule,
+    Interconnect, RankPlace, Refusal, SizeLimits, Verdict,
 };
 pub use report::render;

@@ -378,33 +378,62 @@ fn limits_in(table: &[SizeLimits], world: usize) -> Option<SizeLimits> {
     table.iter().find(|l| world <= l.max_world).copied()
 }
 
+/// The fused kernels [`FusionRule`] decides for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FusedKernel {
+    /// A row-parallel layer's GEMM + all-reduce ([`crate::ops::gemm_all_reduce()`]) or GEMM +
+    /// reduce-scatter ([`crate::ops::gemm_reduce_scatter`]): per-tile flags.
+    RowParallel,
+    /// A column-parallel layer's all-gather + GEMM ([`crate::ops::all_gather_gemm()`]).
+    AllGather,
+}
+
 /// When a layer under [`Fusion::Auto`](crate::ops::linear::Fusion::Auto) runs its GEMM and
-/// its collective as one kernel: a row-parallel layer's GEMM + all-reduce
-/// ([`crate::ops::gemm_all_reduce()`]) or GEMM + reduce-scatter, a column-parallel layer's
-/// all-gather + GEMM. `m` is the call's rows, all ranks' for the sequence-parallel forms.
+/// its collective as one kernel. `m` is the call's rows, all ranks' for the sequence-parallel
+/// forms. Fused up to the kernel's most rows, on groups whose custom all-reduce may run;
+/// unfused beyond (FIELD-NOTES: Flux's GEMM + reduce-scatter got slower at m = 8192 on
+/// 8×H100).
 ///
-/// **Placeholder thresholds, not measurements.** Fused up to [`max_m`](Self::max_m) rows
-/// (decode and small prefill: the all-reduce is latency-bound there, and the fused kernel
-/// reduces each tile while the GEMM computes the next), on groups whose custom all-reduce may
-/// run; unfused beyond, where fusion is not free (FIELD-NOTES: Flux's GEMM + reduce-scatter
-/// got slower at m = 8192 on 8×H100). `benches/gemm_all_reduce.rs` measures the crossing
-/// on a GPU; no GPU has run it yet.
+/// What one GPU measured (an H200, two virtual ranks sharing it, `docs/performance.md`,
+/// "Measured on an H200"): the all-gather + GEMM ran at 0.87x the unfused all-gather then
+/// GEMM (Llama-3-70B's QKV at TP 8, m = 16), so it fuses up to
+/// [`all_gather_max_m`](Self::all_gather_max_m) = 64 (a placeholder bound past the measured
+/// m). The row-parallel GEMM + all-reduce and GEMM + reduce-scatter ran at 1.6-2.6x the
+/// unfused GEMM then collective at every measured m (1, 16, 64), so
+/// [`row_parallel_max_m`](Self::row_parallel_max_m) is 0: `Auto` never fuses them until a
+/// GPU measures them faster. [`Fusion::Fused`](crate::ops::linear::Fusion::Fused) still runs
+/// them (the same bits as unfused either way).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FusionRule {
-    /// The most rows (tokens) the fused kernel takes.
-    pub max_m: usize,
+    /// The most rows (tokens) the fused all-gather + GEMM takes under `Auto`.
+    pub all_gather_max_m: usize,
+    /// The most rows the fused GEMM + all-reduce and GEMM + reduce-scatter take under `Auto`
+    /// (0: never).
+    pub row_parallel_max_m: usize,
 }
 
 impl Default for FusionRule {
     fn default() -> Self {
-        FusionRule { max_m: 64 }
+        FusionRule {
+            all_gather_max_m: 64,
+            row_parallel_max_m: 0,
+        }
     }
 }
 
 impl FusionRule {
-    /// Whether a call of `m` rows fuses on a group with `verdict` (`None`: virtual ranks, or a
-    /// topology NVML could not show, where the custom kernels run as on NVLink).
-    pub fn fuse(&self, verdict: Option<&Verdict>, m: usize) -> bool {
-        m <= self.max_m && verdict.map_or(true, Verdict::custom_all_reduce)
+    /// The most rows `kernel` takes under `Auto` (0: never).
+    pub fn max_m(&self, kernel: FusedKernel) -> usize {
+        match kernel {
+            FusedKernel::RowParallel => self.row_parallel_max_m,
+            FusedKernel::AllGather => self.all_gather_max_m,
+        }
+    }
+
+    /// Whether a call of `m` (> 0) rows runs `kernel` on a group with `verdict` (`None`:
+    /// virtual ranks, or a topology NVML could not show, where the custom kernels run as on
+    /// NVLink).
+    pub fn fuse(&self, kernel: FusedKernel, verdict: Option<&Verdict>, m: usize) -> bool {
+        m > 0 && m <= self.max_m(kernel) && verdict.map_or(true, Verdict::custom_all_reduce)
     }
 }

@@ -6,7 +6,7 @@
 //!   or the CPU emulator, every kernel family on virtual ranks against the references (and a
 //!   one-rank NCCL communicator on a GPU); `--counters` prints the emulator's counters.
 //! - `tpfuse plan --model NAME | --config FILE [--tp 2,4,8] [--m 1,16,64] [--device PROFILE]
-//!   [--json]`: what tpfuse runs for each GEMM and collective of a layer, its bytes per SM,
+//!   [--fusion auto|fused|unfused] [--json]`: what tpfuse runs for each GEMM and collective of a layer, its bytes per SM,
 //!   bytes in flight, rounds, floor and modelled time (tpfuse::plan).
 //! - `tpfuse bench`: a quick reduce_ranks bandwidth figure (needs a GPU; the criterion
 //!   benches are the real measurement); fails (exit 1) without one.
@@ -36,7 +36,8 @@ commands:
                      emulator (--features emulator), every kernel family on virtual ranks
                      against the f64 and bit-exact references
                        --counters  the emulator's counters per op (emulator builds)
-  plan --model NAME | --config FILE [--tp N,..] [--m M,..] [--device PROFILE] [--json]
+  plan --model NAME | --config FILE [--tp N,..] [--m M,..] [--device PROFILE]
+       [--fusion auto|fused|unfused] [--json]
                      what tpfuse runs for each GEMM and collective of a decoder layer, the
                      bytes each SM moves and keeps in flight, sync rounds, the bandwidth
                      floor and a modelled time (a model, not a measurement)
@@ -44,6 +45,8 @@ commands:
                        --config    a Hugging Face config.json (dense Llama-style)
                        --tp        ranks (default 2,4,8);  --m  rows per rank (default 1,16,64)
                        --device    h100-sxm, h200, a100-sxm, l40s, b200 (default: GPU 0)
+                       --fusion    the row-parallel layers' Fusion (default auto, the layers'
+                                   default: unfused; fused shows the fused kernel's rows)
                        --json      an array of rows
   bench              quick reduce_ranks bandwidth on GPU 0 (fails without a GPU)
   help               this text

@@ -2,6 +2,7 @@
 //! bandwidth floor (tpfuse::plan).
 
 use std::process::ExitCode;
+use tpfuse::ops::linear::Fusion;
 use tpfuse::plan::{
     plan_model, DeviceProfile, ModelShape, PlanRow, BUILTIN_DEVICES, BUILTIN_MODELS,
 };
@@ -11,6 +12,7 @@ pub struct Options {
     tp: Vec<usize>,
     ms: Vec<usize>,
     device: Option<String>,
+    fusion: Fusion,
     json: bool,
 }
 
@@ -37,6 +39,7 @@ impl Options {
             tp: vec![2, 4, 8],
             ms: vec![1, 16, 64],
             device: None,
+            fusion: Fusion::Auto,
             json: false,
         };
         let mut it = args.iter();
@@ -52,6 +55,14 @@ impl Options {
                 "--tp" => options.tp = list(arg, value()?)?,
                 "--m" => options.ms = list(arg, value()?)?,
                 "--device" => options.device = Some(value()?.to_string()),
+                "--fusion" => {
+                    options.fusion = match value()? {
+                        "auto" => Fusion::Auto,
+                        "fused" => Fusion::Fused,
+                        "unfused" => Fusion::Unfused,
+                        v => return Err(format!("--fusion {v}: auto, fused or unfused")),
+                    }
+                }
                 "--json" => options.json = true,
                 other => return Err(format!("unknown option {other}")),
             }
@@ -113,7 +124,10 @@ fn rows(options: &Options) -> Result<(DeviceProfile, Vec<PlanRow>), String> {
     };
     let mut rows = Vec::new();
     for &tp in &options.tp {
-        rows.extend(plan_model(&model, tp, &options.ms, &device).map_err(|e| e.to_string())?);
+        rows.extend(
+            plan_model(&model, tp, &options.ms, &device, options.fusion)
+                .map_err(|e| e.to_string())?,
+        );
     }
     Ok((device, rows))
 }

@@ -6,7 +6,7 @@ use crate::error::{Error, Result};
 use crate::group::TpGroup;
 use crate::ops::gemm::{split_parts, GemmShape};
 use crate::ops::gemm_all_reduce::{facts_of, FusedFacts};
-use crate::topology::FusionRule;
+use crate::topology::{FusedKernel, FusionRule};
 
 /// How a layer joins its GEMM and its collective: a row-parallel layer's GEMM + all-reduce
 /// ([`crate::ops::gemm_all_reduce()`]) or GEMM + reduce-scatter
@@ -14,12 +14,13 @@ use crate::topology::FusionRule;
 /// ([`crate::ops::all_gather_gemm()`]). Every rank must choose the same.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fusion {
-    /// [`FusionRule`]'s choice (placeholder thresholds until measured): fused for small `m`
-    /// on groups whose custom kernels run, when the shape fits the fused kernel, its `k` does
-    /// not split ([`split_parts`](crate::ops::gemm::split_parts) = 1: the unfused GEMM runs the
-    /// parts in parallel, the fused kernels one after another) and, for a row-parallel
-    /// all-reduce, the layer's algorithm is
-    /// [`Algorithm::Auto`](crate::ops::Algorithm::Auto)); unfused otherwise.
+    /// [`FusionRule`]'s choice, from what one GPU measured: a column-parallel layer's
+    /// all-gather + GEMM fuses for small `m` on groups whose custom kernels run, when the
+    /// shape fits the fused kernel and its `k` does not split
+    /// ([`split_parts`](crate::ops::gemm::split_parts) = 1: the unfused GEMM runs the parts in
+    /// parallel, the fused kernels one after another); a row-parallel layer's GEMM +
+    /// all-reduce or GEMM + reduce-scatter runs unfused (measured 1.6-2.6x slower fused on an
+    /// H200, `docs/performance.md`; [`Fusion::Fused`] still runs it).
     Auto,
     /// Always one kernel; a shape it cannot take (an exchange over half the group's
     /// capacity, too many tiles, a group without custom kernels) is an error naming the
@@ -41,8 +42,34 @@ pub enum SequenceParallelPath {
     Unfused,
 }
 
-/// Whether a layer's call of `shape` (its GEMM's, `m` rows) runs `op` (e.g. "GEMM +
-/// all-reduce") fused, by its `fusion`: `auto_allowed` is what the layer adds to
+/// The fused forms of a layer's call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum FusedOp {
+    GemmAllReduce,
+    GemmReduceScatter,
+    AllGatherGemm,
+}
+
+impl FusedOp {
+    /// The name errors give it.
+    fn name(self) -> &'static str {
+        match self {
+            FusedOp::GemmAllReduce => "GEMM + all-reduce",
+            FusedOp::GemmReduceScatter => "GEMM + reduce-scatter",
+            FusedOp::AllGatherGemm => "all-gather + GEMM",
+        }
+    }
+
+    /// The kernel [`FusionRule`] decides for.
+    fn kernel(self) -> FusedKernel {
+        match self {
+            FusedOp::GemmAllReduce | FusedOp::GemmReduceScatter => FusedKernel::RowParallel,
+            FusedOp::AllGatherGemm => FusedKernel::AllGather,
+        }
+    }
+}
+
+/// Whether a layer's call of `shape` (its GEMM's, `m` rows) runs `op` fused, by its `fusion`: `auto_allowed` is what the layer adds to
 /// [`Fusion::Auto`]'s rule, `unfusable` says why the fused kernel cannot take the shape on the
 /// group. [`Fusion::Auto`] also leaves a shape whose `k` splits
 /// ([`split_parts`](crate::ops::gemm::split_parts) > 1) unfused: the fused kernels run a
@@ -52,7 +79,7 @@ pub enum SequenceParallelPath {
 pub(super) fn fuses(
     fusion: Fusion,
     label: &str,
-    op: &str,
+    op: FusedOp,
     group: &TpGroup,
     shape: GemmShape,
     auto_allowed: bool,
@@ -71,12 +98,11 @@ pub(super) fn fuses(
             None => Ok(true),
             Some(reason) => Err(Error::invalid(
                 label,
-                format!("the layer forces the fused {op}, but {reason}"),
+                format!("the layer forces the fused {}, but {reason}", op.name()),
             )),
         },
         Fusion::Auto => Ok(auto_allowed
-            && m > 0
-            && FusionRule::default().fuse(group.verdict(), m)
+            && FusionRule::default().fuse(op.kernel(), group.verdict(), m)
             && split_parts(shape.n, shape.k, facts_of(group).sms) == 1
             && refusal().is_none()),
     }

@@ -2,7 +2,7 @@
 //! output, and the all-reduce (with its fused epilogue) joins the ranks; or, in a
 //! sequence-parallel region, the reduce-scatter gives each rank its rows of the sum.
 
-use super::fusion::{fuses, Fusion, SequenceParallelPath};
+use super::fusion::{fuses, FusedOp, Fusion, SequenceParallelPath};
 use super::workspace::{Borrowed, Workspace};
 use super::{as_dyn, check_group, check_len, host_shard, in_layer, Shard};
 use crate::dtype::NcclType;
@@ -163,7 +163,7 @@ impl<T: GemmElement + NcclType, W: DevicePtr<T>> RowParallelLinear<T, W> {
         fuses(
             self.fusion,
             &self.shard.label,
-            "GEMM + all-reduce",
+            FusedOp::GemmAllReduce,
             group,
             shape,
             auto_allowed,
@@ -382,7 +382,7 @@ impl<T: GemmElement + NcclType, W: DevicePtr<T>> RowParallelLinear<T, W> {
         let fused = fuses(
             self.fusion,
             label,
-            "GEMM + reduce-scatter",
+            FusedOp::GemmReduceScatter,
             group,
             shape,
             true,

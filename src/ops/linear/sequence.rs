@@ -3,7 +3,7 @@
 //! column-parallel layer), as one fused kernel or as the all-gather into a workspace and the
 //! GEMM.
 
-use super::fusion::{fuses, Fusion, SequenceParallelPath};
+use super::fusion::{fuses, FusedOp, Fusion, SequenceParallelPath};
 use super::{as_dyn, check_group, check_len, in_layer, rows_of, Shard};
 use crate::dtype::NcclType;
 use crate::error::Result;
@@ -54,10 +54,15 @@ impl<T: GemmElement + NcclType, W: DevicePtr<T>> Shard<T, W> {
             n: self.n,
             k: self.k,
         };
-        let op = "all-gather + GEMM";
-        if fuses(fusion, label, op, group, shape, true, |facts| {
-            unfusable_all_gather::<T>(shape, facts)
-        })? {
+        if fuses(
+            fusion,
+            label,
+            FusedOp::AllGatherGemm,
+            group,
+            shape,
+            true,
+            |facts| unfusable_all_gather::<T>(shape, facts),
+        )? {
             all_gather_gemm(group, x, &self.weight, as_dyn(&self.bias), out, shape)
                 .map_err(in_layer(label, &FUSED_NAMES))?;
             return Ok(SequenceParallelPath::Fused);
