@@ -234,11 +234,23 @@ fn phases_line(groups: &[TpGroup]) -> String {
     let first = |r: &[BlockPhases]| r.iter().map(|b| b.start_ns).min().unwrap_or(0);
     let span = ranks
         .iter()
-        .map(|r| us(r.iter().map(|b| b.end_ns).max().unwrap_or(0) - first(r)))
+        .map(|r| {
+            us(r.iter()
+                .map(|b| b.end_ns)
+                .max()
+                .unwrap_or(0)
+                .saturating_sub(first(r)))
+        })
         .fold(0.0, f64::max);
     let spread = ranks
         .iter()
-        .map(|r| us(r.iter().map(|b| b.start_ns).max().unwrap_or(0) - first(r)))
+        .map(|r| {
+            us(r.iter()
+                .map(|b| b.start_ns)
+                .max()
+                .unwrap_or(0)
+                .saturating_sub(first(r)))
+        })
         .fold(0.0, f64::max);
     let skew = if groups.iter().all(TpGroup::is_virtual) {
         let firsts: Vec<u64> = ranks.iter().map(|r| first(r)).collect();
@@ -256,7 +268,7 @@ fn phases_line(groups: &[TpGroup]) -> String {
     let tiles: u64 = blocks.iter().map(|b| b.tiles).sum();
     let gemm_per_tile = blocks.iter().map(|b| us(b.gemm_ns)).sum::<f64>() / tiles.max(1) as f64;
     let rest = mean(&|b| {
-        (b.end_ns - b.start_ns)
+        (b.end_ns.saturating_sub(b.start_ns))
             .saturating_sub(b.gemm_ns + b.publish_ns + b.wait_ns + b.reduce_ns + b.tail_ns)
     });
     let longest_wait = blocks.iter().map(|b| us(b.wait_ns)).fold(0.0, f64::max);

@@ -112,7 +112,7 @@ int launch_config(const T *a, const T *b, const T *bias, const T *residual, T *c
         scratch != nullptr && needed <= scratch_bytes) {
       auto gemm_split = gemm_split_kernel<T, Cfg>;
       // Always opted in: its static shared memory (`last`) counts with the dynamic size toward
-      // the default 48 KiB, which Tile64x64 takes exactly.
+      // the default 48 KiB (SmallM16x32 takes exactly that).
       const cudaError_t err =
           cudaFuncSetAttribute(gemm_split, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
       if (err != cudaSuccess) return err;

@@ -334,6 +334,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
     fused::publish(peers, g, tile, flag_value);
     st.clock.mark(fused::kPhasePublish);
     const bool consumed = previous < 0 || consume<T, Cfg>(L, deadline, st, exchange, previous);
+    __syncthreads(); // every warp's share of the reduction, before thread 0 times it
     st.clock.mark(fused::kPhaseReduce);
     if (!consumed) break;
     previous = tile;
@@ -344,15 +345,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
   const bool last_tile = previous >= 0 && st.failed == 0;
   __syncthreads();
   if (last_tile) consume<T, Cfg>(L, deadline, st, exchange, previous);
-  st.clock.mark(fused::kPhaseReduce);
   // The same rule before the strip waits.
   const bool norming = L.gamma != nullptr && st.failed == 0;
   __syncthreads();
+  st.clock.mark(fused::kPhaseReduce);
   if (norming) normalize_dealt_rows<T, Cfg::kBlockM>(L, deadline, st);
   // The same rule before the gather's waits.
   const bool gathering = two_shot && st.failed == 0;
   __syncthreads();
   if (gathering) gather_rows(peers, g, deadline, st, descriptor, exchange, out, residual, gamma, eps, m, n);
+  __syncthreads(); // every warp's rows, before thread 0 times them
   st.clock.mark(fused::kPhaseTail);
 
   if (fused::end(peers, g, st)) {
@@ -391,7 +393,7 @@ int launch_config(Reduction reduction, const tpfuse_peers &peers, const tpfuse_g
   auto gemm_all_reduce = gemm_all_reduce_kernel<T, Cfg>; // the name the emulator suite reports
   // Always opted in (not only past 48 KiB, as gemm.cu does): the kernel's static shared
   // memory (BlockState, the RMSNorm's warp sums) counts with the dynamic size toward the
-  // default 48 KiB, and two configurations take exactly 48 KiB of dynamic shared memory.
+  // default 48 KiB, and SmallM16x32 takes exactly 48 KiB of dynamic shared memory.
   const cudaError_t err =
       cudaFuncSetAttribute(gemm_all_reduce, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (err != cudaSuccess) return err;

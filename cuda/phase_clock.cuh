@@ -6,14 +6,20 @@
 // tpfuse.h: TPFUSE_PHASE_*), overwriting the previous launch's.
 //
 // Thread 0 marks a boundary where the whole block has passed it (after a __syncthreads), or
-// where thread 0's own work is the phase (a publish: its st.release.sys). The totals live in
-// shared memory, written and read by thread 0 only. The record is diagnostics, not a result:
+// where thread 0's own work is the phase: a publish is thread 0's st.release.sys into rank
+// 0's pad (threads 1 .. W-1 store to the other ranks' pads meanwhile; the all-gather's publish
+// includes the block's pushed rows, behind its __syncthreads). The totals live in shared
+// memory, written and read by thread 0 only. The record is diagnostics, not a result:
 // plain stores, read by the host only after the launch completed (stream order), never by
 // another kernel; the emulator's counters leave them out (they count the kernels' data, not
 // their bookkeeping).
 // %globaltimer is the device's timer in nanoseconds (the PTX ISA gives its unit, not how
-// often it updates), one per device: records of one device compare across its blocks and its
-// (virtual) ranks.
+// often it updates, nor that it never steps back), one per device: records of one device
+// compare across its blocks and its (virtual) ranks. An interval shorter than the timer's
+// update period may read 0 (a publish, a wait that found its flag), so sums over many tiles
+// and blocks say more than one record; a step back counts as 0 (a signed difference, as
+// Deadline's). The instrumentation's own cost (the timer reads, the barrier before a
+// reduction's mark, the record's stores) is in every fused time measured since it landed.
 #pragma once
 
 #include "barrier.cuh"
@@ -48,7 +54,8 @@ struct PhaseClock {
   __device__ __forceinline__ void mark(Phase phase) {
     if (threadIdx.x != 0) return;
     const uint64_t now = global_timer_ns();
-    spent[phase] += now - last;
+    const int64_t elapsed = static_cast<int64_t>(now - last);
+    if (elapsed > 0) spent[phase] += static_cast<uint64_t>(elapsed);
     last = now;
   }
 

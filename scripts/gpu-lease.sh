@@ -51,7 +51,7 @@ TPFUSE_STEP_TIMEOUT=120 TPFUSE_BUNDLE_STEPS=bench \
 cat "$work/tests/summary.txt" "$work/bench/summary.txt" >"$out/summary.txt" 2>/dev/null
 (cd "$work" && tar czf "$out/logs.tgz" tests bench tests.out bench.out)
 for f in "$work"/bench/bench-*.log; do
-  [ -e "$f" ] && grep -v '^Benchmarking\|^$' "$f" | tail -n 45
+  [ -e "$f" ] && grep -v '^Benchmarking\|^$' "$f" | tail -n 80
 done
 echo
 cat "$out/summary.txt"

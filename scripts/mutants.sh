@@ -324,9 +324,9 @@ mutant split-counts-by-tiles emu_counters::one_scratch_serves_splits_of_every_sh
 mutant epilogue-no-bias emu_gemm::gemm_auto_picks_a_config_that_gives_the_same_bits "the GEMM epilogue reads bias at column 0" \
   gemm_epilogue.cuh 'const Vec16<T> b = load16(bias + col);' 'const Vec16<T> b = load16(bias);'
 mutant flag-before-tile emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16@random:1 "the fused kernel publishes a tile's flag before computing the tile" \
-  gemm_all_reduce.cu $'    gemm_tile<T, Cfg>(DenseRows<T>{x, k}, w, m, n, k, tm, tn, staging, smem, KSplit{parts, 0, parts});\n    __syncthreads(); // the tile\'s stores (and the epilogue\'s reads of smem), before the flags\n    fused::publish(peers, g, tile, flag_value);' \
-  $'    fused::publish(peers, g, tile, flag_value);\n    gemm_tile<T, Cfg>(DenseRows<T>{x, k}, w, m, n, k, tm, tn, staging, smem, KSplit{parts, 0, parts});\n    __syncthreads();'
-mutant no-sync-before-flag emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "the fused kernel publishes a tile's flag before the whole block stored it" \
+  gemm_all_reduce.cu $'    gemm_tile<T, Cfg>(DenseRows<T>{x, k}, w, m, n, k, tm, tn, staging, smem, KSplit{parts, 0, parts});\n    __syncthreads(); // the tile\'s stores (and the epilogue\'s reads of smem), before the flags\n    st.clock.tile_computed();\n    fused::publish(peers, g, tile, flag_value);' \
+  $'    fused::publish(peers, g, tile, flag_value);\n    gemm_tile<T, Cfg>(DenseRows<T>{x, k}, w, m, n, k, tm, tn, staging, smem, KSplit{parts, 0, parts});\n    __syncthreads();\n    st.clock.tile_computed();'
+mutant no-sync-before-flag emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16+weak "the fused kernel publishes a tile's flag before the whole block stored it" \
   gemm_all_reduce.cu $'    __syncthreads(); // the tile\'s stores (and the epilogue\'s reads of smem), before the flags\n' ''
 mutant epoch-not-advanced emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "the fused kernel's launches all use epoch 1" \
   fused_flags.cuh '*own.fused_epoch() = st.epoch;' ''
@@ -370,7 +370,7 @@ mutant gather-push-own-area-only emu_gemm_all_reduce::all_gather_gemm_equals_all
   all_gather_gemm.cu 'for (int j = 1; j <= g.world; ++j) {' 'for (int j = g.world; j <= g.world; ++j) {'
 mutant gather-push-at-rank-0-rows emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm "all-gather + GEMM pushes every rank's rows to rank 0's rows" \
   all_gather_gemm.cu 'static_cast<size_t>(g.rank) * part_vectors * 16;' 'static_cast<size_t>(0) * part_vectors * 16;'
-mutant gather-no-sync-before-flag emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm@random:1 "all-gather + GEMM publishes a part's flag before the whole block pushed it" \
+mutant gather-no-sync-before-flag emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm+weak "all-gather + GEMM publishes a part's flag before the whole block pushed it" \
   all_gather_gemm.cu $'    __syncthreads(); // every thread\'s stores, before the flags\n' ''
 # Co-residency (issue 21, defect 2): launched as plain grids, the blocks that fit start and wait
 # for blocks that cannot; only the residency model and another kernel holding SMs show it.
@@ -453,6 +453,8 @@ mutant phases-first-block-only gpu_gemm_all_reduce::fused_reduce_scatter_equals_
   phase_clock.cuh 'if (threadIdx.x != 0 || blockIdx.x >= TPFUSE_MAX_PHASE_BLOCKS) return;' 'if (threadIdx.x != 0 || blockIdx.x >= 1) return;'
 mutant phases-marks-from-start gpu_gemm_all_reduce::fused_reduce_scatter_equals_gemm_then_reduce_scatter "every phase interval is counted from the block's start" \
   phase_clock.cuh '    last = now;' ''
+mutant phases-wait-as-reduce emu_counters::a_late_rank_shows_in_the_others_wait_phase "the fused GEMM + all-reduce counts its waits as reduction" \
+  gemm_all_reduce.cu '  st.clock.mark(fused::kPhaseWait);' '  st.clock.mark(fused::kPhaseReduce);'
 mutant emu-mma-b-rows emu_ops::mma_m16n8k16_bf16_matches_the_isa_fragment_tables "the emulated mma reads b1 as k rows 2t..2t+1" \
   emu/warp.cpp 'B[2 * t + 8 * r][g] =' 'B[2 * t + 0 * r][g] ='
 

@@ -225,6 +225,51 @@ fn plan_json_is_an_array_of_rows_with_exactly_the_documented_keys() {
 }
 
 #[test]
+fn plan_fusion_follows_the_layers_choice() {
+    let rows_of = |fusion: &str| {
+        let o = tpfuse(&[
+            "plan",
+            "--model",
+            "llama-3-70b",
+            "--tp",
+            "8",
+            "--m",
+            "1",
+            "--device",
+            "h200",
+            "--fusion",
+            fusion,
+            "--json",
+        ]);
+        let text = String::from_utf8_lossy(&o.stdout).into_owned();
+        assert!(o.status.success(), "{fusion}: {text}");
+        let rows: Vec<serde_json::Value> = serde_json::from_str(&text).expect("rows");
+        rows.iter()
+            .map(|r| {
+                let field = |k: &str| r[k].as_str().unwrap_or_default().to_string();
+                (field("layer"), field("op"), field("choice"))
+            })
+            .collect::<Vec<_>>()
+    };
+    // Auto, the layers' default, runs o_proj and down unfused (measured slower fused); Fused
+    // runs them as one kernel; Unfused says so.
+    for (fusion, op, says) in [
+        ("auto", "gemm", "Fusion::Auto: slower fused"),
+        ("unfused", "gemm", "Fusion::Unfused"),
+        ("fused", "gemm_all_reduce", "fused"),
+    ] {
+        let rows = rows_of(fusion);
+        for layer in ["o_proj", "down"] {
+            let row = rows.iter().find(|r| r.0 == layer).expect(layer);
+            assert_eq!(row.1, op, "{fusion} {layer}: {row:?}");
+            assert!(row.2.contains(says), "{fusion} {layer}: {row:?}");
+        }
+        let all_reduces = rows.iter().filter(|r| r.1 == "all_reduce").count();
+        assert_eq!(all_reduces, if op == "gemm" { 2 } else { 0 }, "{fusion}");
+    }
+}
+
+#[test]
 fn plan_table_and_config_file_and_errors() {
     let dir = std::env::temp_dir().join(format!("tpfuse-plan-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -266,6 +311,10 @@ fn plan_table_and_config_file_and_errors() {
         (
             vec!["plan", "--model", "llama-3-8b", "--m", "0"],
             "positive integers",
+        ),
+        (
+            vec!["plan", "--model", "llama-3-8b", "--fusion", "sometimes"],
+            "auto, fused or unfused",
         ),
         (
             vec![

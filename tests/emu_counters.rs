@@ -22,6 +22,7 @@
 //!   it moves, and its ldmatrix loads have no bank conflicts (the swizzled shared-memory
 //!   layout);
 //! - reduce_ranks: W·n read, n written, no peer bytes (its stream has no rank);
+//! - a late rank shows in the other ranks' wait phase of the fused kernels' phase records;
 //! - the grid follows the message: a block per 512 16-byte vectors, at most the budget (a
 //!   decode step's 8 KB: one block), and one-shot with RMSNorm splits rows across blocks
 //!   (balanced peer reads at m = 1).
@@ -35,6 +36,7 @@ use common::ranks::{gpu, poisoned_ranks, round, upload_ranks, virtual_group};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 use tpfuse::emulator::counters::{self, LaunchCounters};
+use tpfuse::emulator::{self, Fault};
 use tpfuse::ops::gemm::{
     gemm_with_config, gemm_with_scratch, split_parts_on, GemmConfig, GemmShape,
 };
@@ -776,6 +778,52 @@ fn the_fused_one_shot_deals_its_rmsnorm_rows_over_the_grid() {
                 completed += rows - dealt;
             }
             assert_eq!(completed, strips, "{label} rank {rank}: strips' first rows");
+        }
+    }
+}
+
+/// The fused kernels' phase records ([`TpGroup::fused_phases`]) put a late rank's time in the
+/// others' wait phase: rank 1's stream starts its work `DELAY` of virtual time late, so every
+/// block of rank 0, which waits for rank 1's tiles, waits about that long, and rank 1's
+/// blocks, which find rank 0's tiles ready, wait far less.
+#[test]
+fn a_late_rank_shows_in_the_others_wait_phase() {
+    let _session = session_with(
+        FILE,
+        "a_late_rank_shows_in_the_others_wait_phase",
+        SMS,
+        60_000_000_000,
+    );
+    const DELAY: u64 = 2_000_000;
+    let gpu = gpu();
+    let (world, m, n, k) = (2, 16, 264, 40);
+    let groups = virtual_group(&gpu.ctx, world, GroupOptions::default());
+    let shape = GemmShape { m, n, k };
+    let xs: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0x1a7e, world, m * k));
+    let ws: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0x2a7e, world, n * k));
+    let mut outs: Vec<CudaSlice<bf16>> = poisoned_ranks(&groups, m * n);
+    for algo in [Algorithm::OneShot, Algorithm::TwoShot] {
+        let label = format!("GEMM + all-reduce {algo:?}, rank 1 late by {DELAY} ns");
+        emulator::set_cuda_stream_fault(
+            groups[1].stream(),
+            Fault {
+                delay_ns: DELAY,
+                ..Fault::default()
+            },
+        );
+        round(&groups, &label, |r| {
+            let (x, wt, out) = (&xs[r], &ws[r], &mut outs[r]);
+            gemm_all_reduce_with(&groups[r], x, wt, Epilogue::default(), out, shape, algo)
+                .map(|_| ())
+        });
+        emulator::set_cuda_stream_fault(groups[1].stream(), Fault::default());
+        let early = groups[0].fused_phases().expect("rank 0's records");
+        let late = groups[1].fused_phases().expect("rank 1's records");
+        assert!(!early.is_empty() && early.len() == late.len(), "{label}");
+        for (e, l) in early.iter().zip(&late) {
+            assert!(e.wait_ns >= DELAY / 2, "{label}: rank 0 {e:?}");
+            assert!(l.wait_ns < DELAY / 10, "{label}: rank 1 {l:?}");
+            assert!(l.start_ns >= e.start_ns + DELAY / 2, "{label}: {e:?} {l:?}");
         }
     }
 }

@@ -101,6 +101,7 @@ fn forward<T: TestElement>(
     let mut residuals = upload_copies(groups, &c.residual);
     let mut partials: Vec<CudaSlice<T>> = poisoned_ranks(groups, m * n);
     let mut outs: Vec<CudaSlice<T>> = poisoned_ranks(groups, m * n);
+    let before = last_epoch(groups);
     let plans = round(groups, label, |r| {
         let epilogue = Epilogue {
             bias: Some(&biases[r]),
@@ -143,7 +144,7 @@ fn forward<T: TestElement>(
         }
     });
     if let Some(plan) = &plans[0] {
-        check_phases(groups, plan, label);
+        check_phases(groups, plan, before + 1, label);
     }
     (
         download_ranks(groups, &outs),
@@ -151,12 +152,29 @@ fn forward<T: TestElement>(
     )
 }
 
+/// The epoch of the ranks' last fused launch (0 before the first), from their phase records.
+fn last_epoch(groups: &[TpGroup]) -> u64 {
+    let epochs: Vec<u64> = groups
+        .iter()
+        .map(|g| {
+            g.fused_phases()
+                .expect("phase records")
+                .first()
+                .map_or(0, |p| p.epoch)
+        })
+        .collect();
+    assert!(
+        epochs.iter().all(|&e| e == epochs[0]),
+        "ranks' epochs {epochs:?}"
+    );
+    epochs[0]
+}
+
 /// The phase records of every rank's last fused launch ([`TpGroup::fused_phases`]): one per
-/// block of `plan`'s grid, every block of every rank at one launch epoch, each
-/// block's tiles those of its turn (b, b + grid, ...), its phases inside its start and end,
-/// and time spent computing every tile.
-fn check_phases(groups: &[TpGroup], plan: &FusedPlan, label: &str) {
-    let mut epoch = None;
+/// block of `plan`'s grid, every block of every rank at launch epoch `epoch` (the launch just
+/// made, not a stale one), each block's tiles those of its turn (b, b + grid, ...), its
+/// phases inside its start and end, and time spent computing every tile.
+fn check_phases(groups: &[TpGroup], plan: &FusedPlan, epoch: u64, label: &str) {
     for (r, g) in groups.iter().enumerate() {
         let at = format!("{label} rank {r}: phases");
         let phases = g.fused_phases().unwrap_or_else(|e| panic!("{at}: {e}"));
@@ -166,8 +184,7 @@ fn check_phases(groups: &[TpGroup], plan: &FusedPlan, label: &str) {
             "{at}: one record per block"
         );
         for p in &phases {
-            let launch = *epoch.get_or_insert(p.epoch);
-            assert_eq!(p.epoch, launch, "{at}: {p:?}");
+            assert_eq!(p.epoch, epoch, "{at}: {p:?}");
             let tiles = (plan.tiles - p.block).div_ceil(plan.grid) as u64;
             assert_eq!(p.tiles, tiles, "{at}: {p:?}");
             let spent = p.gemm_ns + p.publish_ns + p.wait_ns + p.reduce_ns + p.tail_ns;
@@ -279,6 +296,7 @@ fn all_gather_gemm_shapes() {
         let mut unfused: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * n);
         let mut gathered: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * k);
         let shape = GemmShape { m, n, k };
+        let before = last_epoch(&groups);
         let plans = round(&groups, &format!("{label} fused"), |r| {
             all_gather_gemm(
                 &groups[r],
@@ -289,7 +307,7 @@ fn all_gather_gemm_shapes() {
                 shape,
             )
         });
-        check_phases(&groups, &plans[0], &label);
+        check_phases(&groups, &plans[0], before + 1, &label);
         round(&groups, &format!("{label} unfused"), |r| {
             ops::all_gather(&groups[r], &xs[r], &mut gathered[r])?;
             gemm(
@@ -365,10 +383,11 @@ fn reduce_scatter_shapes() {
         let mut unfused: Vec<CudaSlice<T>> = poisoned_ranks(&groups, rows * n);
         let mut partials: Vec<CudaSlice<T>> = poisoned_ranks(&groups, m * n);
         let shape = GemmShape { m, n, k };
+        let before = last_epoch(&groups);
         let plans = round(&groups, &format!("{label} fused"), |r| {
             gemm_reduce_scatter(&groups[r], &xs[r], &ws[r], &mut fused[r], shape)
         });
-        check_phases(&groups, &plans[0], &label);
+        check_phases(&groups, &plans[0], before + 1, &label);
         round(&groups, &format!("{label} unfused"), |r| {
             gemm(
                 groups[r].stream(),

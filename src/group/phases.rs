@@ -31,7 +31,8 @@ pub struct BlockPhases {
     pub tiles: u64,
     /// Computing them (the GEMM's mainloop and epilogue).
     pub gemm_ns: u64,
-    /// Publishing its flags to every rank (the all-gather + GEMM: pushing its rows too).
+    /// Publishing its flags (thread 0's store into rank 0's pad; the all-gather + GEMM:
+    /// pushing its rows too).
     pub publish_ns: u64,
     /// Waiting for other ranks' flags.
     pub wait_ns: u64,
@@ -60,11 +61,14 @@ impl BlockPhases {
 }
 
 impl TpGroup {
-    /// The phase records of this rank's last fused GEMM launch, one per block (at most the
-    /// first 256 blocks), index = block; empty before the first fused launch. Waits for the
-    /// rank's stream first ([`check`](Self::check): its errors, and its refusal during a
-    /// capture). Diagnostics for a GPU run (`benches/gemm_all_reduce.rs` prints them); the
-    /// records of a graph replay are its last fused launch's.
+    /// The phase records of the last fused GEMM launch that ran on this rank, one per block
+    /// (at most the first 256 blocks), index = block; empty before the first fused launch. A
+    /// launch refused before it ran (a grid past what the device holds) leaves the previous
+    /// launch's records: compare [`BlockPhases::epoch`] across calls. Waits for the rank's
+    /// stream first, through [`check`](Self::check): so it fails once a launch failed (its
+    /// records stay unread), during a capture, and a stream that does not drain poisons the
+    /// group as `check` does. Diagnostics for a GPU run (`benches/gemm_all_reduce.rs` prints
+    /// them); the records of a graph replay are its last fused launch's.
     ///
     /// Errors: [`Error::InvalidArgument`] on a group without custom kernels (no signal pad),
     /// and what [`check`](Self::check) returns.

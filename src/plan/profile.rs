@@ -37,8 +37,13 @@ pub struct DeviceProfile {
     pub threads_per_sm: usize,
     /// Resident blocks per SM.
     pub blocks_per_sm: usize,
-    /// Latency of a global load that misses the caches, seconds.
+    /// Latency of a global load that misses the caches, seconds (an idle GPU's: a pointer
+    /// chase).
     pub dram_latency_s: f64,
+    /// Latency of a weight load while the SMs stream weights together (the DRAM loaded),
+    /// seconds: what a GEMM's loads in flight wait, fitted to measured GEMMs (a model
+    /// parameter).
+    pub streaming_latency_s: f64,
     /// Latency of a load from a peer GPU's memory, seconds.
     pub peer_latency_s: f64,
     /// Latency of one dependent `mma.sync.m16n8k16` (f32 accumulate), cycles.
@@ -66,6 +71,13 @@ const LAUNCH: &str = "launch_s 2 µs: assumed; round_s 1.4 µs: fitted, SGLang's
                       all-reduce of 512 B on H100 (3.7/4.8/5.9 µs at TP 2/4/8, mean 4.8) less one \
                       launch, over its 2 rounds (docs/performance.md)";
 
+/// The loaded latency: the value of `streaming_latency_s` that puts the model's streaming
+/// term on tpfuse's GEMMs measured on an H200 (docs/performance.md).
+const STREAMING: &str = "streaming_latency 1.8 µs: fitted to tpfuse's GEMMs on an H200 \
+     (docs/gpu-runs/2026-11-26-*: Llama-3-70B TP-8 qkv at m = 1 and 64, gate_up at m = 64, \
+     less one launch, each over its busiest SM's bytes per byte in flight: 1.5-1.9 µs), \
+     4.3x the idle pointer chase; other GPUs: 4.3x their dram_latency, unverified";
+
 /// The latencies, where each profile's list does not say otherwise.
 const LATENCIES: &str = "dram_latency 420 ns: about 834 cycles at 1.98 GHz, the H100 pointer \
      chase of caps-tum/mt4g (700 cycles in markdewing/AI_kernels); peer_latency 1.2 µs: an \
@@ -90,12 +102,15 @@ impl DeviceProfile {
             threads_per_sm: 2048,
             blocks_per_sm: 32,
             dram_latency_s: 420.0 * NS,
+            streaming_latency_s: 1.8 * US,
             peer_latency_s: 1.2 * US,
             mma_latency_cycles: 33.0,
             launch_s: 2.0 * US,
             round_s: 1.4 * US,
-            sources: vec![LATENCIES, LAUNCH],
+            sources: vec![LATENCIES, STREAMING, LAUNCH],
         };
+        // Other GPUs: the H200's ratio of loaded to idle latency.
+        let loaded = |idle: f64| idle * (1.8 / 0.42);
         let p = match name {
             "h100-sxm" => DeviceProfile {
                 sources: vec![
@@ -103,6 +118,7 @@ impl DeviceProfile {
                     "1980 MHz boost: NVIDIA H100 Tensor Core GPU Architecture whitepaper, table 3",
                     "228 KiB shared memory, 64K registers, 2048 threads, 32 blocks per SM: CUDA C++ Programming Guide, compute capability 9.0",
                     LATENCIES,
+                    STREAMING,
                     LAUNCH,
                 ],
                 ..base(132, (9, 0), "sm_90a", 3.35 * T, 450.0 * G, Link::NvSwitch, 1980.0)
@@ -112,6 +128,7 @@ impl DeviceProfile {
                     "132 SMs (the H100 SXM5 die), 4.8 TB/s HBM3e, NVLink 900 GB/s (450 per direction): NVIDIA H200 datasheet",
                     "1980 MHz boost (nvidia-smi max clocks, awslabs/amazon-eks-ami #1985), per-SM limits: compute capability 9.0",
                     LATENCIES,
+                    STREAMING,
                     LAUNCH,
                 ],
                 ..base(132, (9, 0), "sm_90a", 4.8 * T, 450.0 * G, Link::NvSwitch, 1980.0)
@@ -123,9 +140,11 @@ impl DeviceProfile {
                     "1410 MHz boost: NVIDIA A100 Tensor Core GPU Architecture whitepaper, table 3",
                     "164 KiB shared memory, 64K registers, 2048 threads, 32 blocks per SM: CUDA C++ Programming Guide, compute capability 8.0",
                     "dram_latency 400 ns: about 566 cycles at 1.395 GHz (A100 PCIe, the raw data of Luo et al., HPMLL/NVIDIA-Hopper-Benchmark); peer_latency and mma as h100-sxm",
+                    STREAMING,
                     LAUNCH,
                 ],
                 dram_latency_s: 400.0 * NS,
+                streaming_latency_s: loaded(400.0 * NS),
                 ..base(108, (8, 0), "sm_80", 2.039 * T, 300.0 * G, Link::NvSwitch, 1410.0)
             },
             "l40s" => DeviceProfile {
@@ -137,9 +156,11 @@ impl DeviceProfile {
                     "2520 MHz boost: NVIDIA L40S datasheet",
                     "100 KiB shared memory, 64K registers, 1536 threads, 24 blocks per SM: CUDA C++ Programming Guide, compute capability 8.9",
                     "dram_latency 260 ns: unverified (the RTX 4090, the same die with GDDR6X: about 572 cycles at 2.235 GHz, HPMLL/NVIDIA-Hopper-Benchmark); peer_latency 2 µs over PCIe: an assumption",
+                    STREAMING,
                     LAUNCH,
                 ],
                 dram_latency_s: 260.0 * NS,
+                streaming_latency_s: loaded(260.0 * NS),
                 peer_latency_s: 2.0 * US,
                 ..base(142, (8, 9), "sm_89", 864.0 * G, 32.0 * G, Link::Pcie, 2520.0)
             },
@@ -149,9 +170,11 @@ impl DeviceProfile {
                     "1965 MHz boost: unverified (Chips and Cheese: clocks similar to the H100 SXM5)",
                     "228 KiB shared memory, 64K registers, 2048 threads, 32 blocks per SM: CUDA C++ Programming Guide, compute capability 10.0",
                     "dram_latency 440 ns: 860 cycles (markdewing/AI_kernels, clock not stated) at 1.965 GHz, unverified; peer_latency and mma as h100-sxm",
+                    STREAMING,
                     LAUNCH,
                 ],
                 dram_latency_s: 440.0 * NS,
+                streaming_latency_s: loaded(440.0 * NS),
                 ..base(148, (10, 0), "sm_100a", 8.0 * T, 900.0 * G, Link::NvSwitch, 1965.0)
             },
             _ => return None,

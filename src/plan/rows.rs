@@ -240,6 +240,9 @@ struct Model {
     /// The share of the busiest SM's bytes that come from a peer (at the peer latency; the
     /// rest at the DRAM latency).
     peer_share: f64,
+    /// Whether the launch streams weights on every SM at once (a GEMM): its DRAM loads wait
+    /// the loaded latency (`streaming_latency_s`), a collective's the idle one.
+    streams_weights: bool,
     in_flight: f64,
     chain_s: f64,
     rounds: usize,
@@ -247,8 +250,12 @@ struct Model {
 
 impl Model {
     fn seconds(&self, p: &DeviceProfile) -> f64 {
-        let latency =
-            (1.0 - self.peer_share) * p.dram_latency_s + self.peer_share * p.peer_latency_s;
+        let dram_latency = if self.streams_weights {
+            p.streaming_latency_s
+        } else {
+            p.dram_latency_s
+        };
+        let latency = (1.0 - self.peer_share) * dram_latency + self.peer_share * p.peer_latency_s;
         let streaming =
             (self.busiest_sm_bytes * latency / self.in_flight.max(1.0)).max(self.chain_s);
         let aggregate =
@@ -298,6 +305,7 @@ pub fn gemm_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Option
         peer_bytes: 0.0,
         busiest_sm_bytes: max as f64,
         peer_share: 0.0,
+        streams_weights: true,
         in_flight: flight.bytes as f64,
         chain_s: chain_seconds(chain_k, waves, p),
         rounds: 0,
@@ -443,6 +451,7 @@ pub fn all_reduce_row(
         peer_bytes: peer_per_elem * bytes as f64,
         busiest_sm_bytes: max as f64,
         peer_share: peer_per_elem / per_elem,
+        streams_weights: false,
         in_flight: in_flight as f64,
         chain_s: 0.0,
         rounds,
@@ -485,26 +494,29 @@ fn not_fused(
     if tp < 2 {
         return Some("one rank: nothing to reduce".into());
     }
-    if limits(tp, p).is_none() {
-        return Some(format!("no custom kernels for {tp} ranks over PCIe"));
-    }
+    let refused = || {
+        if limits(tp, p).is_none() {
+            return Some(format!("no custom kernels for {tp} ranks over PCIe"));
+        }
+        unfusable::<bf16>(GemmShape { m, n: g.n, k: g.k }, &fused_facts(tp, p))
+    };
     match fusion {
-        Fusion::Unfused => return Some("Fusion::Unfused".into()),
-        Fusion::Fused => {}
+        Fusion::Unfused => Some("Fusion::Unfused".into()),
+        Fusion::Fused => refused().map(|why| format!("Fusion::Fused refused: {why}")),
         Fusion::Auto => {
             let max_m = FusionRule::default().max_m(FusedKernel::RowParallel);
             if max_m == 0 {
-                return Some("Auto: slower fused on an H200, docs/performance.md".into());
+                return Some("Fusion::Auto: slower fused on an H200, docs/performance.md".into());
             }
             if m > max_m {
-                return Some(format!("m = {m} is past the fusion rule's {max_m}"));
+                return Some(format!("Fusion::Auto: m = {m} is past the rule's {max_m}"));
             }
             if split_parts(g.n, g.k, p.sms) > 1 {
-                return Some("fused, the parts would run one after another".into());
+                return Some("Fusion::Auto: fused, the parts would run one after another".into());
             }
+            refused()
         }
     }
-    unfusable::<bf16>(GemmShape { m, n: g.n, k: g.k }, &fused_facts(tp, p))
 }
 
 /// The row of a fused row-parallel layer: GEMM + all-reduce + residual + RMSNorm in one
@@ -571,6 +583,7 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
         peer_bytes,
         busiest_sm_bytes: max as f64,
         peer_share: peer_bytes / total as f64,
+        streams_weights: true,
         in_flight: flight.bytes as f64,
         chain_s: chain_seconds(g.k, tiles.div_ceil(grid), p),
         rounds,

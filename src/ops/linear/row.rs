@@ -148,11 +148,12 @@ impl<T: GemmElement + NcclType, W: DevicePtr<T>> RowParallelLinear<T, W> {
         }
     }
 
-    /// Whether a call of `m` rows runs the fused GEMM + all-reduce: [`Fusion`]'s rule. The
-    /// layer's algorithm picks the fused kernel's reduction (`Auto` by size, `OneShot`,
-    /// `TwoShot`); under [`Fusion::Auto`], [`Algorithm::Nccl`], and `TwoShot` with `m` not a
-    /// multiple of the world size, stay unfused. Forced fusion on a shape the kernel cannot
-    /// take ([`unfusable`]) is an error naming the layer.
+    /// Whether a call of `m` rows runs the fused GEMM + all-reduce: [`Fusion`]'s rule
+    /// ([`Fusion::Auto`] never fuses a row-parallel layer today: `FusionRule`). The layer's
+    /// algorithm picks the fused kernel's reduction (`Auto` by size, `OneShot`, `TwoShot`);
+    /// [`Algorithm::Nccl`], and `TwoShot` with `m` not a multiple of the world size, would
+    /// stay unfused under an `Auto` rule that fuses. Forced fusion on a shape the kernel
+    /// cannot take ([`unfusable`]) is an error naming the layer.
     fn fuses(&self, group: &TpGroup, m: usize) -> Result<bool> {
         let shape = self.shape(m);
         let auto_allowed = match self.algorithm {
@@ -345,9 +346,9 @@ impl<T: GemmElement + NcclType, W: DevicePtr<T>> RowParallelLinear<T, W> {
     /// Megatron's sequence parallelism: `out` `[m / W, out]` = rows `r·m/W .. (r+1)·m/W` of
     /// `Σ_q x_q · W_qᵀ` on rank `r` (each rank's partial rounded to `T`, the partials added in
     /// rank order in f32, rounded once). Unfused, the GEMM writes the workspace `partial`
-    /// `[m, out]`, then [`reduce_scatter`]; fused ([`Fusion`]: every [`Fusion::Auto`] call
-    /// the rule and the shape allow, whatever the layer's all-reduce algorithm), one kernel
-    /// ([`gemm_reduce_scatter`], `partial` untouched). The same bits either way. Shapes: `x`
+    /// `[m, out]`, then [`reduce_scatter`]; fused ([`Fusion::Fused`], whatever the layer's
+    /// all-reduce algorithm; [`Fusion::Auto`] does not fuse it today: `FusionRule`), one
+    /// kernel ([`gemm_reduce_scatter`], `partial` untouched). The same bits either way. Shapes: `x`
     /// `[m, in/W]`, `m` a multiple of the world size. Returns what ran. A collective, as
     /// [`forward`](Self::forward). Errors (naming the layer), before anything is launched:
     /// `m` not a multiple of the world size, wrong lengths, and a layer with a bias: this
