@@ -38,7 +38,7 @@
 
 #[path = "common/mod.rs"]
 mod common;
-use common::{capture_rounds, check_all, random_device, time_rounds};
+use common::{capture_rounds, check_all, dim, random_device, smoke, time_rounds};
 
 use criterion::{BenchmarkId, Criterion};
 use cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
@@ -71,6 +71,22 @@ const CASES: [(Op, &str, usize, usize, &[usize]); 4] = [
 const MAX_M: usize = 256;
 const ROUNDS: u64 = 16;
 const SAMPLES: usize = 9;
+
+/// The calls per graph and the timed samples (fewer in a smoke run: `common::smoke`).
+fn rounds() -> u64 {
+    if smoke() {
+        2
+    } else {
+        ROUNDS
+    }
+}
+fn samples() -> usize {
+    if smoke() {
+        1
+    } else {
+        SAMPLES
+    }
+}
 const EPS: f32 = 1e-5;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -194,7 +210,7 @@ fn graphs(groups: &[TpGroup], b: &mut Buffers, way: (Op, Way), shape: GemmShape)
         enqueue(groups, b, r, way, shape).unwrap_or_else(|e| panic!("{way:?} rank {r}: {e}"));
     }
     check_all(groups, "warm-up");
-    capture_rounds(groups, ROUNDS, |r| enqueue(groups, b, r, way, shape))
+    capture_rounds(groups, rounds(), |r| enqueue(groups, b, r, way, shape))
 }
 
 /// GPU time of `iters` launches of every rank's graph (ROUNDS calls each).
@@ -208,11 +224,11 @@ fn time_graphs(streams: &[Arc<CudaStream>], graphs: &[CudaGraph], iters: u64) ->
 
 /// The median of SAMPLES event-timed launches, per call.
 fn per_call(streams: &[Arc<CudaStream>], graphs: &[CudaGraph]) -> Duration {
-    let mut times: Vec<Duration> = (0..SAMPLES)
-        .map(|_| time_graphs(streams, graphs, 1) / ROUNDS as u32)
+    let mut times: Vec<Duration> = (0..samples())
+        .map(|_| time_graphs(streams, graphs, 1) / rounds() as u32)
         .collect();
     times.sort();
-    times[SAMPLES / 2]
+    times[times.len() / 2]
 }
 
 /// Where the blocks of every rank's last fused launch spent their time
@@ -292,6 +308,8 @@ fn bench_groups(
     let world = groups.len();
     let streams: Vec<Arc<CudaStream>> = groups.iter().map(|g| g.stream().clone()).collect();
     for (op, layer, n, k, ms) in CASES {
+        let (n, k) = (dim(n), dim(k));
+        let ms = if smoke() { &ms[..1] } else { ms };
         let mut b = buffers(groups, n, k);
         let op_name = match op {
             Op::AllReduce => "gemm_all_reduce",
@@ -383,7 +401,11 @@ fn main() {
         }
     }
     c.final_summary();
-    println!("\nmedian per call, {SAMPLES} samples of {ROUNDS}-call graphs:");
+    println!(
+        "\nmedian per call, {} samples of {}-call graphs:",
+        samples(),
+        rounds()
+    );
     for line in summary {
         println!("  {line}");
     }

@@ -7,7 +7,9 @@
 #   scripts/run-tests.sh BINARY...
 # The environment passes through (TPFUSE_EMU_*); with TPFUSE_EMU_REPORT set, every process
 # appends its report to that file (one write each). TPFUSE_TEST_PRELOAD is the test
-# processes' LD_PRELOAD (and no other process's).
+# processes' LD_PRELOAD (and no other process's). TPFUSE_TEST_SKIP names tests
+# (BINARY::TEST, space-separated) this run leaves out: each is printed as skipped, with the
+# reason in TPFUSE_TEST_SKIP_WHY, and counted apart (never as passed).
 set -euo pipefail
 jobs_max=${TPFUSE_TEST_JOBS:-$(nproc 2>/dev/null || echo 2)}
 work=$(mktemp -d)
@@ -49,7 +51,12 @@ slow=$(dirname "$0")/slow-tests.txt
   fi
   cat "$work/queue"
 } | awk '!seen[$1]++' >"$work/order"
-while read -r i bin _; do
+skip=" ${TPFUSE_TEST_SKIP:-} "
+while read -r i bin full; do
+  if [[ "$skip" == *" $full "* ]]; then
+    echo "skip" >"$work/$i.status"
+    continue
+  fi
   while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n || true; done
   read -r _ test <"$work/$i.name"
   start "$i" "$bin" "$test"
@@ -57,10 +64,15 @@ done <"$work/order"
 wait
 
 while read -r first last name; do
-  passed=0 ignored=0 bad=0 ms=0
+  passed=0 ignored=0 bad=0 skipped=0 ms=0
   for ((i = first; i <= last; i++)); do
     read -r _ test <"$work/$i.name"
     read -r rc t <"$work/$i.status"
+    if [ "$rc" = skip ]; then
+      skipped=$((skipped + 1))
+      echo "test $name::$test ... skipped in this run (${TPFUSE_TEST_SKIP_WHY:-TPFUSE_TEST_SKIP})"
+      continue
+    fi
     ms=$((ms + t))
     if [ "$rc" -ne 0 ]; then
       bad=$((bad + 1))
@@ -75,7 +87,7 @@ while read -r first last name; do
       echo "test $name::$test ... ok ($((t / 1000)).$((t % 1000 / 100)) s)"
     fi
   done
-  echo "== $name: $passed passed, $bad failed, $ignored ignored; $((ms / 1000)) s of test time"
+  echo "== $name: $passed passed, $bad failed, $ignored ignored$([ "$skipped" -eq 0 ] || echo ", $skipped skipped"); $((ms / 1000)) s of test time"
 done <"$work/binaries"
 
 if [ ${#failed[@]} -gt 0 ]; then

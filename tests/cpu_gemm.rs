@@ -334,8 +334,10 @@ fn the_configurations_describe_themselves() {
         assert!((2..=16).contains(&info.stages), "{info:?}");
         assert_eq!(info.threads % 32, 0, "{info:?}");
         // Every configuration must fit the smallest opt-in limit among the built
-        // architectures (99 KiB per block on sm_86 / sm_89 / sm_120).
-        assert!(info.smem_bytes <= 99 * 1024, "{info:?}");
+        // architectures (99 KiB per block on sm_86 / sm_89 / sm_120), with the largest
+        // static shared memory of a kernel that runs it (the fused GEMM + all-reduce's 256 B,
+        // cuda/emu/kernel_resources.inc).
+        assert!(info.smem_bytes + 256 <= 99 * 1024, "{info:?}");
         let stage = (info.block_m + info.block_n) * info.block_k * 2;
         assert!(info.smem_bytes >= info.stages * stage, "{info:?}");
         assert!(!c.name().is_empty());

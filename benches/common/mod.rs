@@ -14,6 +14,23 @@ use tpfuse::{Element, TpGroup};
 pub const KB: usize = 1 << 10;
 pub const MB: usize = 1 << 20;
 
+/// Whether the bench runs as a smoke test (`TPFUSE_BENCH_SMOKE` set, e.g. on the CPU
+/// emulator): its code paths once, at shapes divided by 8, one `m` per case, few rounds. The
+/// numbers then mean nothing; what it shows is that the bench runs to its end (a driver call
+/// it needs, a shape it cannot take), before a GPU's time is spent on it.
+pub fn smoke() -> bool {
+    std::env::var_os("TPFUSE_BENCH_SMOKE").is_some()
+}
+
+/// A dimension of a bench's shape: itself, or divided by 8 (at least 64) in a smoke run.
+pub fn dim(full: usize) -> usize {
+    if smoke() {
+        (full / 8).max(64)
+    } else {
+        full
+    }
+}
+
 /// Whether a CUDA driver is present; without one, prints the bench's one line (so that
 /// `cargo bench` exits 0 on a machine with no GPU, having registered nothing).
 pub fn driver_present(bench: &str) -> bool {

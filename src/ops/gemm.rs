@@ -27,8 +27,9 @@
 //! - [`GemmPath::Sm80SmallM`], m ≤ [`SMALL_M_MAX`] (decode): one row of 16 tokens per block,
 //!   warps spread across `N`, a deep `cp.async` pipeline over the weight slice each block
 //!   streams once.
-//! - [`GemmPath::Sm80Tiled`], m > [`SMALL_M_MAX`]: 128×128 (or 64×64) tiles, 32-deep k-slices
-//!   in a 4-stage (6-stage) `cp.async` pipeline, swizzled shared memory, `ldmatrix` + `mma.sync`.
+//! - [`GemmPath::Sm80Tiled`], m > [`SMALL_M_MAX`]: 128×128 tiles with 32-deep k-slices in a
+//!   4-stage `cp.async` pipeline, or 64×64 tiles with 64-deep slices in 6 stages, swizzled
+//!   shared memory, `ldmatrix` + `mma.sync`.
 //!
 //! A shape whose `k` splits (`S > 1`: narrow layers, whose column tiles alone would leave SMs
 //! idle) runs 16×64 (m ≤ 16) or 64×64 tiles; with a scratch ([`gemm_with_scratch`]) and

@@ -71,6 +71,11 @@ const LAUNCH: &str = "launch_s 2 µs: assumed; round_s 1.4 µs: fitted, SGLang's
                       all-reduce of 512 B on H100 (3.7/4.8/5.9 µs at TP 2/4/8, mean 4.8) less one \
                       launch, over its 2 rounds (docs/performance.md)";
 
+/// The H100 / H200 idle DRAM latency (a pointer chase) and the loaded latency fitted on the
+/// H200 (`STREAMING`), seconds.
+const IDLE_LATENCY_S: f64 = 420.0 * NS;
+const LOADED_LATENCY_S: f64 = 1.8 * US;
+
 /// The loaded latency: the value of `streaming_latency_s` that puts the model's streaming
 /// term on tpfuse's GEMMs measured on an H200 (docs/performance.md).
 const STREAMING: &str = "streaming_latency 1.8 µs: fitted to tpfuse's GEMMs on an H200 \
@@ -101,8 +106,8 @@ impl DeviceProfile {
             registers_per_sm: 65536,
             threads_per_sm: 2048,
             blocks_per_sm: 32,
-            dram_latency_s: 420.0 * NS,
-            streaming_latency_s: 1.8 * US,
+            dram_latency_s: IDLE_LATENCY_S,
+            streaming_latency_s: LOADED_LATENCY_S,
             peer_latency_s: 1.2 * US,
             mma_latency_cycles: 33.0,
             launch_s: 2.0 * US,
@@ -110,7 +115,7 @@ impl DeviceProfile {
             sources: vec![LATENCIES, STREAMING, LAUNCH],
         };
         // Other GPUs: the H200's ratio of loaded to idle latency.
-        let loaded = |idle: f64| idle * (1.8 / 0.42);
+        let loaded = |idle: f64| idle * (LOADED_LATENCY_S / IDLE_LATENCY_S);
         let p = match name {
             "h100-sxm" => DeviceProfile {
                 sources: vec![

@@ -199,10 +199,11 @@ struct InFlight {
 }
 
 /// A GEMM's loads in flight: each block has `stages - 1` k-slices of its live `A` rows and
-/// its `B` rows on the way (the `cp.async` ring of `gemm_sm80.cuh`).
+/// its `B` rows on the way (the `cp.async` ring of `gemm_sm80.cuh`), or all of its slices
+/// when its `k` (`block_k`: a part's, for a parallel split) has fewer.
 fn gemm_in_flight(
     config: GemmConfig,
-    m: usize,
+    (m, block_k): (usize, usize),
     blocks: usize,
     profile: &DeviceProfile,
     kernel: &str,
@@ -217,7 +218,8 @@ fn gemm_in_flight(
     };
     let resident = fit.min(blocks.div_ceil(profile.sms.max(1))).max(1);
     let rows = info.block_m.min(m.max(1)) + info.block_n;
-    let per_block = (info.stages - 1) * rows * info.block_k * ELEMENT_BYTES as usize;
+    let slices = (info.stages - 1).min(block_k.div_ceil(info.block_k)).max(1);
+    let per_block = slices * rows * info.block_k * ELEMENT_BYTES as usize;
     InFlight {
         resident,
         bytes: (resident * per_block) as u64,
@@ -293,11 +295,20 @@ pub fn gemm_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Option
         gemm_block_bytes(config, shape, false, false)
     };
     let (max, mean, streaming) = per_sm(&block_bytes, p.sms);
-    let flight = gemm_in_flight(config, m, block_bytes.len(), p, "gemm_sm80_kernel", false);
+    // A block's k: its part's in parallel, all of k one after another.
+    let block_k = if parallel { g.k.div_ceil(parts) } else { g.k };
+    let flight = gemm_in_flight(
+        config,
+        (m, block_k),
+        block_bytes.len(),
+        p,
+        "gemm_sm80_kernel",
+        false,
+    );
     let minimum = ((g.n * g.k + m * g.k + m * g.n) as u64 * ELEMENT_BYTES) as f64;
     let waves = block_bytes.len().div_ceil(p.sms * flight.resident);
-    // A block's chain: its part of k in parallel, all of k one after another.
-    let chain_k = if parallel { g.k.div_ceil(parts) } else { g.k };
+    // A block's chain: the same k.
+    let chain_k = block_k;
     // DRAM moves the minimum: the re-reads of A by each column tile come from L2.
     let model = Model {
         launches: 1,
@@ -563,7 +574,8 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
         }
     }
     let (max, mean, streaming) = per_sm(&per_block, p.sms);
-    let flight = gemm_in_flight(config, m, grid, p, "gemm_all_reduce_kernel", true);
+    // The block's ring runs through every part of k without draining.
+    let flight = gemm_in_flight(config, (m, g.k), grid, p, "gemm_all_reduce_kernel", true);
     let peer_bytes = match algo {
         AllReduceAlgo::OneShot => (w - 1) as f64 * bytes as f64,
         _ => 2.0 * (w - 1) as f64 / w as f64 * bytes as f64,
