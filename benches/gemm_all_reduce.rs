@@ -248,26 +248,21 @@ fn phases_line(groups: &[TpGroup]) -> String {
     }
     let us = |ns: u64| ns as f64 / 1e3;
     let first = |r: &[BlockPhases]| r.iter().map(|b| b.start_ns).min().unwrap_or(0);
-    let span = ranks
-        .iter()
-        .map(|r| {
-            us(r.iter()
-                .map(|b| b.end_ns)
-                .max()
-                .unwrap_or(0)
-                .saturating_sub(first(r)))
-        })
-        .fold(0.0, f64::max);
-    let spread = ranks
-        .iter()
-        .map(|r| {
-            us(r.iter()
-                .map(|b| b.start_ns)
-                .max()
-                .unwrap_or(0)
-                .saturating_sub(first(r)))
-        })
-        .fold(0.0, f64::max);
+    // The widest of the ranks' `last(block) - first start` (one timer per rank).
+    let widest = |last: &dyn Fn(&BlockPhases) -> u64| {
+        ranks
+            .iter()
+            .map(|r| {
+                us(r.iter()
+                    .map(last)
+                    .max()
+                    .unwrap_or(0)
+                    .saturating_sub(first(r)))
+            })
+            .fold(0.0, f64::max)
+    };
+    let span = widest(&|b| b.end_ns);
+    let spread = widest(&|b| b.start_ns);
     let skew = if groups.iter().all(TpGroup::is_virtual) {
         let firsts: Vec<u64> = ranks.iter().map(|r| first(r)).collect();
         let (lo, hi) = (firsts.iter().min(), firsts.iter().max());

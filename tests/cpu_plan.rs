@@ -186,29 +186,24 @@ fn tpfuse(args: &[&str]) -> std::process::Output {
         .expect("run tpfuse")
 }
 
-#[test]
-fn plan_json_is_an_array_of_rows_with_exactly_the_documented_keys() {
-    let o = tpfuse(&[
-        "plan",
-        "--model",
-        "llama-3-70b",
-        "--tp",
-        "8",
-        "--m",
-        "1,64",
-        "--device",
-        "h100-sxm",
-        "--json",
-    ]);
+/// The rows of `tpfuse plan --model llama-3-70b --tp 8 --json` with `more` arguments.
+fn plan_json(more: &[&str]) -> Vec<serde_json::Map<String, serde_json::Value>> {
+    let mut args = vec!["plan", "--model", "llama-3-70b", "--tp", "8", "--json"];
+    args.extend_from_slice(more);
+    let o = tpfuse(&args);
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(
         o.status.success(),
-        "{text}\n{}",
+        "{args:?}: {text}\n{}",
         String::from_utf8_lossy(&o.stderr)
     );
-    let rows: Vec<serde_json::Map<String, serde_json::Value>> =
-        serde_json::from_str(&text).expect("an array of objects");
-    assert!(rows.len() >= 8, "{text}");
+    serde_json::from_str(&text).expect("an array of objects")
+}
+
+#[test]
+fn plan_json_is_an_array_of_rows_with_exactly_the_documented_keys() {
+    let rows = plan_json(&["--m", "1,64", "--device", "h100-sxm"]);
+    assert!(rows.len() >= 8, "{rows:?}");
     for row in &rows {
         let keys: Vec<&str> = row.keys().map(String::as_str).collect();
         let mut want = KEYS.to_vec();
@@ -227,24 +222,8 @@ fn plan_json_is_an_array_of_rows_with_exactly_the_documented_keys() {
 #[test]
 fn plan_fusion_follows_the_layers_choice() {
     let rows_of = |fusion: &str| {
-        let o = tpfuse(&[
-            "plan",
-            "--model",
-            "llama-3-70b",
-            "--tp",
-            "8",
-            "--m",
-            "1",
-            "--device",
-            "h200",
-            "--fusion",
-            fusion,
-            "--json",
-        ]);
-        let text = String::from_utf8_lossy(&o.stdout).into_owned();
-        assert!(o.status.success(), "{fusion}: {text}");
-        let rows: Vec<serde_json::Value> = serde_json::from_str(&text).expect("rows");
-        rows.iter()
+        plan_json(&["--m", "1", "--device", "h200", "--fusion", fusion])
+            .iter()
             .map(|r| {
                 let field = |k: &str| r[k].as_str().unwrap_or_default().to_string();
                 (field("layer"), field("op"), field("choice"))

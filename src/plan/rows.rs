@@ -307,8 +307,6 @@ pub fn gemm_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Option
     );
     let minimum = ((g.n * g.k + m * g.k + m * g.n) as u64 * ELEMENT_BYTES) as f64;
     let waves = block_bytes.len().div_ceil(p.sms * flight.resident);
-    // A block's chain: the same k.
-    let chain_k = block_k;
     // DRAM moves the minimum: the re-reads of A by each column tile come from L2.
     let model = Model {
         launches: 1,
@@ -318,7 +316,7 @@ pub fn gemm_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Option
         peer_share: 0.0,
         streams_weights: true,
         in_flight: flight.bytes as f64,
-        chain_s: chain_seconds(chain_k, waves, p),
+        chain_s: chain_seconds(block_k, waves, p),
         rounds: 0,
     };
     let how = match (parts, parallel) {
