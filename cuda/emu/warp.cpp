@@ -164,17 +164,24 @@ void mma_m16n8k16(MmaType type, float (&d)[4], const uint32_t (&a)[4], const uin
       C[g + 8][2 * t] = in[l].c[2];
       C[g + 8][2 * t + 1] = in[l].c[3];
     }
-    auto dot = [&](int row, int col) {
-      double s = 0.0;
-      for (int k = 0; k < 16; ++k) s += static_cast<double>(A[row][k]) * static_cast<double>(B[k][col]);
-      return static_cast<float>(s + static_cast<double>(C[row][col]));
-    };
+    // Row by row, the 8 columns' sums side by side: each sum still adds its products in
+    // ascending k (the same bits as one column at a time), and the 8 independent chains keep
+    // the host's floating-point units busy instead of waiting on one addition at a time.
+    float D[16][8];
+    for (int row = 0; row < 16; ++row) {
+      double s[8] = {};
+      for (int k = 0; k < 16; ++k) {
+        const double a = static_cast<double>(A[row][k]);
+        for (int col = 0; col < 8; ++col) s[col] += a * static_cast<double>(B[k][col]);
+      }
+      for (int col = 0; col < 8; ++col) D[row][col] = static_cast<float>(s[col] + static_cast<double>(C[row][col]));
+    }
     for (int l = 0; l < 32; ++l) {
       const int g = l / 4, t = l % 4;
-      out[l].d[0] = dot(g, 2 * t);
-      out[l].d[1] = dot(g, 2 * t + 1);
-      out[l].d[2] = dot(g + 8, 2 * t);
-      out[l].d[3] = dot(g + 8, 2 * t + 1);
+      out[l].d[0] = D[g][2 * t];
+      out[l].d[1] = D[g][2 * t + 1];
+      out[l].d[2] = D[g + 8][2 * t];
+      out[l].d[3] = D[g + 8][2 * t + 1];
     }
   });
   std::memcpy(d, out.d, sizeof(out.d));
