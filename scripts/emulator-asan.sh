@@ -30,13 +30,10 @@ started=$(date +%s)
 TPFUSE_EMU_CXXFLAGS="-fsanitize=address -fno-omit-frame-pointer -g1 -O1" bash "$build" cuda "$out"
 echo "== the emulator built with AddressSanitizer in $(($(date +%s) - started)) s"
 # Left out under AddressSanitizer, for CI's time (each runs uninstrumented in the emulator
-# suite): the f16 copies of tests whose bf16 copy runs here (the same 2-byte element, so the
-# same indexing, the same accesses), and the selftest (a pass over kernels the other binaries
-# run).
-skip="emu_all_reduce::all_reduce_f16_every_world_path_and_epilogue
-emu_gemm::gemm_f16_every_config_shape_and_epilogue
-emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_f16
-emu_selftest::selftest_checks_every_kernel_family_and_prints_the_counters"
+# suite): scripts/emu-copies.txt, the f16 copies of tests whose bf16 copy runs here (the same
+# 2-byte element, so the same indexing, the same accesses), and the selftest (a pass over
+# kernels the other binaries run).
+skip=$(grep -v '^#' scripts/emu-copies.txt)
 # shellcheck disable=SC2086 # one executable per line
 TPFUSE_TEST_PRELOAD="$asan $PWD/$out/libtpfuse_emu.so" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
   TPFUSE_TEST_SKIP="$(echo $skip)" TPFUSE_TEST_SKIP_WHY="under AddressSanitizer: see scripts/emulator-asan.sh" \

@@ -60,7 +60,7 @@ use common::ranks::{
     check_all, download, gpu, gpu_lock, poisoned, poisoned_ranks, refill, round, upload,
     upload_ranks,
 };
-use common::{assert_same_bits, device_clock, shape, Bits, EMULATED};
+use common::{assert_same_bits, device_clock, reduced_copy, shape, Bits};
 
 use cudarc::driver::{CudaContext, CudaGraph, CudaSlice, DevicePtr, DevicePtrMut};
 use half::{bf16, f16};
@@ -572,12 +572,11 @@ fn fused_case<T: TestElement>(groups: &[TpGroup], hidden: usize, rows: usize, co
 }
 
 /// Every world, hidden size and row count for bf16 (and on a GPU for every type). On the
-/// emulator, f32 and f16 skip the largest hidden size and 16 rows: the fused kernels' dtypes
-/// are checked bit for bit in tests/emu_all_reduce.rs under three schedules, and these
-/// cases, at emulated speed, cost most of the GPU suite's time there.
+/// emulator, f32 and f16 skip the largest hidden size and 16 rows ([`reduced_copy`]): the
+/// fused kernels' dtypes are checked bit for bit in tests/emu_all_reduce.rs.
 fn fused_matrix<T: TestElement>() {
     let gpu = gpu();
-    let reduced = EMULATED && std::any::TypeId::of::<T>() != std::any::TypeId::of::<bf16>();
+    let reduced = reduced_copy::<T>();
     for world in WORLDS {
         let groups = virtual_group(&gpu.ctx, world, matrix_options());
         for hidden in HIDDENS.into_iter().filter(|&h| !reduced || h != HIDDENS[2]) {

@@ -46,7 +46,6 @@
 //! before the first CUDA call when unset); see `tests/common/ranks.rs`.
 
 mod common;
-use common::assert_same_bits;
 use common::gpu::{
     self, assert_close, assert_poisoned, base_seed, expect_invalid_saying, mix_seed, random_vec,
     splitmix64,
@@ -55,6 +54,7 @@ use common::ranks::{
     download, download_ranks, gpu, poisoned, poisoned_ranks, round, upload, upload_copies,
     virtual_group,
 };
+use common::{assert_same_bits, reduced_copy};
 
 use cudarc::driver::{CudaContext, CudaSlice};
 use half::{bf16, f16};
@@ -487,10 +487,17 @@ fn mlp_rmsnorm_case<T: TestElement>(ctx: &Arc<CudaContext>, world: usize, m: usi
     }
 }
 
+/// Every world and m = 1, 7, 64; on the emulator the f16 copy leaves out m = 64
+/// ([`reduced_copy`]).
 fn mlp_matrix<T: TestElement>() {
     let gpu = gpu();
+    let ms: &[usize] = if reduced_copy::<T>() {
+        &[1, 7]
+    } else {
+        &[1, 7, 64]
+    };
     for world in WORLDS {
-        for m in [1, 7, 64] {
+        for &m in ms {
             mlp_case::<T>(&gpu.ctx, world, m);
             mlp_rmsnorm_case::<T>(&gpu.ctx, world, m);
         }

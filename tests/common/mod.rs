@@ -71,6 +71,13 @@ use half::{bf16, f16};
 /// reduced shapes of [`shape`].
 pub const EMULATED: bool = cfg!(feature = "emulator");
 
+/// Whether a test's copy for element type `T` is a reduced copy: on the emulator, every type
+/// but bf16 (the emulator suite checks each type's kernels bit for bit in tests/emu_*.rs; the
+/// GPU suite's f16 and f32 copies of the largest matrices would cost most of its time there).
+pub fn reduced_copy<T: 'static>() -> bool {
+    EMULATED && std::any::TypeId::of::<T>() != std::any::TypeId::of::<bf16>()
+}
+
 /// The one knob of shapes: `full` on a GPU, `reduced` on the emulator (its kernels run at
 /// tens of millions of operations a second on one core).
 pub const fn shape(full: usize, reduced: usize) -> usize {
