@@ -20,11 +20,12 @@
 //! `cargo bench` exits 0 on a machine with no GPU.
 //!
 //! Quick run: `cargo bench --bench reduce_ranks -- --warm-up-time 1 --measurement-time 3`;
-//! one dtype: `cargo bench --bench reduce_ranks -- bf16`.
+//! one dtype: `cargo bench --bench reduce_ranks -- bf16`. On the emulator, once, the two
+//! smallest sizes: `TPFUSE_BENCH_SMOKE=1 cargo test --features emulator --bench reduce_ranks`.
 
 #[path = "common/mod.rs"]
 mod common;
-use common::{event_time, human, random_device, KB, MB};
+use common::{event_time, human, random_device, smoke, KB, MB};
 
 use criterion::{BenchmarkId, Criterion, Throughput};
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, ValidAsZeroBits};
@@ -45,6 +46,14 @@ const SIZES: [usize; 8] = [
     128 * MB,
     256 * MB,
 ];
+/// The sizes of this run: the two smallest in a smoke run (`common::smoke`).
+fn sizes() -> &'static [usize] {
+    if smoke() {
+        &SIZES[..2]
+    } else {
+        &SIZES
+    }
+}
 /// From this size per buffer on, fewer samples (one sample at 256 MB x 9 buffers is
 /// already about a millisecond).
 const LARGE: usize = 32 * MB;
@@ -71,7 +80,7 @@ fn bench_group<T: Element + ValidAsZeroBits>(
     world: usize,
 ) {
     let elem = std::mem::size_of::<T>();
-    let max_n = SIZES[SIZES.len() - 1] / elem;
+    let max_n = sizes()[sizes().len() - 1] / elem;
     let inputs: Vec<CudaSlice<T>> = (0..world)
         .map(|r| {
             random_device::<T>(
@@ -92,7 +101,7 @@ fn bench_group<T: Element + ValidAsZeroBits>(
     stream.synchronize().expect("uploading the inputs");
 
     let mut group = c.benchmark_group(format!("reduce_ranks_{}_w{world}", T::NAME));
-    for &bytes in &SIZES {
+    for &bytes in sizes() {
         let n = bytes / elem;
         let label = human(bytes);
         if bytes >= LARGE {

@@ -241,11 +241,13 @@ void admit(Device &dev) {
 // keeping every finished block's fibers until the pass ends costs ~200 KB a block.
 void release_block(Device &dev, Block &b) {
 #ifdef TPFUSE_EMU_ASAN
-  // The redzones of a fiber's frames that never returned (it exited through
-  // switch_out_forever, or its launch failed while it waited) stay poisoned: clear them before
-  // another fiber takes the stack. They lie between its last saved stack pointer (its context)
-  // and its top; the frames below returned and unpoisoned themselves. (Unpoisoning the whole
-  // mapping instead, 72 KiB of shadow per fiber, was 44% of the all-reduce tests' time.)
+  // The redzones of a fiber's frames that never returned stay poisoned: clear them before
+  // another fiber takes the stack. (A fiber that exits calls [[noreturn]] functions, before
+  // which ASan's __asan_handle_no_return already clears its stack; this is for the fibers a
+  // failed or deadlocked launch left suspended.) They lie between its last saved stack
+  // pointer (its context) and its top: the frames below returned, and every instrumented
+  // function clears its frame's shadow on return. (Unpoisoning the whole mapping instead,
+  // 72 KiB of shadow per fiber, was 44% of the all-reduce tests' time.)
   for (auto &f : b.fibers) {
     char *const bottom = static_cast<char *>(f->stack), *const top = bottom + f->stack_bytes;
     char *low = static_cast<char *>(f->context);
