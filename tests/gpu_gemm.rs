@@ -20,7 +20,7 @@ use common::gpu::{
     self, assert_close, base_seed, download, expect_invalid, gpu_stream, mix_seed, random_vec,
     splitmix64, upload,
 };
-use common::{assert_same_bits, shape};
+use common::{assert_same_bits, reduced_copy, shape};
 
 use cudarc::cublaslt::{CudaBlasLT, Matmul, MatmulConfig};
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, ValidAsZeroBits};
@@ -338,11 +338,17 @@ fn reference_shapes<T: TestElement>() {
 }
 
 /// Awkward shapes: every configuration forced, each checked against the reference, and all
-/// of them (and the automatic choice) bitwise equal.
+/// of them (and the automatic choice) bitwise equal. On the emulator the f16 copy leaves out
+/// the largest m ([`reduced_copy`]: the same edges as bf16's, an element of the same size).
 fn awkward_shapes<T: TestElement>() {
     let stream = gpu_stream();
+    let ms = if reduced_copy::<T>() {
+        &AWKWARD_MS[..AWKWARD_MS.len() - 1]
+    } else {
+        &AWKWARD_MS[..]
+    };
     for &(n, k) in &AWKWARD_NK {
-        for &m in &AWKWARD_MS {
+        for &m in ms {
             let shape = GemmShape { m, n, k };
             let seed = case_seed::<T>(&[2, m as u64, n as u64, k as u64]);
             let with = (seed & 1 == 1, seed & 2 == 2);
