@@ -80,7 +80,7 @@ fn bench_group<T: Element + ValidAsZeroBits>(
     world: usize,
 ) {
     let elem = std::mem::size_of::<T>();
-    let max_n = sizes()[sizes().len() - 1] / elem;
+    let max_n = sizes().last().expect("at least one size") / elem;
     let inputs: Vec<CudaSlice<T>> = (0..world)
         .map(|r| {
             random_device::<T>(

@@ -29,10 +29,8 @@ started=$(date +%s)
 # script's -O2): what AddressSanitizer's documentation recommends, and a faster compile.
 TPFUSE_EMU_CXXFLAGS="-fsanitize=address -fno-omit-frame-pointer -g1 -O1" bash "$build" cuda "$out"
 echo "== the emulator built with AddressSanitizer in $(($(date +%s) - started)) s"
-# Left out under AddressSanitizer, for CI's time (each runs uninstrumented in the emulator
-# suite): scripts/emu-copies.txt, the f16 copies of tests whose bf16 copy runs here (the same
-# 2-byte element, so the same indexing, the same accesses), and the selftest (a pass over
-# kernels the other binaries run).
+# Left out under AddressSanitizer, for CI's time: the copies of scripts/emu-copies.txt (each
+# runs uninstrumented in the emulator suite, and its original runs here).
 skip=$(grep -v '^#' scripts/emu-copies.txt)
 # shellcheck disable=SC2086 # one executable per line
 TPFUSE_TEST_PRELOAD="$asan $PWD/$out/libtpfuse_emu.so" ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \

@@ -26,9 +26,7 @@ started=$(date +%s)
 # Forward and random run under the weak memory model (TPFUSE_EMU_MEMORY: weak, each weak load
 # the oldest value the PTX model allows; weak-random, any of them), reverse and pct under
 # sequentially consistent memory.
-# The copies in scripts/emu-copies.txt (the f16 copies of bf16 tests: the same code but for
-# the element's conversion, which neither a schedule nor the memory model changes; the
-# selftest: kernels the other tests run) run under the two sequentially consistent passes
+# The copies of scripts/emu-copies.txt run under the two sequentially consistent passes
 # only: the weak-memory passes cost three quarters of the suite's time. The f32 copies run
 # under all four: only f32 sums show an order of addition that changes with the schedule (on
 # the tests' inputs, f16 and bf16 sums are exact in f32: EMULATOR-NOTES).

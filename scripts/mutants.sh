@@ -425,6 +425,8 @@ mutant emu-cp-async-lands-early emu_ops::cp_async_lands_whole_groups_at_the_wait
   emu/device_ops.cpp 'while (f.committed.size() > static_cast<size_t>(pending)) {' 'while (!f.committed.empty()) {'
 mutant emu-ldmatrix-banks emu_counters::gemm_reads_each_tile_once_without_bank_conflicts "the emulator counts a phase's bank conflicts by 4-byte bank" \
   emu/warp.cpp '++rows_in_quad[(in[8 * i + r].addr >> 4) & 7]' '++rows_in_quad[(in[8 * i + r].addr >> 2) & 7]'
+mutant emu-mma-last-k-dropped emu_gemm::gemm_bf16_every_config_shape_and_epilogue "the emulator's mma.sync leaves out the 16th product of each sum" \
+  emu/warp.cpp 'for (int k = 0; k < 16; ++k) {' 'for (int k = 0; k < 15; ++k) {'
 mutant emu-registers-free emu_all_reduce::registers_hold_an_sm_and_a_cooperative_grid_past_them_is_refused "the emulator counts no registers toward an SM's room" \
   emu/residency.cpp 'f.warp_registers = (registers * 32 + kRegisterUnit - 1) / kRegisterUnit * kRegisterUnit;' 'f.warp_registers = 0;'
 mutant emu-cooperative-in-part emu_fused_failures::launches_wait_for_the_sms_another_kernel_holds "the emulator starts a cooperative grid's blocks as they fit" \
