@@ -38,10 +38,14 @@
 //! minutes; criterion's command line overrides them. Quick run:
 //! `cargo bench --bench all_reduce -- --warm-up-time 0.5 --measurement-time 1`; one group:
 //! `cargo bench --bench all_reduce -- fused`.
+//!
+//! `TPFUSE_BENCH_SMOKE=1` (`benches/common`: e.g. on the CPU emulator) runs W = 2, the two
+//! smallest sizes (both in the summary), hidden 1024 and m = 1, two rounds per graph and one
+//! sample: every path once.
 
 #[path = "common/mod.rs"]
 mod common;
-use common::{check_all, human, random_device, time_rounds, KB, MB};
+use common::{check_all, dim, human, random_device, smoke, time_rounds, KB, MB};
 
 use criterion::{BenchmarkGroup, BenchmarkId, Criterion, SamplingMode, Throughput};
 use cudarc::driver::{CudaContext, CudaGraph, CudaSlice, CudaStream, CudaView, CudaViewMut};
@@ -57,8 +61,6 @@ type T = bf16;
 const WORLDS: [usize; 3] = [2, 4, 8];
 /// Bytes per rank.
 const SIZES: [usize; 7] = [8 * KB, 64 * KB, 512 * KB, 4 * MB, 8 * MB, 64 * MB, 256 * MB];
-/// The largest size, and the capacity of the groups.
-const MAX_SIZE: usize = 256 * MB;
 /// Sizes up to this one also run from CUDA graphs.
 const GRAPH_MAX: usize = 4 * MB;
 /// From this size on, flat sampling (one sample is already milliseconds).
@@ -73,6 +75,58 @@ const TABLE_SAMPLES: usize = 9;
 const HIDDEN: usize = 8192;
 const MS: [usize; 4] = [1, 16, 64, 256];
 const EPS: f32 = 1e-5;
+
+/// What a run covers: everything, or in a smoke run ([`smoke`]) the least that runs every
+/// path.
+fn worlds() -> &'static [usize] {
+    if smoke() {
+        &WORLDS[..1]
+    } else {
+        &WORLDS
+    }
+}
+fn sizes() -> &'static [usize] {
+    if smoke() {
+        &SIZES[..2]
+    } else {
+        &SIZES
+    }
+}
+/// The largest size of the run, and the capacity of the groups.
+fn max_size() -> usize {
+    sizes()[sizes().len() - 1]
+}
+fn table_from() -> usize {
+    if smoke() {
+        0
+    } else {
+        TABLE_FROM
+    }
+}
+fn hidden() -> usize {
+    dim(HIDDEN)
+}
+fn ms() -> &'static [usize] {
+    if smoke() {
+        &MS[..1]
+    } else {
+        &MS
+    }
+}
+fn rounds() -> u64 {
+    if smoke() {
+        2
+    } else {
+        ROUNDS
+    }
+}
+fn samples() -> usize {
+    if smoke() {
+        1
+    } else {
+        TABLE_SAMPLES
+    }
+}
 
 /// One line of the summary.
 enum Row {
@@ -116,11 +170,11 @@ fn main() {
     unsafe { ctx.disable_event_tracking() };
 
     let mut rows = Vec::new();
-    for &world in &WORLDS {
+    for &world in worlds() {
         bench_virtual(&mut c, &ctx, world, &mut rows);
     }
     bench_copy(&mut c, &ctx, &mut rows);
-    for &world in &WORLDS {
+    for &world in worlds() {
         bench_fused(&mut c, &ctx, world, &mut rows);
     }
     bench_gpus(&mut c);
@@ -132,31 +186,31 @@ fn main() {
 // Timing.
 // ---------------------------------------------------------------------------------------
 
-/// GPU time per round of `rounds` rounds replayed from `graphs` (one per stream, each
-/// holding [`ROUNDS`] rounds): whole graphs are launched, the time is scaled to `rounds`.
-fn time_graphs(streams: &[Arc<CudaStream>], graphs: &[CudaGraph], rounds: u64) -> Duration {
-    let launches = rounds.div_ceil(ROUNDS).max(1);
+/// GPU time of `wanted` rounds replayed from `graphs` (one per stream, each holding
+/// [`rounds()`] rounds): whole graphs are launched, the time is scaled to `wanted`.
+fn time_graphs(streams: &[Arc<CudaStream>], graphs: &[CudaGraph], wanted: u64) -> Duration {
+    let launches = wanted.div_ceil(rounds()).max(1);
     let total = time_rounds(streams, launches, || {
         for g in graphs {
             g.launch().expect("launching a graph");
         }
     });
-    total.mul_f64(rounds as f64 / (launches * ROUNDS) as f64)
+    total.mul_f64(wanted as f64 / (launches * rounds()) as f64)
 }
 
-/// The median of `TABLE_SAMPLES` timings.
+/// The median of [`samples`] timings.
 fn median(mut f: impl FnMut() -> Duration) -> Duration {
-    let mut t: Vec<Duration> = (0..TABLE_SAMPLES).map(|_| f()).collect();
+    let mut t: Vec<Duration> = (0..samples()).map(|_| f()).collect();
     t.sort();
     t[t.len() / 2]
 }
 
-/// Per-rank graphs of [`ROUNDS`] calls of `enqueue(rank)`.
+/// Per-rank graphs of [`rounds`] calls of `enqueue(rank)`.
 fn capture_rounds<R>(
     groups: &[TpGroup],
     enqueue: impl FnMut(usize) -> tpfuse::Result<R>,
 ) -> Vec<CudaGraph> {
-    common::capture_rounds(groups, ROUNDS, enqueue)
+    common::capture_rounds(groups, rounds(), enqueue)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -202,7 +256,7 @@ fn set_sampling(group: &mut BenchmarkGroup<'_, criterion::measurement::WallTime>
 
 fn bench_virtual(c: &mut Criterion, ctx: &Arc<CudaContext>, world: usize, rows: &mut Vec<Row>) {
     let options = GroupOptions {
-        capacity_bytes: MAX_SIZE,
+        capacity_bytes: max_size(),
         ..GroupOptions::default()
     };
     let groups = match TpGroup::virtual_ranks(ctx, world, options) {
@@ -214,7 +268,7 @@ fn bench_virtual(c: &mut Criterion, ctx: &Arc<CudaContext>, world: usize, rows: 
     };
     let streams: Vec<Arc<CudaStream>> = groups.iter().map(|g| g.stream().clone()).collect();
     let elem = std::mem::size_of::<T>();
-    let (inputs, mut outs) = rank_buffers(&groups, MAX_SIZE / elem, 0xa11 ^ world as u64);
+    let (inputs, mut outs) = rank_buffers(&groups, max_size() / elem, 0xa11 ^ world as u64);
     println!(
         "{world} virtual ranks: {} blocks per rank, capacity {} MB",
         groups[0].blocks(),
@@ -222,7 +276,7 @@ fn bench_virtual(c: &mut Criterion, ctx: &Arc<CudaContext>, world: usize, rows: 
     );
 
     let mut group = c.benchmark_group(format!("all_reduce_bf16_virtual_w{world}"));
-    for &bytes in &SIZES {
+    for &bytes in sizes() {
         if bytes > groups[0].capacity() {
             println!("  {}: above the capacity, skipped", human(bytes));
             continue;
@@ -248,7 +302,7 @@ fn bench_virtual(c: &mut Criterion, ctx: &Arc<CudaContext>, world: usize, rows: 
             group.bench_function(BenchmarkId::new(format!("{name}_eager"), &label), |b| {
                 b.iter_custom(|iters| time_rounds(&streams, iters, &mut round))
             });
-            if algo == Algorithm::OneShot && bytes >= TABLE_FROM {
+            if algo == Algorithm::OneShot && bytes >= table_from() {
                 let t = median(|| time_rounds(&streams, 1, &mut round));
                 rows.push(Row::OneShot(world, bytes, t));
             }
@@ -274,14 +328,14 @@ fn bench_virtual(c: &mut Criterion, ctx: &Arc<CudaContext>, world: usize, rows: 
 fn bench_copy(c: &mut Criterion, ctx: &Arc<CudaContext>, rows: &mut Vec<Row>) {
     let stream = ctx.new_stream().expect("creating a stream");
     let elem = std::mem::size_of::<T>();
-    let src = random_device::<T>(&stream, MAX_SIZE / elem, 4.0, 0xc0b1);
+    let src = random_device::<T>(&stream, max_size() / elem, 4.0, 0xc0b1);
     let mut dst = stream
-        .alloc_zeros::<T>(MAX_SIZE / elem)
+        .alloc_zeros::<T>(max_size() / elem)
         .expect("allocating the copy target");
     stream.synchronize().expect("uploading the copy source");
     let streams = [stream.clone()];
     let mut group = c.benchmark_group("memcpy_dtod_bf16");
-    for &bytes in &SIZES {
+    for &bytes in sizes() {
         let n = bytes / elem;
         let s = src.slice(0..n);
         let mut d = dst.slice_mut(0..n);
@@ -291,7 +345,7 @@ fn bench_copy(c: &mut Criterion, ctx: &Arc<CudaContext>, rows: &mut Vec<Row>) {
         group.bench_function(BenchmarkId::new("memcpy_dtod", human(bytes)), |b| {
             b.iter_custom(|iters| time_rounds(&streams, iters, &mut copy))
         });
-        if bytes >= TABLE_FROM {
+        if bytes >= table_from() {
             rows.push(Row::Copy(
                 bytes,
                 median(|| time_rounds(&streams, 1, &mut copy)),
@@ -306,9 +360,10 @@ fn bench_copy(c: &mut Criterion, ctx: &Arc<CudaContext>, rows: &mut Vec<Row>) {
 // ---------------------------------------------------------------------------------------
 
 fn bench_fused(c: &mut Criterion, ctx: &Arc<CudaContext>, world: usize, rows: &mut Vec<Row>) {
-    let max_m = MS[MS.len() - 1];
+    let (ms, hidden) = (ms(), hidden());
+    let max_m = ms[ms.len() - 1];
     let options = GroupOptions {
-        capacity_bytes: max_m * HIDDEN * std::mem::size_of::<T>(),
+        capacity_bytes: max_m * hidden * std::mem::size_of::<T>(),
         ..GroupOptions::default()
     };
     let groups = match TpGroup::virtual_ranks(ctx, world, options) {
@@ -320,14 +375,14 @@ fn bench_fused(c: &mut Criterion, ctx: &Arc<CudaContext>, world: usize, rows: &m
     };
     let streams: Vec<Arc<CudaStream>> = groups.iter().map(|g| g.stream().clone()).collect();
     let seed = 0xf5ed ^ world as u64;
-    let n_max = max_m * HIDDEN;
+    let n_max = max_m * hidden;
     let (partials, mut outs) = rank_buffers(&groups, n_max, seed);
     let (mut residuals, mut tmps) = rank_buffers(&groups, n_max, seed ^ 1);
     let (gammas, mut hs) = rank_buffers(&groups, n_max, seed ^ 2);
 
     let mut group = c.benchmark_group(format!("fused_residual_rmsnorm_bf16_w{world}"));
-    for &m in &MS {
-        let n = m * HIDDEN;
+    for &m in ms {
+        let n = m * hidden;
         let p: Vec<CudaView<T>> = partials.iter().map(|x| x.slice(0..n)).collect();
         let mut res: Vec<CudaViewMut<T>> =
             residuals.iter_mut().map(|x| x.slice_mut(0..n)).collect();
@@ -337,7 +392,7 @@ fn bench_fused(c: &mut Criterion, ctx: &Arc<CudaContext>, world: usize, rows: &m
         // Each sequence runs one eager round first (validation, kernel loading outside the
         // capture), then is captured.
         let mut fused_op = |r: usize| {
-            let gamma = gammas[r].slice(0..HIDDEN);
+            let gamma = gammas[r].slice(0..hidden);
             ops::all_reduce_residual_rmsnorm(
                 &groups[r],
                 &p[r],
@@ -359,7 +414,7 @@ fn bench_fused(c: &mut Criterion, ctx: &Arc<CudaContext>, world: usize, rows: &m
             ops::rms_norm(
                 g.stream(),
                 &h[r],
-                &gammas[r].slice(0..HIDDEN),
+                &gammas[r].slice(0..hidden),
                 EPS,
                 &mut out[r],
             )
@@ -378,9 +433,9 @@ fn bench_fused(c: &mut Criterion, ctx: &Arc<CudaContext>, world: usize, rows: &m
             b.iter_custom(|iters| time_graphs(&streams, &unfused, iters))
         });
         check_all(&groups, "unfused");
-        // Per round: one launch of every rank's graph of ROUNDS rounds.
-        let tf = median(|| time_graphs(&streams, &fused, ROUNDS) / ROUNDS as u32);
-        let tu = median(|| time_graphs(&streams, &unfused, ROUNDS) / ROUNDS as u32);
+        // Per round: one launch of every rank's graph of rounds() rounds.
+        let tf = median(|| time_graphs(&streams, &fused, rounds()) / rounds() as u32);
+        let tu = median(|| time_graphs(&streams, &unfused, rounds()) / rounds() as u32);
         check_all(&groups, "fused summary");
         rows.push(Row::Fused(world, m, tf, tu));
     }
@@ -401,10 +456,10 @@ fn bench_gpus(c: &mut Criterion) {
         );
         return;
     }
-    for &world in WORLDS.iter().filter(|&&w| w <= count) {
+    for &world in worlds().iter().filter(|&&w| w <= count) {
         let ordinals: Vec<usize> = (0..world).collect();
         let options = GroupOptions {
-            capacity_bytes: MAX_SIZE,
+            capacity_bytes: max_size(),
             ..GroupOptions::default()
         };
         let groups = match TpGroup::single_process(&ordinals, options) {
@@ -427,9 +482,9 @@ fn bench_gpus(c: &mut Criterion) {
             .map(|g| g.comm().expect("a single_process group has a communicator"))
             .collect();
         let elem = std::mem::size_of::<T>();
-        let (inputs, mut outs) = rank_buffers(&groups, MAX_SIZE / elem, 0x6c1 ^ world as u64);
+        let (inputs, mut outs) = rank_buffers(&groups, max_size() / elem, 0x6c1 ^ world as u64);
         let mut group = c.benchmark_group(format!("all_reduce_bf16_gpus_w{world}"));
-        for &bytes in &SIZES {
+        for &bytes in sizes() {
             let n = bytes / elem;
             let label = human(bytes);
             group.throughput(Throughput::Bytes(busbw_bytes(bytes, world)));
@@ -483,7 +538,10 @@ fn gbps(bytes: f64, t: Duration) -> f64 {
 
 fn print_summary(rows: &[Row]) {
     println!();
-    println!("summary (medians of {TABLE_SAMPLES} event-timed runs; bf16; GB = 1e9 bytes)");
+    println!(
+        "summary (medians of {} event-timed runs; bf16; GB = 1e9 bytes)",
+        samples()
+    );
     println!("one-shot on W virtual ranks vs device-to-device copy:");
     println!(
         "  {:>2} {:>6} {:>11} {:>9} {:>14} {:>10} {:>7}",
@@ -511,7 +569,8 @@ fn print_summary(rows: &[Row]) {
         );
     }
     println!(
-        "fused all-reduce + residual + RMSNorm vs the unfused sequence (hidden {HIDDEN}, graphs):"
+        "fused all-reduce + residual + RMSNorm vs the unfused sequence (hidden {}, graphs):",
+        hidden()
     );
     println!(
         "  {:>2} {:>4} {:>10} {:>10} {:>15}",

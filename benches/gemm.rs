@@ -8,15 +8,22 @@
 //! the graph's time over its calls, so host-side costs (validation, cuBLASLt's heuristic
 //! query) are not counted for either side. Criterion's throughput is in FLOPs (`elem/s` reads
 //! as FLOP/s). After criterion, a table gives for every case the median time of one call,
-//! TFLOP/s, weight bandwidth and the ratio to cuBLASLt.
+//! TFLOP/s, weight bandwidth and the ratio to cuBLASLt; a second table times every tile
+//! configuration at m in {16, 64, 256} with a split scratch (what [`select_config`] could pick
+//! instead), outside criterion.
 //!
 //! `TPFUSE_BENCH_DTYPES` picks the element types (`bf16`, `f16`, or `bf16,f16`; default
 //! `bf16`). cuBLASLt runs when libcublasLt can be loaded (put the nvidia-cublas wheel's lib/
 //! on LD_LIBRARY_PATH), else only tpfuse is measured. Without a CUDA driver nothing runs.
 
+//!
+//! `TPFUSE_BENCH_SMOKE=1` (`benches/common`: e.g. on the CPU emulator, where cuBLASLt does not
+//! run) divides the shapes by 8 and runs m = 1 and 64 (and 64 in the table of every
+//! configuration), two weight copies and one sample: every path once.
+
 #[path = "common/mod.rs"]
 mod common;
-use common::{event_time, random_device};
+use common::{dim, event_time, random_device, smoke};
 
 use criterion::{BenchmarkId, Criterion, Throughput};
 use cudarc::cublaslt::{CudaBlasLT, Matmul, MatmulConfig};
@@ -26,7 +33,8 @@ use half::{bf16, f16};
 use std::sync::Arc;
 use std::time::Duration;
 use tpfuse::ops::gemm::{
-    gemm, gemm_with_scratch, select_config, split_scratch_bytes, GemmElement, GemmShape,
+    gemm, gemm_with_config_and_scratch, gemm_with_scratch, select_config, split_parts,
+    split_scratch_bytes, GemmConfig, GemmElement, GemmShape,
 };
 
 const SHAPES: [(&str, usize, usize); 4] = [
@@ -36,10 +44,45 @@ const SHAPES: [(&str, usize, usize); 4] = [
     ("down", 8192, 3584),
 ];
 const MS: [usize; 7] = [1, 16, 64, 256, 1024, 4096, 8192];
+/// The m of the table of every configuration.
+const SWEEP_MS: [usize; 3] = [16, 64, 256];
+/// The sweep's scratch: enough for any configuration's parts at m <= 64 of these shapes.
+const SWEEP_SCRATCH_BYTES: usize = 64 << 20;
 /// Weight copies rotate through at least this many bytes (L2 is 40-60 MiB on sm_80/sm_90).
 const ROTATE_BYTES: usize = 256 << 20;
 /// Median of this many graph launches for the summary table.
 const TABLE_SAMPLES: usize = 30;
+
+/// The m of the main table, of the table of every configuration, the weight copies and the
+/// samples: all of them, or in a smoke run ([`smoke`]) the least that runs every path.
+fn ms() -> &'static [usize] {
+    if smoke() {
+        &[1, 64]
+    } else {
+        &MS
+    }
+}
+fn sweep_ms() -> &'static [usize] {
+    if smoke() {
+        &SWEEP_MS[1..2]
+    } else {
+        &SWEEP_MS
+    }
+}
+fn copies(weight_bytes: usize) -> usize {
+    if smoke() {
+        2
+    } else {
+        ROTATE_BYTES.div_ceil(weight_bytes).clamp(1, 16)
+    }
+}
+fn table_samples() -> usize {
+    if smoke() {
+        1
+    } else {
+        TABLE_SAMPLES
+    }
+}
 
 fn main() {
     if !common::driver_present("gemm") {
@@ -51,7 +94,10 @@ fn main() {
         .configure_from_args();
     // Every buffer below is allocated, used and freed on this one stream.
     let (name, stream) = common::one_stream("gemm");
-    let blas = if cublaslt_present() {
+    let blas = if cfg!(feature = "emulator") {
+        println!("the emulator runs no cuBLASLt: measuring tpfuse only");
+        None
+    } else if cublaslt_present() {
         Some(CudaBlasLT::new(stream.clone()).expect("creating a cuBLASLt handle"))
     } else {
         println!("libcublasLt could not be loaded: measuring tpfuse only");
@@ -59,17 +105,22 @@ fn main() {
     };
     let dtypes = std::env::var("TPFUSE_BENCH_DTYPES").unwrap_or_else(|_| "bf16".into());
     let mut table = Vec::new();
+    let mut sweep = Vec::new();
     for dtype in dtypes.split(',').map(str::trim) {
         for &(shape_name, n, k) in &SHAPES {
+            let (n, k) = (dim(n), dim(k));
             match dtype {
-                "bf16" => table.extend(bench_shape::<bf16>(
-                    &mut c,
-                    &stream,
-                    blas.as_ref(),
-                    shape_name,
-                    n,
-                    k,
-                )),
+                "bf16" => {
+                    table.extend(bench_shape::<bf16>(
+                        &mut c,
+                        &stream,
+                        blas.as_ref(),
+                        shape_name,
+                        n,
+                        k,
+                    ));
+                    sweep.extend(sweep_configs::<bf16>(&stream, shape_name, n, k));
+                }
                 "f16" => table.extend(bench_shape::<f16>(
                     &mut c,
                     &stream,
@@ -84,6 +135,118 @@ fn main() {
     }
     c.final_summary();
     print_table(&name, &table);
+    print_sweep(&sweep);
+}
+
+/// One shape's times under every configuration ([`sweep_configs`]).
+struct SweepRow {
+    shape: &'static str,
+    gemm: GemmShape,
+    /// Per [`GemmConfig::ALL`]; `None` where the configuration cannot run the shape's split.
+    times: Vec<Option<Duration>>,
+    chosen: &'static str,
+}
+
+/// Times every configuration at the m of [`sweep_ms`], each with a split scratch
+/// ([`gemm_with_config_and_scratch`]), weights rotated as in [`bench_shape`].
+fn sweep_configs<T: GemmElement + ValidAsZeroBits + DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    shape_name: &'static str,
+    n: usize,
+    k: usize,
+) -> Vec<SweepRow> {
+    let copies = copies(n * k * std::mem::size_of::<T>());
+    let w = 1.0 / (k as f32).sqrt();
+    let weights: Vec<CudaSlice<T>> = (0..copies)
+        .map(|i| random_device::<T>(stream, n * k, w, 0xc0 + i as u64))
+        .collect();
+    let max_m = sweep_ms()[sweep_ms().len() - 1];
+    let a = random_device::<T>(stream, max_m * k, 1.0, 0xa1);
+    let mut out = stream.alloc_zeros::<T>(max_m * n).expect("the output");
+    let mut scratch = stream
+        .alloc_zeros::<u8>(if smoke() {
+            SWEEP_SCRATCH_BYTES / 16
+        } else {
+            SWEEP_SCRATCH_BYTES
+        })
+        .expect("the sweep's scratch");
+    let ctx = stream.context();
+    use cudarc::driver::sys::CUdevice_attribute as A;
+    let attr = |x| ctx.attribute(x).expect("device attribute");
+    let cc = (
+        attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR) as u32,
+        attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR) as u32,
+    );
+    let sms = attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT) as usize;
+    let splits = split_parts(n, k, sms) > 1;
+    sweep_ms()
+        .iter()
+        .map(|&m| {
+            let s = GemmShape { m, n, k };
+            let a_m = a.slice(0..m * k);
+            let times = GemmConfig::ALL
+                .iter()
+                .map(|&config| {
+                    if splits && !config.splits_k() {
+                        return None;
+                    }
+                    let mut call = |i: usize| {
+                        let mut o = out.slice_mut(0..m * n);
+                        gemm_with_config_and_scratch(
+                            stream,
+                            &a_m,
+                            &weights[i],
+                            None,
+                            None,
+                            &mut o,
+                            s,
+                            config,
+                            &mut scratch,
+                        )
+                        .expect("gemm_with_config_and_scratch");
+                    };
+                    call(0);
+                    stream.synchronize().expect("a configuration's warm-up");
+                    let graph = capture(stream, copies, call);
+                    Some(median_call(stream, &graph, copies))
+                })
+                .collect();
+            SweepRow {
+                shape: shape_name,
+                gemm: s,
+                times,
+                chosen: select_config(s, cc, sms).map_or("none", |c| c.name()),
+            }
+        })
+        .collect()
+}
+
+fn print_sweep(rows: &[SweepRow]) {
+    if rows.is_empty() {
+        return;
+    }
+    println!(
+        "\nevery configuration with a split scratch (bf16), median of {} graph launches, us per \
+         call:",
+        table_samples()
+    );
+    print!("{:<8} {:>5} {:>5} {:>5}", "layer", "m", "n", "k");
+    for config in GemmConfig::ALL {
+        print!("  {:>13}", config.name());
+    }
+    println!("  chosen");
+    for r in rows {
+        let s = r.gemm;
+        print!("{:<8} {:>5} {:>5} {:>5}", r.shape, s.m, s.n, s.k);
+        for t in &r.times {
+            match t {
+                Some(t) => print!("  {:>13.1}", t.as_secs_f64() * 1e6),
+                None => print!("  {:>13}", "-"),
+            }
+        }
+        println!("  {}", r.chosen);
+    }
+    println!("('-': runs no split of k, and this shape splits)");
 }
 
 /// One measured case for the summary table.
@@ -124,7 +287,7 @@ fn time_graph(stream: &Arc<CudaStream>, graph: &CudaGraph, launches: u64) -> Dur
 
 /// Median time of one call: `samples` single launches of a graph of `calls` calls.
 fn median_call(stream: &Arc<CudaStream>, graph: &CudaGraph, calls: usize) -> Duration {
-    let mut t: Vec<Duration> = (0..TABLE_SAMPLES)
+    let mut t: Vec<Duration> = (0..table_samples())
         .map(|_| time_graph(stream, graph, 1) / calls as u32)
         .collect();
     t.sort();
@@ -174,9 +337,8 @@ fn bench_shape<T: GemmElement + ValidAsZeroBits + DeviceRepr>(
 where
     CudaBlasLT: Matmul<T>,
 {
-    let max_m = MS[MS.len() - 1];
-    let weight_bytes = n * k * std::mem::size_of::<T>();
-    let copies = ROTATE_BYTES.div_ceil(weight_bytes).clamp(1, 16);
+    let max_m = ms()[ms().len() - 1];
+    let copies = copies(n * k * std::mem::size_of::<T>());
     let w = 1.0 / (k as f32).sqrt();
     let weights: Vec<CudaSlice<T>> = (0..copies)
         .map(|i| random_device::<T>(stream, n * k, w, 0xb0 + i as u64))
@@ -198,7 +360,7 @@ where
 
     let mut rows = Vec::new();
     let mut group = c.benchmark_group(format!("gemm_{}_{shape_name}_n{n}_k{k}", T::NAME));
-    for &m in &MS {
+    for &m in ms() {
         let s = GemmShape { m, n, k };
         let config = select_config(s, cc, sms).map_or("none", |c| c.name());
         let a_m = a.slice(0..m * k);
@@ -269,7 +431,10 @@ where
 }
 
 fn print_table(gpu: &str, rows: &[Row]) {
-    println!("\ngemm on {gpu}: median of {TABLE_SAMPLES} graph launches, time of one call");
+    println!(
+        "\ngemm on {gpu}: median of {} graph launches, time of one call",
+        table_samples()
+    );
     println!(
         "{:<5} {:<8} {:>5} {:>5} {:>5}  {:<14} {:>10} {:>8} {:>8}  {:>9} {:>8}  {:>10} {:>8}  {:>6}",
         "dtype",

@@ -4,7 +4,10 @@
 //! makes. That is tpfuse's validation, its choice of path and the packing of the kernels'
 //! arguments, plus the enqueue of its launches (the driver's, or the emulator's, which stands
 //! in for it); not the kernels, which run after the call returned. Criterion group
-//! `host_cost_bf16_virtual_w2`, one function per fusion. Printed after: allocations per call.
+//! `host_cost_bf16_virtual_w2`, one function per fusion, and a reference, `OneLaunch`: a
+//! bare `ops::epilogue::rms_norm` of the same row, one launch behind the least validation
+//! tpfuse has, and `BareLaunch`: the driver's `cuLaunchKernel` of an empty kernel (loaded
+//! from PTX; a GPU only), the floor under any launch. Printed after: allocations per call.
 //!
 //! Runs without a GPU under `--features emulator` (shapes divided by 64, a short measurement:
 //! every timed call's kernels still execute, on the CPU, between the samples):
@@ -15,9 +18,10 @@ mod common;
 
 use common::{random_device, smoke};
 use criterion::{BenchmarkId, Criterion, SamplingMode};
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{sys, CudaContext, CudaSlice};
 use half::bf16;
 use std::alloc::{GlobalAlloc, Layout, System};
+use std::ffi::CString;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use tpfuse::ops::linear::{Fusion, RowParallelLinear};
@@ -70,8 +74,78 @@ struct Rank {
     out: CudaSlice<bf16>,
 }
 
+/// What one timed call runs.
+#[derive(Clone, Copy, Debug)]
+enum Call {
+    Layer(Fusion),
+    OneLaunch,
+    BareLaunch(sys::CUfunction),
+}
+
+/// An empty kernel, for the driver's own launch cost.
+const EMPTY_PTX: &str = ".version 7.0\n.target sm_80\n.address_size 64\n\
+                         .visible .entry tpfuse_empty()\n{\n  ret;\n}\n";
+
+/// The empty kernel loaded into `ctx` (the emulator loads no PTX: `None` there).
+fn empty_kernel(ctx: &CudaContext) -> Option<sys::CUfunction> {
+    if cfg!(feature = "emulator") {
+        return None;
+    }
+    ctx.bind_to_thread().expect("binding the context");
+    let ptx = CString::new(EMPTY_PTX).expect("no NUL in the PTX");
+    let (mut module, mut function) = (std::ptr::null_mut(), std::ptr::null_mut());
+    // SAFETY: a NUL-terminated PTX image and out-pointers to locals; the module stays loaded
+    // for the process's life.
+    unsafe {
+        let loaded = sys::cuModuleLoadData(&mut module, ptx.as_ptr().cast());
+        assert_eq!(
+            loaded,
+            sys::CUresult::CUDA_SUCCESS,
+            "loading the empty kernel"
+        );
+        let found = sys::cuModuleGetFunction(&mut function, module, c"tpfuse_empty".as_ptr());
+        assert_eq!(
+            found,
+            sys::CUresult::CUDA_SUCCESS,
+            "finding the empty kernel"
+        );
+    }
+    Some(function)
+}
+
 impl Rank {
-    fn call(&mut self, group: &TpGroup) {
+    fn call(&mut self, group: &TpGroup, what: Call) {
+        if let Call::BareLaunch(function) = what {
+            // SAFETY: a kernel of no parameters on a live stream of its context.
+            let launched = unsafe {
+                sys::cuLaunchKernel(
+                    function,
+                    1,
+                    1,
+                    1,
+                    32,
+                    1,
+                    1,
+                    0,
+                    group.stream().cu_stream(),
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                )
+            };
+            assert_eq!(launched, sys::CUresult::CUDA_SUCCESS, "cuLaunchKernel");
+            return;
+        }
+        let Call::Layer(_) = what else {
+            tpfuse::ops::epilogue::rms_norm(
+                group.stream(),
+                &self.residual,
+                &self.gamma,
+                1e-5,
+                &mut self.out,
+            )
+            .expect("rms_norm");
+            return;
+        };
         let norm = RmsNorm {
             gamma: &self.gamma,
             eps: 1e-5,
@@ -126,6 +200,7 @@ fn build_ranks(groups: &[TpGroup], fusion: Fusion, inner: usize, hidden: usize) 
 fn timed_calls(
     groups: &[TpGroup],
     ranks: &mut [Rank],
+    what: Call,
     iters: u64,
     allocations: &mut u64,
 ) -> Duration {
@@ -137,7 +212,7 @@ fn timed_calls(
         let started = Instant::now();
         for _ in 0..batch {
             for (rank, group) in ranks.iter_mut().zip(groups) {
-                rank.call(group);
+                rank.call(group, what);
             }
         }
         host += started.elapsed();
@@ -174,25 +249,44 @@ fn main() {
     // Every iteration costs its kernels' time on top of the timed host work: flat sampling
     // (the same iterations per sample) keeps criterion from ramping up to thousands of them.
     group.sampling_mode(SamplingMode::Flat);
-    for fusion in [Fusion::Unfused, Fusion::Fused] {
+    let bare = empty_kernel(&ctx);
+    if bare.is_none() {
+        lines.push("BareLaunch: not measured (the emulator loads no PTX)".to_string());
+    }
+    let calls = [
+        Some(Call::Layer(Fusion::Unfused)),
+        Some(Call::Layer(Fusion::Fused)),
+        Some(Call::OneLaunch),
+        bare.map(Call::BareLaunch),
+    ];
+    for what in calls.into_iter().flatten() {
+        let fusion = match what {
+            Call::Layer(fusion) => fusion,
+            _ => Fusion::Unfused,
+        };
+        let name = match what {
+            Call::Layer(fusion) => format!("{fusion:?}"),
+            Call::OneLaunch => "OneLaunch".to_string(),
+            Call::BareLaunch(_) => "BareLaunch".to_string(),
+        };
         let mut ranks = build_ranks(&groups, fusion, inner, hidden);
         // The first call of a shape (kernel loading, the group's first launch) is not timed.
-        timed_calls(&groups, &mut ranks, 1, &mut 0);
+        timed_calls(&groups, &mut ranks, what, 1, &mut 0);
         let (mut calls, mut allocations) = (0, 0);
-        let id = BenchmarkId::new(format!("{fusion:?}"), format!("m1_in{inner}_out{hidden}"));
+        let id = BenchmarkId::new(&name, format!("m1_in{inner}_out{hidden}"));
         if smoke() {
-            timed_calls(&groups, &mut ranks, 1, &mut allocations);
+            timed_calls(&groups, &mut ranks, what, 1, &mut allocations);
             calls += WORLD as u64;
         } else {
             group.bench_function(id, |b| {
                 b.iter_custom(|iters| {
                     calls += iters * WORLD as u64;
-                    timed_calls(&groups, &mut ranks, iters, &mut allocations)
+                    timed_calls(&groups, &mut ranks, what, iters, &mut allocations)
                 })
             });
         }
         lines.push(format!(
-            "{fusion:?}: {:.2} heap allocations per call ({allocations} in {calls} calls)",
+            "{name}: {:.2} heap allocations per call ({allocations} in {calls} calls)",
             allocations as f64 / calls.max(1) as f64
         ));
     }

@@ -73,8 +73,12 @@ int select_config(size_t m, size_t n, size_t k, int cc, int sms) {
     if (ceil_div(n, SmallM16x32::kBlockN) >= static_cast<size_t>(sms)) return TPFUSE_GEMM_CONFIG_SMALL_16X32;
     return TPFUSE_GEMM_CONFIG_SMALL_16X16;
   }
+  // 128x128 once its tiles give at least 90% of the SMs a block: on an H200, m = 256 of
+  // n = 8192 (128 tiles on 132 SMs) ran 1.36-1.38x faster so than in 64x64 tiles
+  // (docs/performance.md, "Every configuration on the H200").
   const size_t big_tiles = ceil_div(m, Tile128x128::kBlockM) * ceil_div(n, Tile128x128::kBlockN);
-  return big_tiles >= static_cast<size_t>(sms) ? TPFUSE_GEMM_CONFIG_TILE_128X128 : TPFUSE_GEMM_CONFIG_TILE_64X64;
+  return big_tiles * 10 >= static_cast<size_t>(sms) * 9 ? TPFUSE_GEMM_CONFIG_TILE_128X128
+                                                         : TPFUSE_GEMM_CONFIG_TILE_64X64;
 }
 
 template <typename Cfg> void describe(int32_t path, tpfuse_gemm_config_info &info) {
@@ -112,7 +116,7 @@ int launch_config(const T *a, const T *b, const T *bias, const T *residual, T *c
         scratch != nullptr && needed <= scratch_bytes) {
       auto gemm_split = gemm_split_kernel<T, Cfg>;
       // Always opted in: its static shared memory (`last`) counts with the dynamic size toward
-      // the default 48 KiB (SmallM16x32 takes exactly that).
+      // the default 48 KiB (SmallM16x32 and Tile64x64 take exactly that).
       const cudaError_t err =
           cudaFuncSetAttribute(gemm_split, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
       if (err != cudaSuccess) return err;

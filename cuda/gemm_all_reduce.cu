@@ -393,7 +393,7 @@ int launch_config(Reduction reduction, const tpfuse_peers &peers, const tpfuse_g
   auto gemm_all_reduce = gemm_all_reduce_kernel<T, Cfg>; // the name the emulator suite reports
   // Always opted in (not only past 48 KiB, as gemm.cu does): the kernel's static shared
   // memory (BlockState, the RMSNorm's warp sums) counts with the dynamic size toward the
-  // default 48 KiB, and SmallM16x32 takes exactly 48 KiB of dynamic shared memory.
+  // default 48 KiB, and SmallM16x32 and Tile64x64 take exactly 48 KiB of dynamic shared memory.
   const cudaError_t err =
       cudaFuncSetAttribute(gemm_all_reduce, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (err != cudaSuccess) return err;

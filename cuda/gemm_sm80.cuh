@@ -130,12 +130,11 @@ struct TileConfig {
 struct SmallM16x16 : TileConfig<16, 16, 64, 1, 1, 16, 1> {};  // 32 threads, 64 KiB
 struct SmallM16x32 : TileConfig<16, 32, 64, 1, 2, 8, 1> {};   // 64 threads, 48 KiB
 struct SmallM16x64 : TileConfig<16, 64, 64, 1, 4, 6, 1> {};   // 128 threads, 60 KiB
-// Tiled (m > 16): 64x64 when 128x128 tiles would not fill the GPU, else 128x128. Tile64x64
-// runs decode's m = 17..64 (and their split of k), where a grid of about one block per SM
-// streams the weights: its k-slices are 64 deep, as the small-m configurations', so that its 5
-// slices in flight hold 40 KiB of weights per block (with 32-deep slices they held 20 KiB, its
-// A rows the other half: on an H200 its m = 64 decode GEMMs took 2x their m = 1 time).
-struct Tile64x64 : TileConfig<64, 64, 64, 2, 2, 6, 2> {};     // 128 threads, 96 KiB
+// Tiled (m > 16): 64x64 when 128x128 tiles would leave over 10% of the SMs idle. Tile64x64's
+// k-slices are 32 deep: 64-deep slices (twice the weight bytes in flight per block, 96 KiB)
+// were tried and measured on an H200 (docs/gpu-runs/2026-11-27-h200-suite): no faster at
+// m = 64, and up to 1.7x slower from m = 1024 (two blocks per SM instead of four).
+struct Tile64x64 : TileConfig<64, 64, 32, 2, 2, 6, 2> {};     // 128 threads, 48 KiB
 struct Tile128x128 : TileConfig<128, 128, 32, 2, 4, 4, 2, false> {}; // 256 threads, 66 KiB, no split
 
 // Host: f(Cfg{}) for every configuration above (the kernel lists of kernel_list.cuh).

@@ -28,7 +28,7 @@
 //!   warps spread across `N`, a deep `cp.async` pipeline over the weight slice each block
 //!   streams once.
 //! - [`GemmPath::Sm80Tiled`], m > [`SMALL_M_MAX`]: 128×128 tiles with 32-deep k-slices in a
-//!   4-stage `cp.async` pipeline, or 64×64 tiles with 64-deep slices in 6 stages, swizzled
+//!   4-stage `cp.async` pipeline, or 64×64 tiles with 32-deep slices in 6 stages, swizzled
 //!   shared memory, `ldmatrix` + `mma.sync`.
 //!
 //! A shape whose `k` splits (`S > 1`: narrow layers, whose column tiles alone would leave SMs
@@ -430,6 +430,35 @@ pub fn gemm_with_config<T: GemmElement>(
 ) -> Result<()> {
     let residual = Residual::separate(residual);
     launch(stream, a, b, bias, residual, c, shape, Some(config), None)
+}
+
+/// [`gemm_with_config`] with a scratch for the parallel split of `k` ([`gemm_with_scratch`]):
+/// a forced configuration as a group's decode GEMMs would run it, for benchmarks that
+/// compare configurations. The same bits as [`gemm`]; arguments and errors as for those two.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_with_config_and_scratch<T: GemmElement>(
+    stream: &CudaStream,
+    a: &impl DevicePtr<T>,
+    b: &impl DevicePtr<T>,
+    bias: Option<&dyn DevicePtr<T>>,
+    residual: Option<&dyn DevicePtr<T>>,
+    c: &mut impl DevicePtrMut<T>,
+    shape: GemmShape,
+    config: GemmConfig,
+    scratch: &mut dyn DevicePtrMut<u8>,
+) -> Result<()> {
+    let residual = Residual::separate(residual);
+    launch(
+        stream,
+        a,
+        b,
+        bias,
+        residual,
+        c,
+        shape,
+        Some(config),
+        Some(scratch),
+    )
 }
 
 /// [`gemm`] with a scratch for the parallel split of `k`: where `shape`'s `k` splits into
