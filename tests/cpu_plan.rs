@@ -349,3 +349,52 @@ fn the_all_reduce_model_against_published_h100_times() {
     // must update the document's claim.
     assert!(worst < 3.0, "the model is {worst:.2}x off a published time");
 }
+
+#[test]
+fn the_fused_row_pays_each_tile_of_its_busiest_block_one_after_another() {
+    // The H200's phase records: a fused block publishes, awaits and reduces each tile between
+    // its GEMM tiles (docs/performance.md, "Second H200 run"), so each tile of the busiest
+    // block is a round, a pipeline fill and a peer read on top of the GEMM.
+    let p = DeviceProfile::builtin("h200").unwrap();
+    let o_proj = tpfuse::plan::LayerGemm {
+        layer: "o_proj",
+        n: 8192,
+        k: 1024,
+        row_parallel: true,
+    };
+    for m in [1, 16, 64] {
+        let shape = GemmShape {
+            m,
+            n: 8192,
+            k: 1024,
+        };
+        let info = select_config(shape, p.compute_capability, p.sms)
+            .unwrap()
+            .info();
+        let tiles = m.div_ceil(info.block_m) * 8192usize.div_ceil(info.block_n);
+        let fused = tpfuse::plan::fused_row(&o_proj, m, 8, &p).unwrap();
+        let alone = tpfuse::plan::gemm_row(&o_proj, m, 8, &p).unwrap();
+        let per_block = tiles.div_ceil(fused.blocks);
+        assert!(
+            per_block >= 1 && fused.sync_rounds >= per_block,
+            "m {m}: {fused:?}"
+        );
+        let per_tile_us = (p.round_s + p.streaming_latency_s + p.peer_latency_s) * 1e6;
+        assert!(
+            fused.model_us >= alone.model_us + per_block as f64 * per_tile_us - 0.1,
+            "m {m}: fused {} us, the GEMM alone {} us, {per_block} tiles a block",
+            fused.model_us,
+            alone.model_us
+        );
+        // A peer read per tile, one after another: 10 µs more per read, 10 µs more per tile.
+        let mut far = p.clone();
+        far.peer_latency_s += 10e-6;
+        let slower = tpfuse::plan::fused_row(&o_proj, m, 8, &far).unwrap();
+        assert!(
+            slower.model_us - fused.model_us >= per_block as f64 * 10.0 - 0.1,
+            "m {m}: {} -> {} us for {per_block} tiles a block",
+            fused.model_us,
+            slower.model_us
+        );
+    }
+}

@@ -60,8 +60,9 @@ pub struct PlanRow {
     pub bytes_per_sm_mean: f64,
     /// Bytes of loads in flight on a busy SM: resident blocks x loads in flight per block.
     pub bytes_in_flight_per_sm: u64,
-    /// Synchronisation rounds on the critical path: flag or barrier waits across GPUs, and the
-    /// fused one-shot's wait for a row strip's flag within one (its dealt RMSNorm rows).
+    /// Synchronisation rounds on the critical path: flag or barrier waits across GPUs (the
+    /// fused kernel: one per tile of its busiest block), and the fused one-shot's wait for a
+    /// row strip's flag within one (its dealt RMSNorm rows).
     pub sync_rounds: usize,
     /// The least time the op's minimum bytes take at the device's peak bandwidths (DRAM, and
     /// the link for peer bytes), plus one round for a collective, µs.
@@ -229,7 +230,8 @@ fn gemm_in_flight(
 /// The model's time of a launch, seconds: the launches, then the longest of the aggregate
 /// times (DRAM bytes at the DRAM's bandwidth, peer bytes at the link's) and the busiest SM's
 /// time (its bytes at what its loads in flight sustain, by Little's law, or its blocks'
-/// chains of dependent `mma`, whichever is longer), then the rounds.
+/// chains of dependent `mma`, whichever is longer), then the rounds and the latencies waited
+/// one after another.
 struct Model {
     launches: usize,
     /// Bytes the DRAM must move (a GEMM: the minimum; the re-reads of `A` by each column
@@ -248,6 +250,9 @@ struct Model {
     in_flight: f64,
     chain_s: f64,
     rounds: usize,
+    /// Latencies the busiest block waits one after another on top of the rest (the fused
+    /// kernels: a pipeline fill and a peer read per tile).
+    serial_s: f64,
 }
 
 impl Model {
@@ -265,6 +270,7 @@ impl Model {
         self.launches as f64 * p.launch_s
             + aggregate.max(streaming)
             + self.rounds as f64 * p.round_s
+            + self.serial_s
     }
 }
 
@@ -318,6 +324,7 @@ pub fn gemm_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Option
         in_flight: flight.bytes as f64,
         chain_s: chain_seconds(block_k, waves, p),
         rounds: 0,
+        serial_s: 0.0,
     };
     let how = match (parts, parallel) {
         (1, _) => String::new(),
@@ -464,6 +471,7 @@ pub fn all_reduce_row(
         in_flight: in_flight as f64,
         chain_s: 0.0,
         rounds,
+        serial_s: 0.0,
     };
     PlanRow {
         layer: layer.to_string(),
@@ -579,12 +587,20 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
         _ => 2.0 * (w - 1) as f64 / w as f64 * bytes as f64,
     };
     let total: u64 = per_block.iter().sum();
-    // One-shot: the tiles' flags, then (a strip of more than one row) the strip's flag for
-    // its dealt rows; two-shot: the tiles', then the slices'.
-    let rounds = match algo {
-        AllReduceAlgo::OneShot if m == 1 => 1,
-        _ => 2,
-    };
+    // A block computes its tiles one after another, and between two of them publishes one
+    // and reduces the one before (flag, wait, the W partials read): every tile of the busiest
+    // block is a round, a pipeline fill (its ring starts empty) and a peer read, one after
+    // another; then, one-shot, the strip's flag for the dealt rows (a strip of more than one
+    // row), two-shot the slices'. So measured on an H200 (docs/performance.md, "Second H200
+    // run": about 3.7 us of flags and reduction per tile, and the GEMM 1.4-2.3x slower than
+    // alone), where an earlier model took the tiles' rounds as hidden behind the GEMM.
+    let tiles_per_block = tiles.div_ceil(grid);
+    let rounds = tiles_per_block
+        + match algo {
+            AllReduceAlgo::OneShot if m == 1 => 0,
+            _ => 1,
+        };
+    let serial_s = tiles_per_block as f64 * (p.streaming_latency_s + p.peer_latency_s);
     let minimum = ((g.n * g.k + m * g.k + 3 * m * g.n) as u64 * s) as f64;
     let floor = (minimum / p.dram_bytes_per_s).max(peer_bytes / p.link_bytes_per_s) + p.round_s;
     let model = Model {
@@ -595,8 +611,9 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
         peer_share: peer_bytes / total as f64,
         streams_weights: true,
         in_flight: flight.bytes as f64,
-        chain_s: chain_seconds(g.k, tiles.div_ceil(grid), p),
+        chain_s: chain_seconds(g.k, tiles_per_block, p),
         rounds,
+        serial_s,
     };
     let name = if algo == AllReduceAlgo::OneShot {
         "one-shot"
