@@ -6,8 +6,14 @@
 #   - tensor-core MMAs of its type: HMMA.16816.F32.BF16 (bf16) or HMMA.16816.F32 (f16),
 #   - ldmatrix (LDSM) and cp.async (LDGSTS) instructions,
 #   - no local-memory traffic (LDL / STL: spills or stack arrays),
-# on every architecture, and prints the counts. Exits non-zero on any failure or when no
-# object is found (build first: cargo build, or scripts/test.sh).
+#   - the bytes in flight its configuration was written for (cuda/gemm_sm80.cuh's TileConfig
+#     line, read here): every LDGSTS 16 bytes wide (.128), the deepest cp.async wait
+#     (DEPBAR.LE SB0, N) leaving N = STAGES - 2 groups outstanding, and each commit group
+#     (the LDGSTS between two LDGDEPBAR, the most common count) holding one k-slice of A and B
+#     per thread, so that STAGES - 1 slices are in flight per block, as tpfuse::plan counts,
+# on every architecture (gemm_split_kernel too), and prints the counts and each block's bytes
+# in flight. Exits non-zero on any failure or when no object is found (build first: cargo
+# build, or scripts/test.sh).
 #
 # cuobjdump and nvdisasm come from the pinned nvidia-cuda-cuobjdump / nvidia-cuda-nvdisasm
 # wheels (13.2.86: 13.0's cuobjdump is not in the wheels), installed into .venv-tools when
@@ -51,7 +57,20 @@ for obj in "${objects[@]}"; do
   echo "== $obj"
   "$cuobjdump" -sass "$obj" | c++filt | python3 -c '
 import re, sys
+from collections import Counter
+# The tile configurations, from their definitions: name -> (BM, BN, BK, threads, stages).
+CONFIGS = {}
+for line in open(sys.argv[1]):
+    m = re.match(r"struct (\w+) : TileConfig<(\d+), (\d+), (\d+), (\d+), (\d+), (\d+), (\d+)", line)
+    if m:
+        bm, bn, bk, wm, wn, stages = (int(v) for v in m.groups()[1:7])
+        CONFIGS[m.group(1)] = (bm, bn, bk, wm * wn * 32, stages)
+if len(CONFIGS) != 5:
+    print("found %d TileConfig lines in %s, expected 5" % (len(CONFIGS), sys.argv[1]))
+    sys.exit(1)
 arch, func, counts = None, None, {}
+# Per function: the deepest cp.async wait, the LDGSTS of each commit group, their widths.
+depbar, groups, widths = {}, {}, {}
 for line in sys.stdin:
     m = re.match(r"\s*arch = (sm_\w+)", line)
     if m:
@@ -60,22 +79,33 @@ for line in sys.stdin:
     m = re.match(r"\s*Function : (.*)$", line)
     if m:
         func = m.group(1).strip()
-        counts.setdefault((arch, func), {})
+        key = (arch, func)
+        counts.setdefault(key, {})
+        depbar[key], groups[key], widths[key] = -1, [0], Counter()
         continue
     if func is None:
         continue
-    m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+    m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)", line)
     if m:
         op = m.group(1)
-        c = counts[(arch, func)]
+        c = counts[key]
         c[op] = c.get(op, 0) + 1
+        if op.startswith("LDGSTS"):
+            groups[key][-1] += 1
+            widths[key][op.rsplit(".", 1)[-1]] += 1
+        elif op == "LDGDEPBAR":
+            groups[key].append(0)
+        elif op == "DEPBAR.LE":
+            w = re.match(r"\s*SB0,\s*(0x[0-9a-f]+|\d+)", m.group(2))
+            if w:
+                depbar[key] = max(depbar[key], int(w.group(1), 0))
 
 def total(c, pred):
     return sum(v for k, v in c.items() if pred(k))
 
 failures = []
 rows = []
-KERNELS = ("gemm_sm80_kernel<", "gemm_all_reduce_kernel<", "all_gather_gemm_kernel<")
+KERNELS = ("gemm_sm80_kernel<", "gemm_split_kernel<", "gemm_all_reduce_kernel<", "all_gather_gemm_kernel<")
 for (arch, func), c in sorted(counts.items()):
     kernel = next((k for k in KERNELS if k in func), None)
     if kernel is None:
@@ -89,8 +119,27 @@ for (arch, func), c in sorted(counts.items()):
     local = total(c, lambda k: k.startswith("LDL") or k.startswith("STL"))
     short = re.sub(r"tpfuse::(gemm::)?", "", func.replace("(anonymous namespace)::", "").split("(")[0])
     short = re.sub(r",\s*GemmEpilogue<[^>]*>\s*", "", short)
-    rows.append((arch, short, want, hmma, ldsm, ldgsts, local))
     problems = []
+    config = next((name for name in CONFIGS if re.search(r"\b%s\b" % name, func)), None)
+    in_flight = 0
+    if config is None:
+        problems.append("no tile configuration in its name")
+    else:
+        bm, bn, bk, threads, stages = CONFIGS[config]
+        slice_loads = (bm + bn) * bk * 2 // 16 // threads  # 16-byte cp.async per thread
+        committed = Counter(n for n in groups[(arch, func)] if n)
+        per_group = committed.most_common(1)[0][0] if committed else 0
+        if depbar[(arch, func)] != stages - 2:
+            problems.append("deepest cp.async wait leaves %d groups outstanding, not STAGES - 2 = %d"
+                            % (depbar[(arch, func)], stages - 2))
+        if per_group != slice_loads:
+            problems.append("%d LDGSTS per commit group, not a k-slice'"'"'s %d" % (per_group, slice_loads))
+        narrow = sum(v for k, v in widths[(arch, func)].items() if k != "128")
+        if narrow:
+            problems.append("%d LDGSTS narrower than 16 bytes" % narrow)
+        if not problems:
+            in_flight = (depbar[(arch, func)] + 1) * per_group * 16 * threads
+    rows.append((arch, short, want, hmma, ldsm, ldgsts, local, in_flight))
     if hmma == 0: problems.append("no " + want)
     if other_hmma: problems.append("%d HMMA of another kind" % other_hmma)
     if ldsm == 0: problems.append("no LDSM (ldmatrix)")
@@ -102,14 +151,17 @@ for (arch, func), c in sorted(counts.items()):
 if not rows:
     print("no GEMM kernel found")
     sys.exit(1)
-print("%-8s %-58s %-20s %5s %5s %6s %5s" % ("arch", "kernel", "mma", "HMMA", "LDSM", "LDGSTS", "local"))
+print("%-8s %-58s %-20s %5s %5s %6s %5s %9s" % ("arch", "kernel", "mma", "HMMA", "LDSM", "LDGSTS", "local",
+                                                  "in flight"))
 for r in rows:
-    print("%-8s %-58s %-20s %5d %5d %6d %5d" % r)
+    print("%-8s %-58s %-20s %5d %5d %6d %5d %9d" % r)
+print("in flight: bytes of A and B one block keeps loading, from the SASS: (deepest wait + 1) "
+      "commit groups x LDGSTS per group x 16 B x threads")
 archs = sorted({r[0] for r in rows})
 print("%d kernels on %d architectures (%s)" % (len(rows), len(archs), ", ".join(archs)))
 for f in failures:
     print("FAIL " + f)
 sys.exit(1 if failures else 0)
-' || status=1
+' "$root/cuda/gemm_sm80.cuh" || status=1
 done
 exit $status
