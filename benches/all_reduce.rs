@@ -45,7 +45,7 @@
 
 #[path = "common/mod.rs"]
 mod common;
-use common::{check_all, dim, human, random_device, smoke, time_rounds, KB, MB};
+use common::{check_all, dim, full_or_smoke, human, random_device, time_rounds, KB, MB};
 
 use criterion::{BenchmarkGroup, BenchmarkId, Criterion, SamplingMode, Throughput};
 use cudarc::driver::{CudaContext, CudaGraph, CudaSlice, CudaStream, CudaView, CudaViewMut};
@@ -76,56 +76,32 @@ const HIDDEN: usize = 8192;
 const MS: [usize; 4] = [1, 16, 64, 256];
 const EPS: f32 = 1e-5;
 
-/// What a run covers: everything, or in a smoke run ([`smoke`]) the least that runs every
+/// What a run covers: everything, or in a smoke run (`common::smoke`) the least that runs every
 /// path.
 fn worlds() -> &'static [usize] {
-    if smoke() {
-        &WORLDS[..1]
-    } else {
-        &WORLDS
-    }
+    full_or_smoke(&WORLDS, &WORLDS[..1])
 }
 fn sizes() -> &'static [usize] {
-    if smoke() {
-        &SIZES[..2]
-    } else {
-        &SIZES
-    }
+    full_or_smoke(&SIZES, &SIZES[..2])
 }
 /// The largest size of the run, and the capacity of the groups.
 fn max_size() -> usize {
     sizes()[sizes().len() - 1]
 }
 fn table_from() -> usize {
-    if smoke() {
-        0
-    } else {
-        TABLE_FROM
-    }
+    full_or_smoke(TABLE_FROM, 0)
 }
 fn hidden() -> usize {
     dim(HIDDEN)
 }
 fn ms() -> &'static [usize] {
-    if smoke() {
-        &MS[..1]
-    } else {
-        &MS
-    }
+    full_or_smoke(&MS, &MS[..1])
 }
 fn rounds() -> u64 {
-    if smoke() {
-        2
-    } else {
-        ROUNDS
-    }
+    full_or_smoke(ROUNDS, 2)
 }
 fn samples() -> usize {
-    if smoke() {
-        1
-    } else {
-        TABLE_SAMPLES
-    }
+    full_or_smoke(TABLE_SAMPLES, 1)
 }
 
 /// One line of the summary.

@@ -23,7 +23,7 @@
 
 #[path = "common/mod.rs"]
 mod common;
-use common::{dim, event_time, random_device, smoke};
+use common::{dim, event_time, full_or_smoke, random_device};
 
 use criterion::{BenchmarkId, Criterion, Throughput};
 use cudarc::cublaslt::{CudaBlasLT, Matmul, MatmulConfig};
@@ -54,34 +54,18 @@ const ROTATE_BYTES: usize = 256 << 20;
 const TABLE_SAMPLES: usize = 30;
 
 /// The m of the main table, of the table of every configuration, the weight copies and the
-/// samples: all of them, or in a smoke run ([`smoke`]) the least that runs every path.
+/// samples: all of them, or in a smoke run (`common::smoke`) the least that runs every path.
 fn ms() -> &'static [usize] {
-    if smoke() {
-        &[1, 64]
-    } else {
-        &MS
-    }
+    full_or_smoke(&MS, &[1, 64])
 }
 fn sweep_ms() -> &'static [usize] {
-    if smoke() {
-        &SWEEP_MS[1..2]
-    } else {
-        &SWEEP_MS
-    }
+    full_or_smoke(&SWEEP_MS, &SWEEP_MS[1..2])
 }
 fn copies(weight_bytes: usize) -> usize {
-    if smoke() {
-        2
-    } else {
-        ROTATE_BYTES.div_ceil(weight_bytes).clamp(1, 16)
-    }
+    full_or_smoke(ROTATE_BYTES.div_ceil(weight_bytes).clamp(1, 16), 2)
 }
 fn table_samples() -> usize {
-    if smoke() {
-        1
-    } else {
-        TABLE_SAMPLES
-    }
+    full_or_smoke(TABLE_SAMPLES, 1)
 }
 
 fn main() {
@@ -138,6 +122,21 @@ fn main() {
     print_sweep(&sweep);
 }
 
+/// The stream's device: its compute capability and SM count (what `select_config` takes).
+fn device_facts(stream: &CudaStream) -> ((u32, u32), usize) {
+    use cudarc::driver::sys::CUdevice_attribute as A;
+    let ctx = stream.context();
+    let attr = |x| ctx.attribute(x).expect("device attribute");
+    let cc = (
+        attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR) as u32,
+        attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR) as u32,
+    );
+    (
+        cc,
+        attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT) as usize,
+    )
+}
+
 /// One shape's times under every configuration ([`sweep_configs`]).
 struct SweepRow {
     shape: &'static str,
@@ -164,20 +163,9 @@ fn sweep_configs<T: GemmElement + ValidAsZeroBits + DeviceRepr>(
     let a = random_device::<T>(stream, max_m * k, 1.0, 0xa1);
     let mut out = stream.alloc_zeros::<T>(max_m * n).expect("the output");
     let mut scratch = stream
-        .alloc_zeros::<u8>(if smoke() {
-            SWEEP_SCRATCH_BYTES / 16
-        } else {
-            SWEEP_SCRATCH_BYTES
-        })
+        .alloc_zeros::<u8>(full_or_smoke(SWEEP_SCRATCH_BYTES, SWEEP_SCRATCH_BYTES / 16))
         .expect("the sweep's scratch");
-    let ctx = stream.context();
-    use cudarc::driver::sys::CUdevice_attribute as A;
-    let attr = |x| ctx.attribute(x).expect("device attribute");
-    let cc = (
-        attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR) as u32,
-        attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR) as u32,
-    );
-    let sms = attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT) as usize;
+    let (cc, sms) = device_facts(stream);
     let splits = split_parts(n, k, sms) > 1;
     sweep_ms()
         .iter()
@@ -349,14 +337,7 @@ where
         .expect("allocating the output");
     stream.synchronize().expect("uploading the inputs");
 
-    let ctx = stream.context();
-    let attr = |x| ctx.attribute(x).expect("device attribute");
-    use cudarc::driver::sys::CUdevice_attribute as A;
-    let cc = (
-        attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR) as u32,
-        attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR) as u32,
-    );
-    let sms = attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT) as usize;
+    let (cc, sms) = device_facts(stream);
 
     let mut rows = Vec::new();
     let mut group = c.benchmark_group(format!("gemm_{}_{shape_name}_n{n}_k{k}", T::NAME));

@@ -38,7 +38,7 @@
 
 #[path = "common/mod.rs"]
 mod common;
-use common::{capture_rounds, check_all, dim, random_device, smoke, time_rounds};
+use common::{capture_rounds, check_all, dim, full_or_smoke, random_device, smoke, time_rounds};
 
 use criterion::{BenchmarkId, Criterion};
 use cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
@@ -74,18 +74,10 @@ const SAMPLES: usize = 9;
 
 /// The calls per graph and the timed samples (fewer in a smoke run: `common::smoke`).
 fn rounds() -> u64 {
-    if smoke() {
-        2
-    } else {
-        ROUNDS
-    }
+    full_or_smoke(ROUNDS, 2)
 }
 fn samples() -> usize {
-    if smoke() {
-        1
-    } else {
-        SAMPLES
-    }
+    full_or_smoke(SAMPLES, 1)
 }
 const EPS: f32 = 1e-5;
 

@@ -22,6 +22,15 @@ pub fn smoke() -> bool {
     std::env::var_os("TPFUSE_BENCH_SMOKE").is_some()
 }
 
+/// `full`, or `small` in a smoke run.
+pub fn full_or_smoke<T>(full: T, small: T) -> T {
+    if smoke() {
+        small
+    } else {
+        full
+    }
+}
+
 /// A dimension of a bench's shape: itself, or divided by 8 (at least 64) in a smoke run.
 pub fn dim(full: usize) -> usize {
     if smoke() {
