@@ -174,7 +174,7 @@ int launch(int config, const tpfuse_peers &peers, const tpfuse_group_args &g, in
   case TPFUSE_GEMM_CONFIG_SMALL_16X16: return launch_config<T, SmallM16x16>(peers, g, config, blocks, tx, tw, tb, to, m, n, k, s);
   case TPFUSE_GEMM_CONFIG_SMALL_16X32: return launch_config<T, SmallM16x32>(peers, g, config, blocks, tx, tw, tb, to, m, n, k, s);
   case TPFUSE_GEMM_CONFIG_SMALL_16X64: return launch_config<T, SmallM16x64>(peers, g, config, blocks, tx, tw, tb, to, m, n, k, s);
-  case TPFUSE_GEMM_CONFIG_TILE_64X64: return launch_config<T, Tile64x64>(peers, g, config, blocks, tx, tw, tb, to, m, n, k, s);
+  case TPFUSE_GEMM_CONFIG_TILE_64X64: return launch_config<T, Fused<Tile64x64>::type>(peers, g, config, blocks, tx, tw, tb, to, m, n, k, s);
   case TPFUSE_GEMM_CONFIG_TILE_128X128: return launch_config<T, Tile128x128>(peers, g, config, blocks, tx, tw, tb, to, m, n, k, s);
   default: return cudaErrorInvalidValue;
   }
@@ -185,7 +185,7 @@ constexpr size_t kMaxDim = size_t{1} << 30;
 } // namespace
 
 void all_gather_gemm_kernels(KernelList &list) {
-  gemm::for_each_config([&](auto cfg) {
+  gemm::for_each_fused_config([&](auto cfg) {
     list.add(all_gather_gemm_kernel<__half, decltype(cfg)>);
     list.add(all_gather_gemm_kernel<__nv_bfloat16, decltype(cfg)>);
   });

@@ -74,8 +74,8 @@ int select_config(size_t m, size_t n, size_t k, int cc, int sms) {
     return TPFUSE_GEMM_CONFIG_SMALL_16X16;
   }
   // 128x128 once its tiles give at least 90% of the SMs a block: on an H200, m = 256 of
-  // n = 8192 (128 tiles on 132 SMs) ran 1.36-1.38x faster so than in 64x64 tiles
-  // (docs/performance.md, "Every configuration on the H200").
+  // n = 8192 (128 tiles on 132 SMs) ran 1.36-1.38x faster in them than in 64x64 tiles
+  // (docs/performance.md, "Second H200 run").
   const size_t big_tiles = ceil_div(m, Tile128x128::kBlockM) * ceil_div(n, Tile128x128::kBlockN);
   return big_tiles * 10 >= static_cast<size_t>(sms) * 9 ? TPFUSE_GEMM_CONFIG_TILE_128X128
                                                          : TPFUSE_GEMM_CONFIG_TILE_64X64;
@@ -221,6 +221,14 @@ extern "C" size_t tpfuse_gemm_scratch_bytes(size_t m, size_t n, size_t k, int32_
   // The split's configuration: 16 x 64 or 64 x 64 tiles, one row of them at m <= 64.
   if (ceil_div(n, 64) > kSplitMaxTiles) return 0;
   return split_scratch_bytes(m, n, parts);
+}
+
+extern "C" int tpfuse_gemm_describe_fused(int32_t config, tpfuse_gemm_config_info *info) {
+  using namespace tpfuse::gemm;
+  if (config != TPFUSE_GEMM_CONFIG_TILE_64X64) return tpfuse_gemm_describe(config, info);
+  if (info == nullptr) return cudaErrorInvalidValue;
+  describe<Fused<Tile64x64>::type>(TPFUSE_GEMM_PATH_SM80_TILED, *info);
+  return 0;
 }
 
 extern "C" int tpfuse_gemm_describe(int32_t config, tpfuse_gemm_config_info *info) {

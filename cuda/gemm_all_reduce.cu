@@ -393,7 +393,8 @@ int launch_config(Reduction reduction, const tpfuse_peers &peers, const tpfuse_g
   auto gemm_all_reduce = gemm_all_reduce_kernel<T, Cfg>; // the name the emulator suite reports
   // Always opted in (not only past 48 KiB, as gemm.cu does): the kernel's static shared
   // memory (BlockState, the RMSNorm's warp sums) counts with the dynamic size toward the
-  // default 48 KiB, and SmallM16x32 and Tile64x64 take exactly 48 KiB of dynamic shared memory.
+  // default 48 KiB, SmallM16x32 takes exactly 48 KiB of dynamic shared memory, and
+  // FusedTile64x64 96 KiB.
   const cudaError_t err =
       cudaFuncSetAttribute(gemm_all_reduce, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (err != cudaSuccess) return err;
@@ -433,7 +434,8 @@ int launch(Reduction reduction, int config, const tpfuse_peers &peers, const tpf
   case TPFUSE_GEMM_CONFIG_SMALL_16X64:
     return launch_config<T, SmallM16x64>(reduction, peers, g, config, blocks, tx, tw, tb, tr, tg, eps, to, m, n, k, s);
   case TPFUSE_GEMM_CONFIG_TILE_64X64:
-    return launch_config<T, Tile64x64>(reduction, peers, g, config, blocks, tx, tw, tb, tr, tg, eps, to, m, n, k, s);
+    return launch_config<T, Fused<Tile64x64>::type>(reduction, peers, g, config, blocks, tx, tw, tb, tr, tg, eps,
+                                                    to, m, n, k, s);
   case TPFUSE_GEMM_CONFIG_TILE_128X128:
     return launch_config<T, Tile128x128>(reduction, peers, g, config, blocks, tx, tw, tb, tr, tg, eps, to, m, n, k, s);
   default: return cudaErrorInvalidValue;
@@ -475,7 +477,7 @@ int checked_launch(Reduction reduction, tpfuse_dtype dtype, int32_t config, cons
 } // namespace
 
 void gemm_all_reduce_kernels(KernelList &list) {
-  gemm::for_each_config([&](auto cfg) {
+  gemm::for_each_fused_config([&](auto cfg) {
     list.add(gemm_all_reduce_kernel<__half, decltype(cfg)>);
     list.add(gemm_all_reduce_kernel<__nv_bfloat16, decltype(cfg)>);
   });

@@ -133,9 +133,24 @@ struct SmallM16x64 : TileConfig<16, 64, 64, 1, 4, 6, 1> {};   // 128 threads, 60
 // Tiled (m > 16): 64x64 when 128x128 tiles would leave over 10% of the SMs idle. Tile64x64's
 // k-slices are 32 deep: 64-deep slices (twice the weight bytes in flight per block, 96 KiB)
 // were tried and measured on an H200 (docs/gpu-runs/2026-11-27-h200-suite): no faster at
-// m = 64, and up to 1.7x slower from m = 1024 (two blocks per SM instead of four).
+// m = 64, and up to 1.7x slower from m = 1024 (two blocks per SM instead of three).
 struct Tile64x64 : TileConfig<64, 64, 32, 2, 2, 6, 2> {};     // 128 threads, 48 KiB
 struct Tile128x128 : TileConfig<128, 128, 32, 2, 4, 4, 2, false> {}; // 256 threads, 66 KiB, no split
+// The fused kernels' Tile64x64 (gemm_all_reduce.cu, all_gather_gemm.cu): 64-deep k-slices, the
+// same tiles and bits. Their persistent grids run one block per SM, so a block's bytes in
+// flight are its SM's: on an H200, all-gather + GEMM at m = 64 took 0.85x the unfused
+// sequence's time with 64-deep slices and 1.06-1.08x with 32-deep ones
+// (docs/gpu-runs/2026-11-27-h200-suite, -bk32, -select).
+struct FusedTile64x64 : TileConfig<64, 64, 64, 2, 2, 6, 2> {}; // 128 threads, 96 KiB
+
+// The configuration a fused kernel runs for the configuration Cfg that tpfuse_gemm_select
+// chose (the same tiles, so the same bits).
+template <typename Cfg> struct Fused {
+  using type = Cfg;
+};
+template <> struct Fused<Tile64x64> {
+  using type = FusedTile64x64;
+};
 
 // Host: f(Cfg{}) for every configuration above (the kernel lists of kernel_list.cuh).
 template <typename F> void for_each_config(F &&f) {
@@ -144,6 +159,11 @@ template <typename F> void for_each_config(F &&f) {
   f(SmallM16x64{});
   f(Tile64x64{});
   f(Tile128x128{});
+}
+
+// Host: f(Fused<Cfg>::type{}) for every configuration above (the fused kernels' lists).
+template <typename F> void for_each_fused_config(F &&f) {
+  for_each_config([&](auto cfg) { f(typename Fused<decltype(cfg)>::type{}); });
 }
 
 // Host: opts `kernel` in to `bytes` of dynamic shared memory when that is more than the

@@ -364,6 +364,11 @@ size_t tpfuse_gemm_scratch_bytes(size_t m, size_t n, size_t k, int32_t sm_count)
 /* Fills *info for a TPFUSE_GEMM_CONFIG_* (not AUTO). Returns 0, or cudaErrorInvalidValue. */
 int tpfuse_gemm_describe(int32_t config, tpfuse_gemm_config_info *info);
 
+/* The same for what the fused kernels (tpfuse_gemm_all_reduce, tpfuse_all_gather_gemm, ...) run
+ * when given that configuration: the same tiles (so the same bits), TPFUSE_GEMM_CONFIG_TILE_64X64
+ * with 64-deep k-slices. */
+int tpfuse_gemm_describe_fused(int32_t config, tpfuse_gemm_config_info *info);
+
 /* ---------------------------------------------------------------------------------------
  * The row-parallel layer in one launch per rank (cuda/gemm_all_reduce.cu): this rank's partial
  * p = x * w^T ([m, k] x [n, k]^T, f32 accumulation, rounded to T as tpfuse_gemm rounds it),

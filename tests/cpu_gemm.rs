@@ -351,6 +351,22 @@ fn the_configurations_describe_themselves() {
         assert!(info.smem_bytes >= info.stages * stage, "{info:?}");
         assert!(!c.name().is_empty());
         seen.push((info.block_m, info.block_n));
+        // The fused kernels' variant: the same tiles (the same bits), the same limits; only
+        // tile-64x64 streams deeper slices there.
+        let fused = c.fused_info();
+        assert_eq!(
+            (fused.path, fused.block_m, fused.block_n, fused.threads),
+            (info.path, info.block_m, info.block_n, info.threads),
+            "{c:?}"
+        );
+        assert!(fused.smem_bytes + 256 <= 99 * 1024, "{fused:?}");
+        let fused_stage = (fused.block_m + fused.block_n) * fused.block_k * 2;
+        assert!(fused.smem_bytes >= fused.stages * fused_stage, "{fused:?}");
+        if c == GemmConfig::Tile64x64 {
+            assert_eq!((info.block_k, fused.block_k), (32, 64));
+        } else {
+            assert_eq!(fused, info, "{c:?}");
+        }
     }
     assert_eq!(
         seen,

@@ -29,8 +29,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::sync::Arc;
 use tpfuse::ops::gemm::{
-    gemm, gemm_accumulate, gemm_with_config, gemm_with_scratch, split_parts_on,
-    split_scratch_bytes, GemmConfig, GemmElement, GemmPath, GemmShape,
+    gemm, gemm_accumulate, gemm_with_config, gemm_with_config_and_scratch, gemm_with_scratch,
+    split_parts_on, split_scratch_bytes, GemmConfig, GemmElement, GemmPath, GemmShape,
 };
 use tpfuse::reference::{gemm_f64, relative_error};
 
@@ -202,6 +202,7 @@ enum How<'s> {
     Auto,
     Config(GemmConfig),
     Scratch(&'s mut CudaSlice<u8>),
+    ConfigScratch(GemmConfig, &'s mut CudaSlice<u8>),
 }
 
 /// [`run_rows`] through any entry point.
@@ -237,6 +238,17 @@ fn run_rows_how<T: TestElement>(
                 residual_ref,
                 &mut out,
                 shape,
+                scratch,
+            ),
+            How::ConfigScratch(cfg, scratch) => gemm_with_config_and_scratch(
+                stream,
+                &a,
+                &dev.b,
+                bias,
+                residual_ref,
+                &mut out,
+                shape,
+                cfg,
                 scratch,
             ),
         };
@@ -796,6 +808,18 @@ fn split_k<T: TestElement>() {
                     Some(config),
                 );
                 assert_same_bits(&format!("{l} {}", config.name()), &got, want);
+                // Forced with a scratch: 16x64 and 64x64 run the parts in parallel at any
+                // m <= 64 (also the m their automatic choice would not give them).
+                let l = format!("{l} {} with a scratch", config.name());
+                let got = run_rows_how(
+                    &stream,
+                    &l,
+                    &dev,
+                    shape,
+                    first,
+                    How::ConfigScratch(config, &mut scratch),
+                );
+                assert_same_bits(&l, &got, want);
             }
             refused_for_its_split(
                 &stream,

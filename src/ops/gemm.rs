@@ -221,6 +221,18 @@ impl GemmConfig {
 
     /// Its tile shape, pipeline, block size and path, from the kernels' own definitions.
     pub fn info(self) -> GemmConfigInfo {
+        self.describe(false)
+    }
+
+    /// What the fused kernels ([`crate::ops::gemm_all_reduce()`],
+    /// [`crate::ops::all_gather_gemm()`], ...) run for this configuration: the same tiles (the
+    /// same bits), with [`GemmConfig::Tile64x64`]'s k-slices 64 deep (one block per SM: its
+    /// bytes in flight are the SM's).
+    pub fn fused_info(self) -> GemmConfigInfo {
+        self.describe(true)
+    }
+
+    fn describe(self, fused: bool) -> GemmConfigInfo {
         let mut raw = kernels::tpfuse_gemm_config_info {
             path: 0,
             block_m: 0,
@@ -231,7 +243,13 @@ impl GemmConfig {
             smem_bytes: 0,
         };
         // SAFETY: writes one plain struct; needs no GPU.
-        let code = unsafe { kernels::tpfuse_gemm_describe(self.abi(), &mut raw) };
+        let code = unsafe {
+            if fused {
+                kernels::tpfuse_gemm_describe_fused(self.abi(), &mut raw)
+            } else {
+                kernels::tpfuse_gemm_describe(self.abi(), &mut raw)
+            }
+        };
         debug_assert_eq!(code, 0, "every GemmConfig has an ABI id");
         let size = |v: i32| usize::try_from(v).unwrap_or(0);
         GemmConfigInfo {
@@ -435,6 +453,8 @@ pub fn gemm_with_config<T: GemmElement>(
 /// [`gemm_with_config`] with a scratch for the parallel split of `k` ([`gemm_with_scratch`]):
 /// a forced configuration as a group's decode GEMMs would run it, for benchmarks that
 /// compare configurations. The same bits as [`gemm`]; arguments and errors as for those two.
+/// The scratch is used only by a configuration with a parallel split (16×64 and 64×64 tiles)
+/// at m ≤ [`SPLIT_PARALLEL_M_MAX`]; otherwise the parts run one after another in each block.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_with_config_and_scratch<T: GemmElement>(
     stream: &CudaStream,

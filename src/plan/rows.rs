@@ -210,7 +210,12 @@ fn gemm_in_flight(
     kernel: &str,
     one_per_sm: bool,
 ) -> InFlight {
-    let info = config.info();
+    // The fused kernels (one block per SM) run their own variant of a configuration.
+    let info = if one_per_sm {
+        config.fused_info()
+    } else {
+        config.info()
+    };
     let registers = registers_of(profile.arch, &[kernel, config_struct(config)]);
     let fit = if one_per_sm {
         1
@@ -592,7 +597,7 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
     // block is a round, a pipeline fill (its ring starts empty) and a peer read, one after
     // another; then, one-shot, the strip's flag for the dealt rows (a strip of more than one
     // row), two-shot the slices'. So measured on an H200 (docs/performance.md, "Second H200
-    // run": about 3.7 us of flags and reduction per tile, and the GEMM 1.4-2.3x slower than
+    // run": about 3.7 us of flags and reduction per tile, and the GEMM 1.3-2.7x slower than
     // alone), where an earlier model took the tiles' rounds as hidden behind the GEMM.
     let tiles_per_block = tiles.div_ceil(grid);
     let rounds = tiles_per_block
