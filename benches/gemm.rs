@@ -122,6 +122,33 @@ fn main() {
     print_sweep(&sweep);
 }
 
+/// A case's device buffers: the weight's copies (rotated through, so that they come from
+/// HBM), `A` of `rows` rows and the output, random but for the output.
+struct Operands<T> {
+    weights: Vec<CudaSlice<T>>,
+    a: CudaSlice<T>,
+    out: CudaSlice<T>,
+}
+
+impl<T: GemmElement + ValidAsZeroBits + DeviceRepr> Operands<T> {
+    /// `seed` picks the random values (`seed + 0x10 + i` the weight's copy `i`).
+    fn new(stream: &Arc<CudaStream>, n: usize, k: usize, rows: usize, seed: u64) -> Self {
+        let copies = copies(n * k * std::mem::size_of::<T>());
+        let w = 1.0 / (k as f32).sqrt();
+        let operands = Operands {
+            weights: (0..copies)
+                .map(|i| random_device::<T>(stream, n * k, w, seed + 0x10 + i as u64))
+                .collect(),
+            a: random_device::<T>(stream, rows * k, 1.0, seed),
+            out: stream
+                .alloc_zeros::<T>(rows * n)
+                .expect("allocating the output"),
+        };
+        stream.synchronize().expect("uploading the inputs");
+        operands
+    }
+}
+
 /// The stream's device: its compute capability and SM count (what `select_config` takes).
 fn device_facts(stream: &CudaStream) -> ((u32, u32), usize) {
     use cudarc::driver::sys::CUdevice_attribute as A;
@@ -154,14 +181,13 @@ fn sweep_configs<T: GemmElement + ValidAsZeroBits + DeviceRepr>(
     n: usize,
     k: usize,
 ) -> Vec<SweepRow> {
-    let copies = copies(n * k * std::mem::size_of::<T>());
-    let w = 1.0 / (k as f32).sqrt();
-    let weights: Vec<CudaSlice<T>> = (0..copies)
-        .map(|i| random_device::<T>(stream, n * k, w, 0xc0 + i as u64))
-        .collect();
     let max_m = sweep_ms()[sweep_ms().len() - 1];
-    let a = random_device::<T>(stream, max_m * k, 1.0, 0xa1);
-    let mut out = stream.alloc_zeros::<T>(max_m * n).expect("the output");
+    let Operands {
+        weights,
+        a,
+        mut out,
+    } = Operands::<T>::new(stream, n, k, max_m, 0xb1);
+    let copies = weights.len();
     let mut scratch = stream
         .alloc_zeros::<u8>(full_or_smoke(SWEEP_SCRATCH_BYTES, SWEEP_SCRATCH_BYTES / 16))
         .expect("the sweep's scratch");
@@ -326,16 +352,12 @@ where
     CudaBlasLT: Matmul<T>,
 {
     let max_m = ms()[ms().len() - 1];
-    let copies = copies(n * k * std::mem::size_of::<T>());
-    let w = 1.0 / (k as f32).sqrt();
-    let weights: Vec<CudaSlice<T>> = (0..copies)
-        .map(|i| random_device::<T>(stream, n * k, w, 0xb0 + i as u64))
-        .collect();
-    let a = random_device::<T>(stream, max_m * k, 1.0, 0xa0);
-    let mut out = stream
-        .alloc_zeros::<T>(max_m * n)
-        .expect("allocating the output");
-    stream.synchronize().expect("uploading the inputs");
+    let Operands {
+        weights,
+        a,
+        mut out,
+    } = Operands::<T>::new(stream, n, k, max_m, 0xa0);
+    let copies = weights.len();
 
     let (cc, sms) = device_facts(stream);
 

@@ -91,6 +91,25 @@ template <typename Cfg> void describe(int32_t path, tpfuse_gemm_config_info &inf
   info.smem_bytes = Cfg::kSmemBytes;
 }
 
+// What tpfuse_gemm runs for a configuration: itself (Fused<Cfg> is what the fused kernels run).
+template <typename Cfg> struct Plain {
+  using type = Cfg;
+};
+
+// Fills `info` for configuration `config` as `Map` maps it (Plain or Fused).
+template <template <typename> class Map> int describe_as(int32_t config, tpfuse_gemm_config_info *info) {
+  if (info == nullptr) return cudaErrorInvalidValue;
+  constexpr int32_t kSmall = TPFUSE_GEMM_PATH_SM80_SMALL_M, kTiled = TPFUSE_GEMM_PATH_SM80_TILED;
+  switch (config) {
+  case TPFUSE_GEMM_CONFIG_SMALL_16X16: describe<typename Map<SmallM16x16>::type>(kSmall, *info); return 0;
+  case TPFUSE_GEMM_CONFIG_SMALL_16X32: describe<typename Map<SmallM16x32>::type>(kSmall, *info); return 0;
+  case TPFUSE_GEMM_CONFIG_SMALL_16X64: describe<typename Map<SmallM16x64>::type>(kSmall, *info); return 0;
+  case TPFUSE_GEMM_CONFIG_TILE_64X64: describe<typename Map<Tile64x64>::type>(kTiled, *info); return 0;
+  case TPFUSE_GEMM_CONFIG_TILE_128X128: describe<typename Map<Tile128x128>::type>(kTiled, *info); return 0;
+  default: return cudaErrorInvalidValue;
+  }
+}
+
 // The scratch a parallel split of `parts` needs for [m, n]: the counts, then the partials
 // (gemm_split.cuh).
 size_t split_scratch_bytes(size_t m, size_t n, int parts) {
@@ -223,23 +242,10 @@ extern "C" size_t tpfuse_gemm_scratch_bytes(size_t m, size_t n, size_t k, int32_
   return split_scratch_bytes(m, n, parts);
 }
 
-extern "C" int tpfuse_gemm_describe_fused(int32_t config, tpfuse_gemm_config_info *info) {
-  using namespace tpfuse::gemm;
-  if (config != TPFUSE_GEMM_CONFIG_TILE_64X64) return tpfuse_gemm_describe(config, info);
-  if (info == nullptr) return cudaErrorInvalidValue;
-  describe<Fused<Tile64x64>::type>(TPFUSE_GEMM_PATH_SM80_TILED, *info);
-  return 0;
+extern "C" int tpfuse_gemm_describe(int32_t config, tpfuse_gemm_config_info *info) {
+  return tpfuse::gemm::describe_as<tpfuse::gemm::Plain>(config, info);
 }
 
-extern "C" int tpfuse_gemm_describe(int32_t config, tpfuse_gemm_config_info *info) {
-  using namespace tpfuse::gemm;
-  if (info == nullptr) return cudaErrorInvalidValue;
-  switch (config) {
-  case TPFUSE_GEMM_CONFIG_SMALL_16X16: describe<SmallM16x16>(TPFUSE_GEMM_PATH_SM80_SMALL_M, *info); return 0;
-  case TPFUSE_GEMM_CONFIG_SMALL_16X32: describe<SmallM16x32>(TPFUSE_GEMM_PATH_SM80_SMALL_M, *info); return 0;
-  case TPFUSE_GEMM_CONFIG_SMALL_16X64: describe<SmallM16x64>(TPFUSE_GEMM_PATH_SM80_SMALL_M, *info); return 0;
-  case TPFUSE_GEMM_CONFIG_TILE_64X64: describe<Tile64x64>(TPFUSE_GEMM_PATH_SM80_TILED, *info); return 0;
-  case TPFUSE_GEMM_CONFIG_TILE_128X128: describe<Tile128x128>(TPFUSE_GEMM_PATH_SM80_TILED, *info); return 0;
-  default: return cudaErrorInvalidValue;
-  }
+extern "C" int tpfuse_gemm_describe_fused(int32_t config, tpfuse_gemm_config_info *info) {
+  return tpfuse::gemm::describe_as<tpfuse::gemm::Fused>(config, info);
 }

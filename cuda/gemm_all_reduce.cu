@@ -87,6 +87,7 @@
 // for the reduce-scatter).
 
 #include <cstring>
+#include <utility>
 
 #include "fused_flags.cuh"
 #include "gemm_split.cuh"
@@ -415,6 +416,12 @@ int launch_config(Reduction reduction, const tpfuse_peers &peers, const tpfuse_g
       static_cast<int>(tiles_n), row_begin, row_end, reduction.two_shot ? 1 : 0, parts));
 }
 
+// Launches the fused kernels' variant (gemm::Fused) of tpfuse_gemm_select's configuration
+// Selected: the same tiles, so the same bits.
+template <typename T, typename Selected, typename... Args> int launch_selected(Args &&...args) {
+  return launch_config<T, typename gemm::Fused<Selected>::type>(std::forward<Args>(args)...);
+}
+
 template <typename T>
 int launch(Reduction reduction, int config, const tpfuse_peers &peers, const tpfuse_group_args &g, int blocks, const void *x,
            const void *w, const void *bias, void *residual, const void *gamma, float eps, void *out, int m, int n,
@@ -428,16 +435,15 @@ int launch(Reduction reduction, int config, const tpfuse_peers &peers, const tpf
   using namespace gemm;
   switch (config) {
   case TPFUSE_GEMM_CONFIG_SMALL_16X16:
-    return launch_config<T, SmallM16x16>(reduction, peers, g, config, blocks, tx, tw, tb, tr, tg, eps, to, m, n, k, s);
+    return launch_selected<T, SmallM16x16>(reduction, peers, g, config, blocks, tx, tw, tb, tr, tg, eps, to, m, n, k, s);
   case TPFUSE_GEMM_CONFIG_SMALL_16X32:
-    return launch_config<T, SmallM16x32>(reduction, peers, g, config, blocks, tx, tw, tb, tr, tg, eps, to, m, n, k, s);
+    return launch_selected<T, SmallM16x32>(reduction, peers, g, config, blocks, tx, tw, tb, tr, tg, eps, to, m, n, k, s);
   case TPFUSE_GEMM_CONFIG_SMALL_16X64:
-    return launch_config<T, SmallM16x64>(reduction, peers, g, config, blocks, tx, tw, tb, tr, tg, eps, to, m, n, k, s);
+    return launch_selected<T, SmallM16x64>(reduction, peers, g, config, blocks, tx, tw, tb, tr, tg, eps, to, m, n, k, s);
   case TPFUSE_GEMM_CONFIG_TILE_64X64:
-    return launch_config<T, Fused<Tile64x64>::type>(reduction, peers, g, config, blocks, tx, tw, tb, tr, tg, eps,
-                                                    to, m, n, k, s);
+    return launch_selected<T, Tile64x64>(reduction, peers, g, config, blocks, tx, tw, tb, tr, tg, eps, to, m, n, k, s);
   case TPFUSE_GEMM_CONFIG_TILE_128X128:
-    return launch_config<T, Tile128x128>(reduction, peers, g, config, blocks, tx, tw, tb, tr, tg, eps, to, m, n, k, s);
+    return launch_selected<T, Tile128x128>(reduction, peers, g, config, blocks, tx, tw, tb, tr, tg, eps, to, m, n, k, s);
   default: return cudaErrorInvalidValue;
   }
 }

@@ -313,6 +313,10 @@ mutant split-count-kept gpu_gemm::split_k_bf16 "the parallel split leaves its co
   gemm_split.cuh '    if (last) counts[tile] = 0;' ''
 mutant split-boundary-32 gpu_gemm::split_k_bf16 "part boundaries at multiples of 32 (inside a 64-deep k-slice)" \
   gemm_sm80.cuh 'return static_cast<int>(64 * (k64 * p / parts));' 'return static_cast<int>(32 * (2 * k64 * p / parts));'
+mutant select-128-only-when-full cpu_gemm::the_tile_configuration_fills_the_gpu "128x128 tiles only once they give every SM a block (not 90%)" \
+  gemm.cu 'return big_tiles * 10 >= static_cast<size_t>(sms) * 9 ?' 'return big_tiles >= static_cast<size_t>(sms) ?'
+mutant fused-tile-shallow cpu_gemm::the_configurations_describe_themselves "the fused kernels run tile-64x64's 32-deep slices" \
+  gemm_sm80.cuh 'using type = FusedTile64x64;' 'using type = Tile64x64;'
 mutant split-release-early gpu_gemm::split_k_bf16+weak-random "the part's count is released before the block's partial stores" \
   gemm_split.cuh $'  __syncthreads(); // every thread\'s partial stores, before thread 0\'s release\n' ''
 mutant split-no-sync-after-acquire gpu_gemm::split_k_bf16+weak-random "the block reads the parts without the barrier after thread 0's acquire" \

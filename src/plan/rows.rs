@@ -201,23 +201,23 @@ struct InFlight {
 
 /// A GEMM's loads in flight: each block has `stages - 1` k-slices of its live `A` rows and
 /// its `B` rows on the way (the `cp.async` ring of `gemm_sm80.cuh`), or all of its slices
-/// when its `k` (`block_k`: a part's, for a parallel split) has fewer.
+/// when its `k` (`block_k`: a part's, for a parallel split) has fewer. `fused`: a fused
+/// kernel's, which runs its own variant of the configuration, one block per SM.
 fn gemm_in_flight(
     config: GemmConfig,
     (m, block_k): (usize, usize),
     blocks: usize,
     profile: &DeviceProfile,
     kernel: &str,
-    one_per_sm: bool,
+    fused: bool,
 ) -> InFlight {
-    // The fused kernels (one block per SM) run their own variant of a configuration.
-    let info = if one_per_sm {
+    let info = if fused {
         config.fused_info()
     } else {
         config.info()
     };
     let registers = registers_of(profile.arch, &[kernel, config_struct(config)]);
-    let fit = if one_per_sm {
+    let fit = if fused {
         1
     } else {
         profile.blocks_per_sm_for(info.threads, info.smem_bytes, registers)
