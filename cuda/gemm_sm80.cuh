@@ -138,10 +138,11 @@ struct Tile64x64 : TileConfig<64, 64, 32, 2, 2, 6, 2> {};     // 128 threads, 48
 struct Tile128x128 : TileConfig<128, 128, 32, 2, 4, 4, 2, false> {}; // 256 threads, 66 KiB, no split
 // The fused kernels' Tile64x64 (gemm_all_reduce.cu, all_gather_gemm.cu): 64-deep k-slices, the
 // same tiles and bits. Their persistent grids run one block per SM, so a block's bytes in
-// flight are its SM's: on an H200, all-gather + GEMM at m = 64 took 0.85x the unfused
-// sequence's time with 64-deep slices and 1.06-1.08x with 32-deep ones
-// (docs/gpu-runs/2026-11-27-h200-suite, -bk32, -select).
-struct FusedTile64x64 : TileConfig<64, 64, 64, 2, 2, 6, 2> {}; // 128 threads, 96 KiB
+// flight are its SM's: on an H200, all-gather + GEMM at m = 64 took 1.06-1.08x the unfused
+// sequence's time with 32-deep slices (docs/gpu-runs/2026-11-27-h200-bk32, -select) and
+// 0.93x with these (-fused-deep, the unfused GEMM 32-deep). One block per SM (MIN_BLOCKS 1;
+// the fused kernels' own launch bounds say the same).
+struct FusedTile64x64 : TileConfig<64, 64, 64, 2, 2, 6, 1> {}; // 128 threads, 96 KiB
 
 // The configuration a fused kernel runs for the configuration Cfg that tpfuse_gemm_select
 // chose (the same tiles, so the same bits).
