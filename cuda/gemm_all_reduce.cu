@@ -7,29 +7,32 @@
 //
 // Work. The output [m, n] is cut into the GEMM configuration's tiles, numbered in
 // tile_of_block's order. Every rank runs a persistent grid of G blocks (G = min(tiles,
-// blocks)); block b owns tiles b, b + G, b + 2G, ... on every rank, and for its i-th tile:
+// blocks)); block b owns tiles b, b + G, b + 2G, ... on every rank, and
 //
-//   produce t_i   gemm_tile computes this rank's partial x·wᵀ of the tile and stores it,
-//                 rounded to T (as tpfuse_gemm rounds it), into this rank's exchange area;
-//                 __syncthreads; thread p (p < W) stores the tile's flag (the launch's epoch
-//                 and descriptor) into tile_flags[t_i][rank] of rank p's pad with st.release.sys
-//                 (everything the block stored before the __syncthreads is visible, at system
-//                 scope, to whoever acquires that flag: the pattern of barrier.cuh);
-//   consume t_i-1 thread q (q < W) waits until tile_flags[t_i-1][q] of this rank's pad holds
-//                 this launch's epoch or the next one (ld.relaxed.sys spin, then one
-//                 ld.acquire.sys), __syncthreads, then the block adds the W ranks' partials
-//                 of the tile in rank order in f32 and applies the epilogue (reduce.cuh:
-//                 the one-shot all-reduce's arithmetic, so its bits).
+//   produces them gemm_tile computes this rank's partial x·wᵀ of each tile, back to back, and
+//                 stores it, rounded to T (as tpfuse_gemm rounds it), into this rank's
+//                 exchange area; after the last, __syncthreads; thread p (p < W) stores the
+//                 block's flag (the launch's epoch and descriptor) into tile_flags[b][rank] of
+//                 rank p's pad with st.release.sys (everything the block stored before the
+//                 __syncthreads is visible, at system scope, to whoever acquires that flag:
+//                 the pattern of barrier.cuh). One flag per block and source rank: a flag
+//                 says all of block b's tiles are stored;
+//   consumes them thread q (q < W) waits until tile_flags[b][q] of this rank's pad holds this
+//                 launch's epoch or the next one (ld.relaxed.sys spin, then one
+//                 ld.acquire.sys), __syncthreads, then the block adds the W ranks' partials of
+//                 all its tiles in rank order in f32 and applies the epilogue (reduce.cuh: the
+//                 one-shot all-reduce's arithmetic, so its bits), the tiles' vectors dealt
+//                 over its threads as one sequence (reduce_tiles).
 //
-// and consumes its last tile at the end. So a tile's reduction starts as soon as the
-// corresponding blocks of every rank have produced it, while they compute their next tile.
-// The reduce-scatter consumes only the tiles that hold rows of the rank's slice, and only
-// those rows (it waits for nothing else).
+// So a block waits once, not once per tile: measured on an H200, a block that published,
+// awaited and reduced each tile between its GEMM tiles spent about 3.7 us per tile on them,
+// one after another (docs/performance.md, "Second H200 run"). The reduce-scatter consumes
+// only the tiles that hold rows of the rank's slice, and only those rows; a block with none
+// waits for nothing.
 //
-// No deadlock: block b waits only for block b of the other ranks, for a tile that block
-// produces before it waits for anything (t_i is published before t_i-1 is awaited, and
-// t_i-1 was published before t_i-2 was awaited, ...). So the waits follow the tile order and
-// no cycle can form, provided block b of every rank runs. Every rank's grid is a cooperative
+// No deadlock: block b waits only for block b of the other ranks, whose flag it publishes
+// before it waits for anything. So no cycle can form, provided block b of every rank runs.
+// Every rank's grid is a cooperative
 // launch (backend.cuh): all its G blocks are resident at once, or the launch is refused before
 // anything runs (G past what the device holds at once: the occupancy API's bound), so block b
 // of every rank runs, however many SMs other kernels hold meanwhile (they can delay the
@@ -41,43 +44,43 @@
 // rank's own blocks matters (issue 21).
 //
 // Epochs, the flags' encoding and why a launch needs no closing barrier (two exchange areas,
-// by the epoch's parity): fused_flags.cuh. Here every rank consumes tiles of every peer in
-// every launch (the reduce-scatter: the tiles of its rows, at least one, from every peer), as
-// that argument needs.
+// by the epoch's parity): fused_flags.cuh. Here every rank consumes the flags of every peer in
+// every launch (the reduce-scatter: those of the blocks of its rows, at least one), as that
+// argument needs.
 //
-// RMSNorm. It needs whole rows, and a tile covers part of a row. After a block reduced a tile
-// of row strip s (the tile's BM rows), thread 0 adds 1 to strip_counts[s] (atom.acq_rel.gpu:
-// the release of the block's stores, ordered by __syncthreads; the adds of one counter form
-// a release sequence, so the last adder acquires every earlier tile's stores). The block that
-// brings the count to the strip's tile count sets the count back to 0 and normalises the
-// strip's first row at once (rms_norm_row: the standalone kernel's order, so the bits do not
-// depend on which block does it). The strip's other rows are spread over the grid: when the
-// strip has more than one row, that thread 0 also stores the launch's flag into strip_flags[s]
-// of this rank's pad (st.release.sys, after its acquire in program order: cumulative over
-// every tile's stores it acquired), and once a block has consumed its last tile, it
-// normalises rows b, b + G, ... that are not a strip's first, each after thread 0 waited for
-// its strip's flag (await_flag: ld.relaxed spin, ld.acquire, then the __syncthreads of
-// passed(): the rows' loads come after). So a block normalises its share of the rows (m / G
-// rounded up) and the first rows of the strips it completes, where the block completing a
-// strip used to normalise the strip's BM rows alone. No
-// deadlock: a strip flag needs only consumes, which wait only for tile flags published before
-// any wait, and the strip waits come after a block's last publish and consume; the
-// cooperative launch keeps every block of the rank resident. A strip wait is consequent (a
-// stall is some tile wait's stall, which names the missing rank).
+// RMSNorm. It needs whole rows, and a tile covers part of a row. After a block reduced its
+// tiles and passed a __syncthreads, thread t adds 1 to strip_counts[s] for the block's t-th
+// tile (of strip s, the tile's BM rows; count_strips: atom.acq_rel.gpu, the release of the
+// block's stores, ordered before it by the __syncthreads; the adds of one counter form a
+// release sequence, so the last adder acquires every earlier tile's stores). The thread whose
+// add brings the count to the strip's tile count sets the count back to 0 and names the strip;
+// after a __syncthreads the block normalises the strip's first row at once (rms_norm_row: the
+// standalone kernel's order, so the bits do not depend on which block does it). The strip's
+// other rows are spread over the grid: when the strip has more than one row, that thread also
+// stores the launch's flag into strip_flags[s] of this rank's pad (st.release.sys, after its
+// acquire in program order: cumulative over every tile's stores it acquired), and once a block
+// has counted its tiles, it normalises rows b, b + G, ... that are not a strip's first, each
+// after thread 0 waited for its strip's flag (await_flag: ld.relaxed spin, ld.acquire, then
+// the __syncthreads of passed(): the rows' loads come after). So a block normalises its share
+// of the rows (m / G rounded up) and the first rows of the strips it completes. No deadlock:
+// a strip flag needs only reductions, which wait only for block flags published before any
+// wait, and the strip waits come after a block's publish and reduction; the cooperative launch
+// keeps every block of the rank resident. A strip wait is consequent (a stall is some block
+// wait's stall, which names the missing rank).
 //
-// Two-shot. Rank r consumes the tiles of its slice of rows, as the reduce-scatter does, and
+// Two-shot. Rank r reduces the tiles of its slice of rows, as the reduce-scatter does, and
 // writes the reduced rows h (through the bias and the residual, whose rows of the slice it
 // writes back) into its own exchange area, over its partials of those rows (no peer reads
-// them: a peer reduces its own rows). After each such tile, thread 0 adds 1 to slice_count
-// (atom.acq_rel.gpu, as the strip counts); the block that brings it to the slice's tile
-// count sets it back to 0 and, after a __syncthreads, publishes the slice flag to every rank
-// (st.release.sys by thread p: cumulative over the stores the counter's release sequence
-// made visible to thread 0, ordered before it by the barrier). Then every block, once its
-// tiles are done, waits for every rank's slice flag (thread q: rank q's) and copies whole
-// rows b, b + G, ... of out from their owner's area (ld.global.cg), the residual rows of the
-// peers' slices too, and normalises each row with rms_norm_row (the same order as above,
-// so the same bits). No deadlock: a slice flag needs only the rank's consumes, which wait
-// only for tiles published before any wait; the gather waits come after a block's last
+// them: a peer reduces its own rows). After its tiles, thread 0 adds the block's count of
+// them to slice_count (count_slice_tiles: atom.acq_rel.gpu, as the strip counts); the block
+// that brings it to the slice's tile count sets it back to 0 and, after a __syncthreads,
+// publishes the slice flag to every rank (st.release.sys by thread p: cumulative over the
+// stores the counter's release sequence made visible to thread 0, ordered before it by the
+// barrier). Then every block waits for every rank's slice flag (thread q: rank q's) and
+// copies whole rows b, b + G, ... of out from their owner's area (ld.global.cg), the residual
+// rows of the peers' slices too, and normalises each row with rms_norm_row (the same order as
+// above, so the same bits). No deadlock: a slice flag needs only the rank's reductions, which
+// wait only for block flags published before any wait; the gather waits come after a block's
 // publish. The cooperative launch (every block of every rank resident) suffices. A launch that
 // fails leaves slice_count (and the strip counts) short of their reset: harmless, because a
 // block of that rank failed or found the group poisoned, so its error word is set, and it
@@ -139,93 +142,123 @@ template <typename T> struct Launch {
 
 using fused::BlockState;
 
-// Thread q (< world) waits for tile t's flag from rank q; false when the block gave up.
-template <typename T>
-__device__ __forceinline__ bool wait_for_tile(const Launch<T> &L, const Deadline &deadline, BlockState &st,
-                                              int tile) {
-  if (static_cast<int>(threadIdx.x) < L.g.world) fused::await(L.peers, L.g, deadline, st, tile, threadIdx.x, L.descriptor);
-  return fused::passed(st);
-}
-
 // The rows of tile row tm that this rank reduces: [first, end), empty when none.
 template <typename T, int BM> __device__ __forceinline__ Range2 rows_to_reduce(const Launch<T> &L, int tm) {
   return Range2{max(tm * BM, L.row_begin), min(min((tm + 1) * BM, L.m), L.row_end)};
 }
 
-// out (and residual) of this rank's rows of tile (tm, tn): the W ranks' partials in the
-// exchange areas (element offset `exchange`, laid out [m, n]), added in rank order, through
-// the epilogue, in 16-byte vectors. One code path for every world (reduce_vector's predicated
-// form): an instantiation per world, inlined side by side, pushed the kernel past 255
-// registers into spills.
-template <typename T, int BM, int BN>
-__device__ __forceinline__ void reduce_tile(const Launch<T> &L, size_t exchange, int tm, int tn) {
+// What this rank reduces of one tile, in 16-byte vectors: `rows` rows from row `first` (none
+// for another rank's rows), `runs` vectors of each from column n0.
+struct TileSpan {
+  int tm, first, rows, n0, runs;
+  __device__ __forceinline__ int vectors() const { return rows * runs; }
+};
+
+template <typename T, typename Cfg> __device__ __forceinline__ TileSpan span_of(const Launch<T> &L, int tile) {
+  int tm, tn;
+  tile_of_block(tile, L.tiles_m, L.tiles_n, tm, tn);
+  const Range2 rows = rows_to_reduce<T, Cfg::kBlockM>(L, tm);
+  const int n0 = tn * Cfg::kBlockN;
+  // n and n0 are multiples of 8 = the vector's elements
+  return TileSpan{tm, rows.first, max(rows.end - rows.first, 0), n0, min(Cfg::kBlockN, L.n - n0) / Vec16<T>::kLen};
+}
+
+// The block's tiles (b, b + G, ...) that hold rows this rank reduces.
+template <typename T, typename Cfg> __device__ __forceinline__ int tiles_to_reduce(const Launch<T> &L) {
+  int count = 0;
+  for (int tile = blockIdx.x; tile < L.tiles_m * L.tiles_n; tile += gridDim.x)
+    count += span_of<T, Cfg>(L, tile).rows > 0 ? 1 : 0;
+  return count;
+}
+
+// out (and residual) of this rank's rows of every tile of the block: the W ranks' partials in
+// the exchange areas (element offset `exchange`, laid out [m, n]), added in rank order,
+// through the epilogue. The vectors of all the block's tiles form one sequence dealt over its
+// threads: a thread's next vector may lie in the next tile, so a narrow tile (one row at
+// m = 1: BN / 8 vectors) still gives every thread work, and no tile waits for another's loads.
+// Each vector's W loads are issued before the first add (reduce_vector). One code path for
+// every world (reduce_vector's predicated form): an instantiation per world, inlined side by
+// side, pushed the kernel past 255 registers into spills. Indices in 32 bits but the element
+// offset (a block's vectors are at most TPFUSE_MAX_FUSED_TILES tiles of 128 x 128 / 8).
+template <typename T, typename Cfg> __device__ __forceinline__ void reduce_tiles(const Launch<T> &L, size_t exchange) {
   constexpr int kVec = Vec16<T>::kLen;
-  const Range2 rows = rows_to_reduce<T, BM>(L, tm);
-  const int n0 = tn * BN;
-  const int runs = min(BN, L.n - n0) / kVec; // n and n0 are multiples of 8 = kVec
   const Epilogue<T> epi{L.bias, L.residual, static_cast<size_t>(L.n)};
   // Element i of out (and of the residual) is element i + row_begin·n of the exchange areas.
   const size_t shifted = exchange + static_cast<size_t>(L.row_begin) * L.n;
-#pragma unroll 1 // one vector's loads in flight per thread: the registers stay few
-  for (int u = threadIdx.x; u < (rows.end - rows.first) * runs; u += blockDim.x) {
-    const size_t i = static_cast<size_t>(rows.first - L.row_begin + u / runs) * L.n + n0 + (u % runs) * kVec;
+  const int tiles = L.tiles_m * L.tiles_n;
+  int tile = blockIdx.x;
+  TileSpan span = span_of<T, Cfg>(L, tile);
+  int before = 0; // the vectors of the block's tiles before `tile`
+#pragma unroll 1
+  for (int u = threadIdx.x;; u += blockDim.x) {
+    while (u - before >= span.vectors()) { // past `tile`: the block's next tile
+      before += span.vectors();
+      tile += gridDim.x;
+      if (tile >= tiles) return;
+      span = span_of<T, Cfg>(L, tile);
+    }
+    const int v = u - before;
+    const size_t i = static_cast<size_t>(span.first - L.row_begin + v / span.runs) * L.n + span.n0 +
+                     (v % span.runs) * kVec;
     store16(L.out + i, reduce_vector<T, TPFUSE_MAX_RANKS>(L.peers, L.g.world, shifted, i, epi));
   }
 }
 
-// Two-shot, after a tile of the slice was reduced: counts it, and the block that completes the
-// slice publishes the slice flag to every rank.
-template <typename T> __device__ __forceinline__ void count_slice_tile(const Launch<T> &L, BlockState &st) {
-  __syncthreads(); // the tile's stores, before thread 0's release
+// Two-shot, after the block reduced its `reduced` tiles of the slice (at least one): counts
+// them, and the block that completes the slice publishes the slice flag to every rank.
+template <typename T> __device__ __forceinline__ void count_slice_tiles(const Launch<T> &L, BlockState &st, int reduced) {
+  __syncthreads(); // the tiles' stores, before thread 0's release
   if (threadIdx.x == 0) {
     uint32_t *count = Pad{L.peers.signals[L.g.rank]}.slice_count();
-    st.last = atomic_add_acq_rel_gpu(count, 1u) + 1u == static_cast<uint32_t>(L.slice_tiles);
+    const uint32_t before = atomic_add_acq_rel_gpu(count, static_cast<uint32_t>(reduced));
+    st.last = before + static_cast<uint32_t>(reduced) == static_cast<uint32_t>(L.slice_tiles);
     if (st.last) *count = 0; // no other block of this launch adds to it again
   }
   __syncthreads(); // thread 0's acquire, before the releases of the flag
   if (st.last) fused::publish(L.peers, L.g, fused::kSliceSlot, fused::flag_of(st.epoch, L.descriptor));
 }
 
-// Consumes tile `tile`: waits for every rank's partial, reduces it, and with RMSNorm, when it
-// completes its strip, normalises the strip's rows (two-shot: counts it toward the slice
-// instead). False when the block gave up.
+// One-shot with RMSNorm, after the block reduced its tiles: counts each toward its strip (the
+// tile's BM rows), thread t of the block the t-th tile of each pass, so the counters' round
+// trips overlap. The thread whose add completes a strip sets its count back to 0, publishes
+// its flag for the strip's other rows (dealt over the grid: normalize_dealt_rows) and names
+// the strip in `completed` (shared memory, blockDim.x ints); the whole block then normalises
+// each completed strip's first row.
 template <typename T, typename Cfg>
-__device__ __forceinline__ bool consume(const Launch<T> &L, const Deadline &deadline, BlockState &st,
-                                        size_t exchange, int tile) {
-  int tm, tn;
-  tile_of_block(tile, L.tiles_m, L.tiles_n, tm, tn);
-  const Range2 rows = rows_to_reduce<T, Cfg::kBlockM>(L, tm);
-  if (rows.first >= rows.end) return true; // another rank's rows (reduce-scatter): no wait
-  const bool arrived = wait_for_tile(L, deadline, st, tile);
-  st.clock.mark(fused::kPhaseWait);
-  if (!arrived) return false;
-  reduce_tile<T, Cfg::kBlockM, Cfg::kBlockN>(L, exchange, tm, tn);
-  if (L.slice_tiles > 0) {
-    count_slice_tile(L, st);
-    return true;
-  }
-  if (L.gamma == nullptr) return true;
-  __syncthreads(); // the tile's stores, before thread 0's release
-  if (threadIdx.x == 0) {
-    const Pad own{L.peers.signals[L.g.rank]};
-    uint32_t *count = own.strip_count(tm);
-    st.last = atomic_add_acq_rel_gpu(count, 1u) + 1u == static_cast<uint32_t>(L.tiles_n);
-    if (st.last) {
-      *count = 0; // no other block of this launch adds to it again
-      // The strip's other rows, for the blocks they are dealt to (after the acquire above).
-      if (rows.end - rows.first > 1)
-        st_release_sys(own.strip_flag(tm), fused::flag_of(st.epoch, L.descriptor));
+__device__ __forceinline__ void count_strips(const Launch<T> &L, BlockState &st, int *completed) {
+  const int tiles = L.tiles_m * L.tiles_n;
+  const int grid = static_cast<int>(gridDim.x);
+  const int step = static_cast<int>(blockDim.x) * grid; // a pass's tiles
+#pragma unroll 1
+  for (int pass = blockIdx.x; pass < tiles; pass += step) {
+    __syncthreads(); // the block's stores (reduced tiles, earlier passes' rows), before the releases
+    const int tile = pass + static_cast<int>(threadIdx.x) * grid;
+    int done = -1;
+    if (tile < tiles) {
+      const TileSpan span = span_of<T, Cfg>(L, tile);
+      const Pad own{L.peers.signals[L.g.rank]};
+      uint32_t *count = own.strip_count(span.tm);
+      if (atomic_add_acq_rel_gpu(count, 1u) + 1u == static_cast<uint32_t>(L.tiles_n)) {
+        *count = 0; // no other block of this launch adds to it again
+        // The strip's other rows, for the blocks they are dealt to (after the acquire above).
+        if (span.rows > 1) st_release_sys(own.strip_flag(span.tm), fused::flag_of(st.epoch, L.descriptor));
+        done = span.first;
+      }
+    }
+    completed[threadIdx.x] = done;
+    __syncthreads(); // the acquires and the names, before the whole block reads the rows
+    const int named = min(static_cast<int>(blockDim.x), (tiles - pass + grid - 1) / grid);
+#pragma unroll 1
+    for (int t = 0; t < named; ++t) {
+      const int row = completed[t];
+      if (row < 0) continue;
+      T *h = L.out + static_cast<size_t>(row) * L.n;
+      rms_norm_row(h, L.gamma, L.eps, h, static_cast<size_t>(L.n));
     }
   }
-  __syncthreads(); // the whole block after thread 0's acquire
-  if (st.last) {
-    T *h = L.out + static_cast<size_t>(rows.first) * L.n;
-    rms_norm_row(h, L.gamma, L.eps, h, static_cast<size_t>(L.n));
-  }
-  return true;
 }
 
-// One-shot with RMSNorm, after the block's last consume: rows b, b + G, ... that are not a
+// One-shot with RMSNorm, after the block's strip counts: rows b, b + G, ... that are not a
 // strip's first (the block completing a strip normalised that one), each once its strip's
 // flag says every tile of the strip is reduced. False when the block gave up.
 template <typename T, int BM>
@@ -323,29 +356,42 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
   const size_t exchange = exchange_bytes / sizeof(T);
   const uint64_t flag_value = fused::flag_of(st.epoch, descriptor);
 
+  // Produce: the block's tiles back to back, then one flag to every rank (slot b: "block b's
+  // tiles are stored"). Consume: one wait for every rank's flag of slot b, then the tiles'
+  // reduction. (Nothing writes st.failed between begin()'s __syncthreads and the waits.)
   const int tiles = tiles_m * tiles_n;
-  int previous = -1;
+  const bool producing = st.failed == 0;
+  if (producing) {
 #pragma unroll 1
-  for (int tile = blockIdx.x; tile < tiles && st.failed == 0; tile += gridDim.x) {
-    int tm, tn;
-    tile_of_block(tile, tiles_m, tiles_n, tm, tn);
-    gemm_tile<T, Cfg>(DenseRows<T>{x, k}, w, m, n, k, tm, tn, staging, smem, KSplit{parts, 0, parts});
-    __syncthreads(); // the tile's stores (and the epilogue's reads of smem), before the flags
-    st.clock.tile_computed();
-    fused::publish(peers, g, tile, flag_value);
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      int tm, tn;
+      tile_of_block(tile, tiles_m, tiles_n, tm, tn);
+      gemm_tile<T, Cfg>(DenseRows<T>{x, k}, w, m, n, k, tm, tn, staging, smem, KSplit{parts, 0, parts});
+      __syncthreads(); // the tile's stores (and the epilogue's reads of smem), before the flags
+      st.clock.tile_computed();
+    }
+    fused::publish(peers, g, blockIdx.x, flag_value);
     st.clock.mark(fused::kPhasePublish);
-    const bool consumed = previous < 0 || consume<T, Cfg>(L, deadline, st, exchange, previous);
-    __syncthreads(); // every warp's share of the reduction, before thread 0 times it
-    st.clock.mark(fused::kPhaseReduce);
-    if (!consumed) break;
-    previous = tile;
   }
-  // st.failed is read by every thread, then a __syncthreads, before the waits below can
-  // write it: a warp that raced ahead into consume() must not change another warp's branch.
-  // (At the loop's condition the next write is past gemm_tile's __syncthreads.)
-  const bool last_tile = previous >= 0 && st.failed == 0;
-  __syncthreads();
-  if (last_tile) consume<T, Cfg>(L, deadline, st, exchange, previous);
+  // The reduce-scatter's and the two-shot's blocks reduce only the tiles of the rank's slice:
+  // a block with none waits for nothing.
+  const int reducing = producing ? tiles_to_reduce<T, Cfg>(L) : 0;
+  if (reducing > 0) {
+    if (static_cast<int>(threadIdx.x) < g.world)
+      fused::await(peers, g, deadline, st, blockIdx.x, threadIdx.x, descriptor);
+    const bool arrived = fused::passed(st);
+    st.clock.mark(fused::kPhaseWait);
+    if (arrived) {
+      reduce_tiles<T, Cfg>(L, exchange);
+      if (L.slice_tiles > 0) {
+        count_slice_tiles(L, st, reducing);
+      } else if (L.gamma != nullptr) {
+        count_strips<T, Cfg>(L, st, reinterpret_cast<int *>(smem));
+      }
+      __syncthreads(); // every warp's share of the reduction, before thread 0 times it
+      st.clock.mark(fused::kPhaseReduce);
+    }
+  }
   // The same rule before the strip waits.
   const bool norming = L.gamma != nullptr && st.failed == 0;
   __syncthreads();

@@ -31,8 +31,8 @@ enum Phase {
   kPhaseGemm,    // gemm_tile of the block's tiles (its mainloop and epilogue)
   kPhasePublish, // a unit's flags stored to every rank (the all-gather: its rows pushed too)
   kPhaseWait,    // waiting for other ranks' flags, to the __syncthreads after them
-  kPhaseReduce,  // the W partials of a tile reduced, its epilogue, its strip or slice count
-  kPhaseTail,    // after the last tile: the dealt RMSNorm rows, the two-shot's gather
+  kPhaseReduce,  // the W partials of the block's tiles reduced, their epilogue, strip or slice counts
+  kPhaseTail,    // after the reduction: the dealt RMSNorm rows, the two-shot's gather
   kPhases
 };
 

@@ -105,10 +105,11 @@ int tpfuse_fp_contraction_probe(const float *abc, float *out, void *stream);
  *       (padding to 256 bytes)
  *       uint32 strip_counts[TPFUSE_MAX_FUSED_TILES]       tiles of a row strip reduced (RMSNorm)
  *       uint64 tile_flags[TPFUSE_MAX_FUSED_TILES][TPFUSE_MAX_RANKS]  tile_flags[s][src]: rank
- *                                                         src's unit s is ready (a partial tile
- *                                                         of GEMM + all-reduce / reduce-scatter,
- *                                                         a part of the all-gather + GEMM's
- *                                                         input): epoch (40 bits) << 24 |
+ *                                                         src's unit s is ready (block s's
+ *                                                         partial tiles of GEMM + all-reduce /
+ *                                                         reduce-scatter, a part of the
+ *                                                         all-gather + GEMM's input):
+ *                                                         epoch (40 bits) << 24 |
  *                                                         descriptor (24 bits)
  *       uint64 strip_flags[TPFUSE_MAX_FUSED_TILES]        strip_flags[s]: row strip s of this
  *                                                         rank's GEMM + all-reduce output is

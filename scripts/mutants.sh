@@ -327,28 +327,36 @@ mutant split-counts-by-tiles emu_counters::one_scratch_serves_splits_of_every_sh
   gemm.cu 'reinterpret_cast<float *>(base + kSplitCountsBytes)' 'reinterpret_cast<float *>(base + (tiles * 4 + 255) / 256 * 256)'
 mutant epilogue-no-bias emu_gemm::gemm_auto_picks_a_config_that_gives_the_same_bits "the GEMM epilogue reads bias at column 0" \
   gemm_epilogue.cuh 'const Vec16<T> b = load16(bias + col);' 'const Vec16<T> b = load16(bias);'
-mutant flag-before-tile emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16@random:1 "the fused kernel publishes a tile's flag before computing the tile" \
-  gemm_all_reduce.cu $'    gemm_tile<T, Cfg>(DenseRows<T>{x, k}, w, m, n, k, tm, tn, staging, smem, KSplit{parts, 0, parts});\n    __syncthreads(); // the tile\'s stores (and the epilogue\'s reads of smem), before the flags\n    st.clock.tile_computed();\n    fused::publish(peers, g, tile, flag_value);' \
-  $'    fused::publish(peers, g, tile, flag_value);\n    gemm_tile<T, Cfg>(DenseRows<T>{x, k}, w, m, n, k, tm, tn, staging, smem, KSplit{parts, 0, parts});\n    __syncthreads();\n    st.clock.tile_computed();'
-mutant no-sync-before-flag emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16+weak "the fused kernel publishes a tile's flag before the whole block stored it" \
-  gemm_all_reduce.cu $'    __syncthreads(); // the tile\'s stores (and the epilogue\'s reads of smem), before the flags\n' ''
+mutant flag-before-tile emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16@random:1 "the fused kernel publishes a block's flag before computing its tiles" \
+  gemm_all_reduce.cu $'  if (producing) {\n#pragma unroll 1' $'  if (producing) {\n    fused::publish(peers, g, blockIdx.x, flag_value);\n#pragma unroll 1'
+mutant flag-after-first-tile emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16@random:1 "the fused kernel publishes a block's flag after its first tile" \
+  gemm_all_reduce.cu $'      st.clock.tile_computed();\n    }' $'      st.clock.tile_computed();\n      fused::publish(peers, g, blockIdx.x, flag_value);\n    }'
+mutant reduce-without-waiting emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16@random:1 "the fused kernel reduces its tiles without waiting for the other ranks' flags" \
+  gemm_all_reduce.cu 'fused::await(peers, g, deadline, st, blockIdx.x, threadIdx.x, descriptor);' ';'
+mutant reduce-first-tile-only emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "the fused kernel reduces only the first of a block's tiles" \
+  gemm_all_reduce.cu $'      tile += gridDim.x;\n      if (tile >= tiles) return;' $'      return;'
+mutant reduce-vectors-by-tile-width emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "the fused reduction steps a tile's vectors by the configuration's width, not the tile's" \
+  gemm_all_reduce.cu 'min(Cfg::kBlockN, L.n - n0) / Vec16<T>::kLen};' 'Cfg::kBlockN / Vec16<T>::kLen};'
+mutant no-sync-before-flag emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16+weak "the fused kernel publishes a block's flag before the whole block stored its tiles" \
+  gemm_all_reduce.cu $'      __syncthreads(); // the tile\'s stores (and the epilogue\'s reads of smem), before the flags\n' ''
 mutant epoch-not-advanced emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "the fused kernel's launches all use epoch 1" \
   fused_flags.cuh '*own.fused_epoch() = st.epoch;' ''
 mutant norm-before-row-complete emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "the first block to reduce a tile of a strip normalises it" \
-  gemm_all_reduce.cu '+ 1u == static_cast<uint32_t>(L.tiles_n);' '+ 1u == 1u;'
+  gemm_all_reduce.cu '+ 1u == static_cast<uint32_t>(L.tiles_n)) {' '+ 1u == 1u) {'
 mutant strip-rows-without-waiting emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "one-shot normalises its dealt rows without waiting for the strip's flag" \
   gemm_all_reduce.cu 'fused::await_flag(L.peers, L.g, deadline, st, flag, L.g.rank, L.descriptor, true);' '(void)flag;'
 mutant strip-flag-weak-store emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16+weak "the strip's flag stored without release" \
-  gemm_all_reduce.cu 'st_release_sys(own.strip_flag(tm), fused::flag_of(st.epoch, L.descriptor));' '*own.strip_flag(tm) = fused::flag_of(st.epoch, L.descriptor);'
-mutant strip-flag-every-tile emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "the strip's flag published by every block that reduced one of its tiles" \
-  gemm_all_reduce.cu $'    if (st.last) {\n      *count = 0; // no other block of this launch adds to it again\n' \
-  $'    st_release_sys(own.strip_flag(tm), fused::flag_of(st.epoch, L.descriptor));\n    if (st.last) {\n      *count = 0;\n'
+  gemm_all_reduce.cu 'st_release_sys(own.strip_flag(span.tm), fused::flag_of(st.epoch, L.descriptor));' '*own.strip_flag(span.tm) = fused::flag_of(st.epoch, L.descriptor);'
+mutant strip-flag-every-tile emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "the strip's flag published by every thread that counted one of its tiles" \
+  gemm_all_reduce.cu $'      if (atomic_add_acq_rel_gpu(count, 1u) + 1u' $'      st_release_sys(own.strip_flag(span.tm), fused::flag_of(st.epoch, L.descriptor));\n      if (atomic_add_acq_rel_gpu(count, 1u) + 1u'
+mutant strip-counts-first-pass-only emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "a block counts toward their strips only as many of its tiles as it has threads" \
+  gemm_all_reduce.cu 'for (int pass = blockIdx.x; pass < tiles; pass += step) {' 'for (int pass = blockIdx.x; pass < tiles; pass += tiles) {'
 mutant strip-one-row-per-block emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "one-shot normalises only the first row dealt to each block" \
   gemm_all_reduce.cu 'for (int row = blockIdx.x; row < L.m; row += gridDim.x) {' 'for (int row = blockIdx.x; row < L.m; row += L.m) {'
 mutant strip-rows-on-block-0 emu_counters::the_fused_one_shot_deals_its_rmsnorm_rows_over_the_grid "one-shot normalises every dealt row on block 0 (the same bits, one block's chain)" \
   gemm_all_reduce.cu 'for (int row = blockIdx.x; row < L.m; row += gridDim.x) {' 'for (int row = blockIdx.x == 0 ? 0 : L.m; row < L.m; ++row) {'
 mutant strip-first-row-skipped emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "the block completing a strip leaves its first row" \
-  gemm_all_reduce.cu $'  if (st.last) {\n    T *h = L.out + static_cast<size_t>(rows.first) * L.n;' $'  if (false) {\n    T *h = L.out + static_cast<size_t>(rows.first) * L.n;'
+  gemm_all_reduce.cu '      if (row < 0) continue;' '      continue;'
 mutant fused-failure-unmarked emu_fused_failures::a_missing_rank_is_named_by_the_two_shot_too "the fused kernel's last block leaves a failed launch's outputs" \
   fused_flags.cuh '  return st.last && st.failed;' '  return false;'
 mutant fused-no-descriptor-check emu_fused_failures::ranks_that_launch_different_shapes_get_a_mismatch "the fused kernel accepts a tile flag of another launch's shape" \
@@ -357,8 +365,8 @@ mutant epoch-window-half-range emu_fused_failures::a_flag_of_a_long_past_launch_
   fused_flags.cuh 'return ahead(v) <= 1;' 'return ahead(v) < (kEpochMask >> 1);'
 mutant two-shot-gather-from-rank-0 emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "two-shot gathers every row from rank 0's area" \
   gemm_all_reduce.cu 'const int owner = row / slice;' 'const int owner = 0;'
-mutant two-shot-slice-flag-early emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "two-shot publishes its slice after its first reduced tile" \
-  gemm_all_reduce.cu '+ 1u == static_cast<uint32_t>(L.slice_tiles);' '+ 1u == 1u;'
+mutant two-shot-slice-flag-early emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "two-shot publishes its slice once the first block counted its tiles" \
+  gemm_all_reduce.cu 'st.last = before + static_cast<uint32_t>(reduced) == static_cast<uint32_t>(L.slice_tiles);' 'st.last = before == 0;'
 mutant two-shot-gather-without-waiting emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "two-shot gathers without waiting for the slice flags" \
   gemm_all_reduce.cu 'fused::await(peers, g, deadline, st, fused::kSliceSlot, threadIdx.x, descriptor, true);' ';'
 mutant two-shot-peer-residual-kept emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "two-shot leaves the peers' rows of the residual" \

@@ -30,8 +30,9 @@ use tpfuse::reference::{all_reduce_fused_f64, gemm_f64};
 /// 128 columns and of k past 16, 32 and 64, grids of 1 block per rank (a block with many
 /// tiles) and more, every epilogue; the two-shot too where m is a multiple of W (slices of
 /// 1, 4, 3, 32 and 65 rows, within a tile row and across them); RMSNorm over strips of 64,
-/// 64 and 1 rows (a last strip of one row has no strip flag).
-const CASES: [(usize, i32, Shape, Epi); 10] = [
+/// 64 and 1 rows (a last strip of one row has no strip flag); one block with more tiles than
+/// threads (n = 8256 at m = 2: its strip counts take several passes of its threads).
+const CASES: [(usize, i32, Shape, Epi); 11] = [
     (2, 2, (1, 264, 136), ALL),
     (3, 2, (3, 136, 40), NONE),
     (4, 1, (16, 72, 72), BIAS),
@@ -42,6 +43,7 @@ const CASES: [(usize, i32, Shape, Epi); 10] = [
     (8, 1, (3, 264, 56), ALL),
     (8, 2, (24, 136, 40), ALL),
     (2, 3, (129, 136, 40), RESIDUAL_NORM),
+    (2, 1, (2, 8256, 8), RESIDUAL_NORM),
 ];
 
 fn every_case<T: TestElement>(seed: u64) {

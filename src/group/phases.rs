@@ -36,9 +36,9 @@ pub struct BlockPhases {
     pub publish_ns: u64,
     /// Waiting for other ranks' flags.
     pub wait_ns: u64,
-    /// Reducing tiles of the ranks' partials (and their epilogue, strip and slice counts).
+    /// Reducing its tiles of the ranks' partials (and their epilogue, strip and slice counts).
     pub reduce_ns: u64,
-    /// After its last tile: the dealt RMSNorm rows, the two-shot's gather (their waits too).
+    /// After its reduction: the dealt RMSNorm rows, the two-shot's gather (their waits too).
     pub tail_ns: u64,
 }
 

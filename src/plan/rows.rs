@@ -61,8 +61,9 @@ pub struct PlanRow {
     /// Bytes of loads in flight on a busy SM: resident blocks x loads in flight per block.
     pub bytes_in_flight_per_sm: u64,
     /// Synchronisation rounds on the critical path: flag or barrier waits across GPUs (the
-    /// fused kernel: one per tile of its busiest block), and the fused one-shot's wait for a
-    /// row strip's flag within one (its dealt RMSNorm rows).
+    /// fused kernel: one, for every rank's flag of the block's tiles), and the fused
+    /// one-shot's wait for a row strip's flag within one (its dealt RMSNorm rows) or the
+    /// two-shot's for the slices.
     pub sync_rounds: usize,
     /// The least time the op's minimum bytes take at the device's peak bandwidths (DRAM, and
     /// the link for peer bytes), plus one round for a collective, µs.
@@ -256,7 +257,7 @@ struct Model {
     chain_s: f64,
     rounds: usize,
     /// Latencies the busiest block waits one after another on top of the rest (the fused
-    /// kernels: a pipeline fill and a peer read per tile).
+    /// kernel: a pipeline fill per tile and one peer read).
     serial_s: f64,
 }
 
@@ -592,20 +593,20 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
         _ => 2.0 * (w - 1) as f64 / w as f64 * bytes as f64,
     };
     let total: u64 = per_block.iter().sum();
-    // A block computes its tiles one after another, and between two of them publishes one
-    // and reduces the one before (flag, wait, the W partials read): every tile of the busiest
-    // block is a round, a pipeline fill (its ring starts empty) and a peer read, one after
-    // another; then, one-shot, the strip's flag for the dealt rows (a strip of more than one
-    // row), two-shot the slices'. So measured on an H200 (docs/performance.md, "Second H200
-    // run": about 3.7 us of flags and reduction per tile, and the GEMM 1.3-2.7x slower than
-    // alone), where an earlier model took the tiles' rounds as hidden behind the GEMM.
+    // A block computes its tiles back to back, publishes one flag, waits once for every
+    // rank's, then reduces all its tiles with their loads dealt over its threads
+    // (cuda/gemm_all_reduce.cu): one round, a pipeline fill per tile (each tile's ring
+    // starts empty; one block per SM, so no other block's stream hides it) and one peer
+    // read; then, one-shot, the strip's flag for the dealt rows (a strip of more than one
+    // row), two-shot the slices'. (The kernel measured on an H200, which published, awaited
+    // and reduced each tile between its GEMM tiles, spent about 3.7 us per tile on them:
+    // docs/performance.md, "Second H200 run".)
     let tiles_per_block = tiles.div_ceil(grid);
-    let rounds = tiles_per_block
-        + match algo {
-            AllReduceAlgo::OneShot if m == 1 => 0,
-            _ => 1,
-        };
-    let serial_s = tiles_per_block as f64 * (p.streaming_latency_s + p.peer_latency_s);
+    let rounds = 1 + match algo {
+        AllReduceAlgo::OneShot if m == 1 => 0,
+        _ => 1,
+    };
+    let serial_s = tiles_per_block as f64 * p.streaming_latency_s + p.peer_latency_s;
     let minimum = ((g.n * g.k + m * g.k + 3 * m * g.n) as u64 * s) as f64;
     let floor = (minimum / p.dram_bytes_per_s).max(peer_bytes / p.link_bytes_per_s) + p.round_s;
     let model = Model {
