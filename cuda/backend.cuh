@@ -16,6 +16,10 @@
 //       that): unverified on a GPU; the emulator models both as such. For the kernels whose
 //       blocks wait for other blocks of their own launch. Returns the launch's cudaError_t:
 //       pass it to launch_result().
+//   TPFUSE_MAX_ACTIVE_BLOCKS(blocks, kernel, threads, smem)
+//       cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, kernel, threads, smem): the
+//       blocks of `kernel` one SM holds at once (set the kernel's dynamic shared memory
+//       attribute first where `smem` is past 48 KiB). Returns a cudaError_t.
 //   TPFUSE_SHARED(type, name);
 //       `__shared__ type name;` (type may be an array type, e.g. float[16]). The emulator
 //       gives every resident block its own instance, poisoned when the block starts.
@@ -74,6 +78,8 @@ private:
 #ifdef TPFUSE_EMULATOR
 #define TPFUSE_LAUNCH(kernel, grid, block, smem, stream)                                        \
   ::tpfuse_emu::Launcher(kernel, #kernel, __PRETTY_FUNCTION__, grid, block, smem, stream)
+#define TPFUSE_MAX_ACTIVE_BLOCKS(blocks, kernel, threads, smem)                                 \
+  ::tpfuse_emu::max_active_blocks(blocks, reinterpret_cast<const void *>(kernel), #kernel, threads, smem)
 #define TPFUSE_SHARED(type, name)                                                               \
   static char name##_tag_;                                                                      \
   ::tpfuse::shared_type<type> &name = ::tpfuse_emu::block_shared<::tpfuse::shared_type<type>>(&name##_tag_)
@@ -84,6 +90,8 @@ private:
 #define TPFUSE_LAUNCH(kernel, grid, block, smem, stream) kernel<<<grid, block, smem, stream>>>
 #define TPFUSE_LAUNCH_COOPERATIVE(kernel, grid, block, smem, stream)                            \
   ::tpfuse::CooperativeLaunch(kernel, grid, block, smem, stream)
+#define TPFUSE_MAX_ACTIVE_BLOCKS(blocks, kernel, threads, smem)                                 \
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, kernel, threads, smem)
 #define TPFUSE_SHARED(type, name) __shared__ ::tpfuse::shared_type<type> name
 #define TPFUSE_DYNAMIC_SHARED(name) extern __shared__ __align__(128) unsigned char name[]
 #endif

@@ -30,15 +30,18 @@
 // only the tiles that hold rows of the rank's slice, and only those rows; a block with none
 // waits for nothing.
 //
+// Grid. G is at most the SMs the group gives the rank (TpGroup::fused_blocks) times the blocks
+// of this kernel one SM holds at once (tpfuse_gemm_all_reduce_blocks_per_sm, the occupancy
+// API), so that every SM streams weights for several blocks (the Rust plan decides it).
+//
 // No deadlock: block b waits only for block b of the other ranks, whose flag it publishes
 // before it waits for anything. So no cycle can form, provided block b of every rank runs.
-// Every rank's grid is a cooperative
-// launch (backend.cuh): all its G blocks are resident at once, or the launch is refused before
-// anything runs (G past what the device holds at once: the occupancy API's bound), so block b
-// of every rank runs, however many SMs other kernels hold meanwhile (they can delay the
-// launch, not strand part of it). For virtual ranks sharing one device, G is the SMs divided
-// among them (TpGroup::fused_blocks), so the W grids fit together (that cooperative grids of
-// different streams then run at once is assumed, not documented: backend.cuh). A rank's blocks
+// Every rank's grid is a cooperative launch (backend.cuh): all its G blocks are resident at
+// once, or the launch is refused before anything runs (G past what the device holds at once:
+// the occupancy API's bound), so block b of every rank runs, however many SMs other kernels
+// hold meanwhile (they can delay the launch, not strand part of it). For virtual ranks sharing
+// one device, the SMs are divided among them, so the W grids fit together (that cooperative
+// grids of different streams then run at once is assumed, not documented: backend.cuh). A rank's blocks
 // also wait for one another: the two-shot's gather for its own rank's slice flag, the
 // one-shot's dealt RMSNorm rows for their strip's flag; that is why the co-residency of a
 // rank's own blocks matters (issue 21).
@@ -90,7 +93,6 @@
 // for the reduce-scatter).
 
 #include <cstring>
-#include <utility>
 
 #include "fused_flags.cuh"
 #include "gemm_split.cuh"
@@ -462,36 +464,31 @@ int launch_config(Reduction reduction, const tpfuse_peers &peers, const tpfuse_g
       static_cast<int>(tiles_n), row_begin, row_end, reduction.two_shot ? 1 : 0, parts));
 }
 
-// Launches the fused kernels' variant (gemm::Fused) of tpfuse_gemm_select's configuration
-// Selected: the same tiles, so the same bits.
-template <typename T, typename Selected, typename... Args> int launch_selected(Args &&...args) {
-  return launch_config<T, typename gemm::Fused<Selected>::type>(std::forward<Args>(args)...);
-}
-
 template <typename T>
 int launch(Reduction reduction, int config, const tpfuse_peers &peers, const tpfuse_group_args &g, int blocks, const void *x,
            const void *w, const void *bias, void *residual, const void *gamma, float eps, void *out, int m, int n,
            int k, cudaStream_t s) {
-  const T *tx = static_cast<const T *>(x);
-  const T *tw = static_cast<const T *>(w);
-  const T *tb = static_cast<const T *>(bias);
-  T *tr = static_cast<T *>(residual);
-  const T *tg = static_cast<const T *>(gamma);
-  T *to = static_cast<T *>(out);
-  using namespace gemm;
-  switch (config) {
-  case TPFUSE_GEMM_CONFIG_SMALL_16X16:
-    return launch_selected<T, SmallM16x16>(reduction, peers, g, config, blocks, tx, tw, tb, tr, tg, eps, to, m, n, k, s);
-  case TPFUSE_GEMM_CONFIG_SMALL_16X32:
-    return launch_selected<T, SmallM16x32>(reduction, peers, g, config, blocks, tx, tw, tb, tr, tg, eps, to, m, n, k, s);
-  case TPFUSE_GEMM_CONFIG_SMALL_16X64:
-    return launch_selected<T, SmallM16x64>(reduction, peers, g, config, blocks, tx, tw, tb, tr, tg, eps, to, m, n, k, s);
-  case TPFUSE_GEMM_CONFIG_TILE_64X64:
-    return launch_selected<T, Tile64x64>(reduction, peers, g, config, blocks, tx, tw, tb, tr, tg, eps, to, m, n, k, s);
-  case TPFUSE_GEMM_CONFIG_TILE_128X128:
-    return launch_selected<T, Tile128x128>(reduction, peers, g, config, blocks, tx, tw, tb, tr, tg, eps, to, m, n, k, s);
-  default: return cudaErrorInvalidValue;
-  }
+  // The fused kernels' variant (gemm::Fused) of tpfuse_gemm_select's configuration: the same
+  // tiles, so the same bits.
+  return gemm::visit_config(config, [&](auto selected) {
+    using Cfg = typename gemm::Fused<decltype(selected)>::type;
+    return launch_config<T, Cfg>(reduction, peers, g, config, blocks, static_cast<const T *>(x),
+                                 static_cast<const T *>(w), static_cast<const T *>(bias), static_cast<T *>(residual),
+                                 static_cast<const T *>(gamma), eps, static_cast<T *>(out), m, n, k, s);
+  });
+}
+
+// The blocks of configuration `config`'s kernel one SM of the current device holds at once,
+// into *blocks (the occupancy API, after the kernel is opted in to its shared memory).
+template <typename T> int blocks_per_sm(int config, int *blocks) {
+  return gemm::visit_config(config, [&](auto selected) {
+    using Cfg = typename gemm::Fused<decltype(selected)>::type;
+    auto gemm_all_reduce = gemm_all_reduce_kernel<T, Cfg>; // the name the emulator knows
+    const cudaError_t err =
+        cudaFuncSetAttribute(gemm_all_reduce, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    return static_cast<int>(TPFUSE_MAX_ACTIVE_BLOCKS(blocks, gemm_all_reduce, Cfg::kThreads, Cfg::kSmemBytes));
+  });
 }
 
 constexpr size_t kMaxDim = size_t{1} << 30;
@@ -562,4 +559,15 @@ extern "C" int tpfuse_gemm_reduce_scatter(tpfuse_dtype dtype, int32_t config, co
   using namespace tpfuse;
   return checked_launch(Reduction{kKindGemmReduceScatter, true, false}, dtype, config, peers, group, blocks, x, w,
                         nullptr, nullptr, nullptr, 0.f, out, m, n, k, stream);
+}
+
+extern "C" int tpfuse_gemm_all_reduce_blocks_per_sm(tpfuse_dtype dtype, int32_t config, int32_t *blocks) {
+  using namespace tpfuse;
+  if (blocks == nullptr) return cudaErrorInvalidValue;
+  int n = 0;
+  const int err = dtype == TPFUSE_DTYPE_F16    ? blocks_per_sm<__half>(config, &n)
+                  : dtype == TPFUSE_DTYPE_BF16 ? blocks_per_sm<__nv_bfloat16>(config, &n)
+                                               : static_cast<int>(cudaErrorInvalidValue);
+  if (err == 0) *blocks = n;
+  return err;
 }

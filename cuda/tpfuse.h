@@ -381,7 +381,8 @@ int tpfuse_gemm_describe_fused(int32_t config, tpfuse_gemm_config_info *info);
  * config:  a TPFUSE_GEMM_CONFIG_* tile configuration (not AUTO: the caller resolves it with
  *          tpfuse_gemm_select, so that every rank runs the same one)
  * blocks:  the persistent grid's size bound (1 ..= the blocks that fit on the device at once,
- *          divided among the virtual ranks sharing it); the same on every rank. The launch is
+ *          tpfuse_gemm_all_reduce_blocks_per_sm x the SMs, divided among the virtual ranks
+ *          sharing it); the same on every rank. The launch is
  *          cooperative (every block resident at once): it starts once the whole grid fits,
  *          however many SMs other kernels hold meanwhile, and a grid past what the device
  *          holds at once is refused, cudaErrorCooperativeLaunchTooLarge, before anything runs
@@ -396,6 +397,14 @@ int tpfuse_gemm_all_reduce(tpfuse_dtype dtype, int32_t config, const tpfuse_peer
                            const tpfuse_group_args *group, int32_t blocks, const void *x, const void *w,
                            const void *bias, void *residual, const void *gamma, float eps, void *out,
                            size_t m, size_t n, size_t k, void *stream);
+
+/*
+ * The blocks of tpfuse_gemm_all_reduce's kernel (also the two-shot's and
+ * tpfuse_gemm_reduce_scatter's) for dtype and a TPFUSE_GEMM_CONFIG_* (not AUTO) that one SM of
+ * the current device holds at once, into *blocks (the occupancy API; it opts the kernel in to
+ * its shared memory first). Returns a cudaError_t.
+ */
+int tpfuse_gemm_all_reduce_blocks_per_sm(tpfuse_dtype dtype, int32_t config, int32_t *blocks);
 
 /*
  * The same contract and bits, two-shot (for larger m): rank r reduces only rows

@@ -479,6 +479,7 @@ fn the_fused_reduction_follows_the_algorithm_and_the_size() {
         compute_capability: (9, 0),
         sms: 132,
         blocks: 132,
+        blocks_per_sm: [1; 5],
         one_shot_below: Some(256 << 10),
     };
     let algo = |m, a| fused_all_reduce_algo::<bf16>(shape(m, 8192, 1024), &facts, a);

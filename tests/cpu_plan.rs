@@ -351,53 +351,66 @@ fn the_all_reduce_model_against_published_h100_times() {
 }
 
 #[test]
-fn the_fused_row_pays_a_fill_per_tile_and_one_round_and_peer_read_per_block() {
+fn the_fused_row_pays_a_fill_per_later_tile_and_one_round_and_peer_read_per_block() {
     // The fused kernel computes a block's tiles back to back, then publishes once, waits once
-    // and reduces them all (cuda/gemm_all_reduce.cu): the busiest block's tiles each add a
-    // pipeline fill (each tile's ring starts empty), the block one round and one peer read.
-    let p = DeviceProfile::builtin("h200").unwrap();
+    // and reduces them all (cuda/gemm_all_reduce.cu): the busiest block's tiles after its
+    // first each add a pipeline fill (each tile's ring starts empty; the first fill is any
+    // GEMM's), the block one round and one peer read. On an H200 every block has one tile
+    // (the grid holds as many blocks as the SMs do); on a device of 16 SMs, several.
+    let h200 = DeviceProfile::builtin("h200").unwrap();
+    let mut small = h200.clone();
+    small.sms = 16;
     let o_proj = tpfuse::plan::LayerGemm {
         layer: "o_proj",
         n: 8192,
         k: 1024,
         row_parallel: true,
     };
-    for m in [1, 16, 64] {
-        let shape = GemmShape {
-            m,
-            n: 8192,
-            k: 1024,
-        };
-        let info = select_config(shape, p.compute_capability, p.sms)
-            .unwrap()
-            .info();
-        let tiles = m.div_ceil(info.block_m) * 8192usize.div_ceil(info.block_n);
-        let fused = tpfuse::plan::fused_row(&o_proj, m, 8, &p).unwrap();
-        let per_block = tiles.div_ceil(fused.blocks);
-        // The block flags' round, and past m = 1 the strip's or the slices'.
-        assert_eq!(
-            fused.sync_rounds,
-            if m == 1 { 1 } else { 2 },
-            "m {m}: {fused:?}"
-        );
-        // 10 µs more streaming latency: 10 µs more per tile; 10 µs more peer latency: 10 µs
-        // more once. (On a DRAM so slow that its bandwidth, not the loads in flight, bounds
-        // the GEMM: the latencies then count only through the block's chain.)
-        let mut slow = p.clone();
-        slow.dram_bytes_per_s = 1e9;
-        let base = tpfuse::plan::fused_row(&o_proj, m, 8, &slow).unwrap();
-        for (what, times) in [("streaming_latency_s", per_block), ("peer_latency_s", 1)] {
-            let mut far = slow.clone();
-            match what {
-                "streaming_latency_s" => far.streaming_latency_s += 10e-6,
-                _ => far.peer_latency_s += 10e-6,
+    let mut several = 0;
+    for p in [&h200, &small] {
+        for m in [1, 16, 64] {
+            let shape = GemmShape {
+                m,
+                n: 8192,
+                k: 1024,
+            };
+            let info = select_config(shape, p.compute_capability, p.sms)
+                .unwrap()
+                .info();
+            let tiles = m.div_ceil(info.block_m) * 8192usize.div_ceil(info.block_n);
+            let fused = tpfuse::plan::fused_row(&o_proj, m, 8, p).unwrap();
+            let per_block = tiles.div_ceil(fused.blocks);
+            several += usize::from(per_block > 1);
+            let label = format!("{} SMs, m {m}: {fused:?}", p.sms);
+            // The block flags' round, and past m = 1 the strip's or the slices'.
+            assert_eq!(fused.sync_rounds, if m == 1 { 1 } else { 2 }, "{label}");
+            // 10 µs more streaming latency: 10 µs more per tile after the first; 10 µs more
+            // peer latency: 10 µs more once. (On a DRAM so slow that its bandwidth, not the
+            // loads in flight, bounds the GEMM: the latencies then count only through the
+            // block's chain.)
+            let mut slow = p.clone();
+            slow.dram_bytes_per_s = 1e9;
+            let base = tpfuse::plan::fused_row(&o_proj, m, 8, &slow).unwrap();
+            for (what, times) in [
+                ("streaming_latency_s", per_block - 1),
+                ("peer_latency_s", 1),
+            ] {
+                let mut far = slow.clone();
+                match what {
+                    "streaming_latency_s" => far.streaming_latency_s += 10e-6,
+                    _ => far.peer_latency_s += 10e-6,
+                }
+                let slower = tpfuse::plan::fused_row(&o_proj, m, 8, &far).unwrap();
+                let grown = slower.model_us - base.model_us;
+                assert!(
+                    (grown - times as f64 * 10.0).abs() < 0.2,
+                    "{label}: {what} + 10 µs moved the model {grown} µs ({per_block} tiles a block)"
+                );
             }
-            let slower = tpfuse::plan::fused_row(&o_proj, m, 8, &far).unwrap();
-            let grown = slower.model_us - base.model_us;
-            assert!(
-                (grown - times as f64 * 10.0).abs() < 0.2,
-                "m {m}: {what} + 10 µs moved the model {grown} µs ({per_block} tiles a block)"
-            );
         }
     }
+    assert_eq!(
+        several, 3,
+        "every m gives the 16-SM device's blocks several tiles"
+    );
 }

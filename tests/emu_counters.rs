@@ -692,6 +692,58 @@ fn fused_gemm_all_reduce_reads_the_peers_once_or_twice_by_slices() {
     }
 }
 
+/// The fused GEMM + all-reduce's persistent grid: as many blocks as the SMs the group gives a
+/// rank hold at once (each SM then streams several blocks' weights), the blocks of its plan.
+/// The emulator counts an H100's SM: FusedTile64x64 (96 KiB of shared memory, 128 threads of
+/// up to 242 registers) and SmallM16x64 (60 KiB, the same registers) fit two blocks an SM.
+#[test]
+fn the_fused_grid_fills_the_sms_it_is_given() {
+    let _session = session_with(
+        FILE,
+        "the_fused_grid_fills_the_sms_it_is_given",
+        SMS,
+        60_000_000_000,
+    );
+    let gpu = gpu();
+    let world = 2;
+    let groups = virtual_group(&gpu.ctx, world, GroupOptions::default());
+    let sms_per_rank = SMS as usize / world;
+    assert_eq!(groups[0].fused_blocks(), sms_per_rank);
+    // 28 tiles of 64x64 (not 128x128: 14 of those leave over 10% of 16 SMs idle); 20 of
+    // 16x64. Both more than the 16 blocks two an SM give.
+    for (m, n, k, config) in [
+        (64usize, 1792usize, 40usize, GemmConfig::Tile64x64),
+        (1, 1280, 40, GemmConfig::SmallM16x64),
+    ] {
+        let shape = GemmShape { m, n, k };
+        let xs: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0x9d, world, m * k));
+        let ws: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0xad, world, n * k));
+        let mut outs: Vec<CudaSlice<bf16>> = poisoned_ranks(&groups, m * n);
+        let label = format!("GEMM + all-reduce W={world} (m, n, k)=({m}, {n}, {k})");
+        let mut plans = Vec::new();
+        let ((), recs) = counters::count(|| {
+            plans = round(&groups, &label, |r| {
+                let (x, wt, out) = (&xs[r], &ws[r], &mut outs[r]);
+                gemm_all_reduce_with(
+                    &groups[r],
+                    x,
+                    wt,
+                    Epilogue::default(),
+                    out,
+                    shape,
+                    Algorithm::OneShot,
+                )
+            });
+        });
+        let plan: FusedPlan = plans[0];
+        assert_eq!(plan.config, config, "{label}");
+        assert_eq!(plan.grid, 2 * sms_per_rank, "{label}: two blocks an SM");
+        for rec in &recs {
+            assert_eq!(rec.blocks.len(), plan.grid, "{label}: blocks");
+        }
+    }
+}
+
 /// The fused one-shot's RMSNorm rows, block by block (what `tpfuse::plan::fused_row` charges
 /// each block): the block
 /// that completes a row strip normalises the strip's first row, and the strip's other rows
@@ -707,8 +759,8 @@ fn the_fused_one_shot_deals_its_rmsnorm_rows_over_the_grid() {
         60_000_000_000,
     );
     let gpu = gpu();
-    // One strip of 16 rows (16-row tiles: 17 tiles on 8 blocks); three strips of 64, 64 and 1
-    // rows (64-row tiles: 9 tiles on 8 blocks; a strip of one row has no flag).
+    // One strip of 16 rows (17 tiles of 16 rows); three strips of 64, 64 and 1 rows (64-row
+    // tiles: 9 tiles; a strip of one row has no flag). A rank's grid is at most 8 SMs' worth.
     for (world, m, n, k) in [(2usize, 16usize, 264usize, 40usize), (2, 129, 136, 40)] {
         let groups = virtual_group(&gpu.ctx, world, GroupOptions::default());
         let shape = GemmShape { m, n, k };

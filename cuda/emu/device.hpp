@@ -124,6 +124,10 @@ struct LaunchSpec {
 };
 // Validates and enqueues; the result is what cudaGetLastError returns next on this thread.
 cudaError_t enqueue_launch(const LaunchSpec &spec, std::function<void()> body);
+// TPFUSE_MAX_ACTIVE_BLOCKS: cudaOccupancyMaxActiveBlocksPerMultiprocessor for kernel `func`,
+// named `name` at the call site, as residency.cpp counts a block (0 when `smem` is past the
+// 48 KiB default and the kernel was not opted in to it, as a launch would be refused).
+cudaError_t max_active_blocks(int *blocks, const void *func, const char *name, int threads, size_t smem);
 
 // TPFUSE_LAUNCH(kernel, grid, block, smem, stream)(args...): the arguments are converted to
 // the kernel's parameter types and copied now, as a CUDA launch copies them; every thread

@@ -246,6 +246,17 @@ tpfuse_emu_config config_from_env() {
   return c;
 }
 
+cudaError_t max_active_blocks(int *blocks, const void *func, const char *name, int threads, size_t smem) {
+  if (blocks == nullptr || threads <= 0) return cudaErrorInvalidValue;
+  LaunchSpec spec{};
+  spec.func = func;
+  spec.smem = smem;
+  *blocks = exceeds_shared_memory_limit(device(), spec)
+                ? 0
+                : blocks_per_sm(footprint_of(name, static_cast<unsigned>(threads), smem));
+  return cudaSuccess;
+}
+
 cudaError_t enqueue_launch(const LaunchSpec &spec, std::function<void()> body) {
   Device &dev = device();
   if (spec.grid == 0 || spec.block == 0) return fail(cudaErrorInvalidConfiguration, "an empty grid or block", spec);

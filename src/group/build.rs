@@ -7,6 +7,8 @@ use super::{cta_budget, GroupOptions, Mode, TpGroup, MAX_BLOCKS};
 use crate::comm::{Comm, CommOptions};
 use crate::device::{check_rank_stream, cuda, load_kernels, require_driver};
 use crate::error::{Error, Result};
+use crate::ffi::kernels;
+use crate::ops::gemm::GemmConfig;
 use crate::symmetric::{self, IpcOutcome, SymmetricWorkspace};
 use crate::topology::{self, AllReduceRule, Discovery, Refusal};
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream};
@@ -19,6 +21,9 @@ pub(crate) struct DeviceFacts {
     /// (major, minor).
     pub(crate) compute_capability: (u32, u32),
     pub(crate) sms: usize,
+    /// Blocks of the fused GEMM + all-reduce kernel one SM holds at once, per tile
+    /// configuration (in the order of `GemmConfig::ALL`).
+    pub(crate) fused_blocks_per_sm: [usize; 5],
 }
 
 fn device_facts(ctx: &CudaContext) -> Result<DeviceFacts> {
@@ -34,7 +39,31 @@ fn device_facts(ctx: &CudaContext) -> Result<DeviceFacts> {
             attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
         ),
         sms: sm_count(ctx)?,
+        fused_blocks_per_sm: fused_blocks_per_sm(ctx)?,
     })
+}
+
+/// [`DeviceFacts::fused_blocks_per_sm`]: the occupancy API's count for each configuration,
+/// the fewer of the f16 and bf16 kernels'. 1 where the device runs no such kernel (a compute
+/// capability below 8.0: the fused path refuses it by name anyway).
+fn fused_blocks_per_sm(ctx: &CudaContext) -> Result<[usize; 5]> {
+    ctx.bind_to_thread().map_err(cuda("binding the context"))?;
+    let mut out = [1; 5];
+    for (slot, config) in out.iter_mut().zip(GemmConfig::ALL) {
+        let mut fewest = i32::MAX;
+        for dtype in [kernels::TPFUSE_DTYPE_F16, kernels::TPFUSE_DTYPE_BF16]
+            .map(|d| d as kernels::tpfuse_dtype)
+        {
+            let mut blocks = 0i32;
+            // SAFETY: `blocks` is a valid out-pointer; the context is current on this thread.
+            let code = unsafe {
+                kernels::tpfuse_gemm_all_reduce_blocks_per_sm(dtype, config.abi(), &mut blocks)
+            };
+            fewest = if code == 0 { fewest.min(blocks) } else { 1 };
+        }
+        *slot = usize::try_from(fewest).unwrap_or(1).max(1);
+    }
+    Ok(out)
 }
 
 /// The layers' GEMM scratch ([`super::SPLIT_SCRATCH_BYTES`], zeroed: the split's counts

@@ -339,12 +339,13 @@ impl TpGroup {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// The bound on the fused GEMM + all-reduce's persistent grid
-    /// ([`crate::ops::gemm_all_reduce()`]), the same on every rank: one block per SM of the
-    /// group's smallest GPU for real groups (the kernel is the layer's GEMM: it streams the
-    /// weights and needs every SM, where the all-reduce's budget leaves half the GPU to the
-    /// work it overlaps with); for virtual ranks, which share one device, its SMs divided
-    /// among the ranks.
+    /// The SMs the fused kernels' persistent grids may use ([`crate::ops::gemm_all_reduce()`],
+    /// [`crate::ops::all_gather_gemm()`]), the same on every rank: every SM of the group's
+    /// smallest GPU for real groups (the kernel is the layer's GEMM: it streams the weights and
+    /// needs every SM, where the all-reduce's budget leaves half the GPU to the work it
+    /// overlaps with); for virtual ranks, which share one device, its SMs divided among the
+    /// ranks. GEMM + all-reduce runs as many blocks on each as it holds at once (the occupancy
+    /// API, read when the group was built), all-gather + GEMM one.
     pub fn fused_blocks(&self) -> usize {
         self.fused_blocks
     }

@@ -21,6 +21,7 @@ use crate::ops::gemm::{check_gemm_shapes, GemmBuffers, GemmElement, GemmShape};
 use crate::ops::gemm_all_reduce::{
     facts_of, fused_config, planned, renamed, FusedFacts, FusedPlan,
 };
+use crate::topology::FusedKernel;
 use crate::validate::{check_disjoint, owner, BufferInfo};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use std::ffi::c_void;
@@ -113,7 +114,7 @@ pub fn plan_all_gather_gemm<T: GemmElement>(
         return Err(Error::invalid("x", gathered_too_large(shape, bytes, facts)));
     }
     if shape.m == 0 {
-        return planned(shape, facts);
+        return planned(shape, facts, FusedKernel::AllGather);
     }
     let mut named = vec![("x", x), ("weight", weight), ("out", out)];
     if let Some(b) = bias {
@@ -128,7 +129,7 @@ pub fn plan_all_gather_gemm<T: GemmElement>(
     if let Some(b) = bias {
         check_disjoint::<T>("bias", b, "out", out)?;
     }
-    planned(shape, facts)
+    planned(shape, facts, FusedKernel::AllGather)
 }
 
 /// `out` `[m, n]` = `all_gather(x) · weightᵀ (+ bias)` on every rank, one kernel launch on the

@@ -27,7 +27,7 @@ use crate::ops::all_reduce::{Algorithm, Epilogue};
 use crate::ops::gemm::{
     check_gemm, check_gemm_shapes, select_config, GemmBuffers, GemmConfig, GemmElement, GemmShape,
 };
-use crate::topology::AllReduceAlgo;
+use crate::topology::{AllReduceAlgo, FusedKernel};
 use crate::validate::{check_disjoint, owner, BufferInfo};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use std::ffi::c_void;
@@ -61,8 +61,11 @@ pub struct FusedFacts {
     pub compute_capability: (u32, u32),
     /// SMs of the device.
     pub sms: usize,
-    /// The persistent grid's bound ([`TpGroup::fused_blocks`]).
+    /// The SMs the persistent grid may use ([`TpGroup::fused_blocks`]).
     pub blocks: usize,
+    /// Blocks of the GEMM + all-reduce kernel one SM holds at once, per tile configuration
+    /// (in the order of [`GemmConfig::ALL`]; the occupancy API when the group was built).
+    pub blocks_per_sm: [usize; 5],
     /// The group's all-reduce rule's bound for one-shot, in bytes per rank (`None`: the
     /// custom all-reduce may not run): under [`Algorithm::Auto`] the fused GEMM + all-reduce
     /// reduces in two shots from there.
@@ -76,7 +79,8 @@ pub struct FusedPlan {
     pub config: GemmConfig,
     /// Output tiles.
     pub tiles: usize,
-    /// Blocks of the persistent grid: `min(tiles, blocks)`.
+    /// Blocks of the persistent grid: `min(tiles, blocks x blocks_per_sm)` for GEMM +
+    /// all-reduce and GEMM + reduce-scatter, `min(tiles, blocks)` for all-gather + GEMM.
     pub grid: usize,
     /// GEMM + all-reduce: how it reduced, [`AllReduceAlgo::OneShot`] (every rank reduces
     /// every tile) or [`AllReduceAlgo::TwoShot`] (each rank its slice of rows, then every rank
@@ -132,14 +136,25 @@ pub(crate) fn fused_config(
 }
 
 /// The plan of a shape that passed the checks: the GEMM's tile configuration for it, its
-/// tiles, and the persistent grid (at most [`FusedFacts::blocks`]).
-pub(crate) fn planned(shape: GemmShape, facts: &FusedFacts) -> Result<FusedPlan> {
+/// tiles, and the persistent grid of `kernel`: GEMM + all-reduce (and + reduce-scatter) as
+/// many blocks as the SMs hold at once, so that an SM streams several blocks' weights (its
+/// blocks wait only for other ranks' blocks, and every block is resident: a cooperative
+/// launch); all-gather + GEMM one block per SM (unchanged, measured so on an H200).
+pub(crate) fn planned(
+    shape: GemmShape,
+    facts: &FusedFacts,
+    kernel: FusedKernel,
+) -> Result<FusedPlan> {
     let config = fused_config(shape, facts).map_err(|reason| Error::invalid("out", reason))?;
     let tiles = tiles_of(config, shape);
+    let per_sm = match kernel {
+        FusedKernel::RowParallel => facts.blocks_per_sm[config.abi() as usize],
+        FusedKernel::AllGather => 1,
+    };
     Ok(FusedPlan {
         config,
         tiles,
-        grid: tiles.min(facts.blocks.max(1)),
+        grid: tiles.min(facts.blocks.max(1) * per_sm.max(1)),
         all_reduce: None,
     })
 }
@@ -233,7 +248,7 @@ pub fn plan<T: GemmElement>(
     if let Some(reason) = unfusable::<T>(shape, facts) {
         return Err(Error::invalid("out", reason));
     }
-    planned(shape, facts)
+    planned(shape, facts, FusedKernel::RowParallel)
 }
 
 /// How the fused GEMM + all-reduce reduces a call of `shape` under `algorithm`:
@@ -296,6 +311,7 @@ pub fn facts_of(group: &TpGroup) -> FusedFacts {
         compute_capability: device.compute_capability,
         sms: device.sms,
         blocks: group.fused_blocks(),
+        blocks_per_sm: device.fused_blocks_per_sm,
         one_shot_below: limits.map(|l| l.one_shot_below),
     }
 }
@@ -476,7 +492,7 @@ pub fn plan_reduce_scatter<T: GemmElement>(
         ));
     }
     if shape.m == 0 {
-        return planned(shape, facts);
+        return planned(shape, facts, FusedKernel::RowParallel);
     }
     for (name, b) in [("x", x), ("weight", weight), ("out", out)] {
         b.check_aligned16(name)?;
@@ -486,7 +502,7 @@ pub fn plan_reduce_scatter<T: GemmElement>(
     if let Some(reason) = unfusable::<T>(shape, facts) {
         return Err(Error::invalid("out", reason));
     }
-    planned(shape, facts)
+    planned(shape, facts, FusedKernel::RowParallel)
 }
 
 /// GEMM + reduce-scatter (Megatron sequence parallelism), one kernel launch on the group's

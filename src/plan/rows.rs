@@ -8,7 +8,7 @@ use crate::error::Result;
 use crate::group::SPLIT_SCRATCH_BYTES;
 use crate::ops::all_reduce::Algorithm;
 use crate::ops::gemm::{select_config, split_parts, split_scratch_bytes, GemmConfig, GemmShape};
-use crate::ops::gemm_all_reduce::{fused_all_reduce_algo, unfusable, FusedFacts};
+use crate::ops::gemm_all_reduce::{fused_all_reduce_algo, planned, unfusable, FusedFacts};
 use crate::ops::linear::Fusion;
 use crate::topology::{AllReduceAlgo, AllReduceRule, FusedKernel, FusionRule, SizeLimits};
 use half::bf16;
@@ -203,7 +203,7 @@ struct InFlight {
 /// A GEMM's loads in flight: each block has `stages - 1` k-slices of its live `A` rows and
 /// its `B` rows on the way (the `cp.async` ring of `gemm_sm80.cuh`), or all of its slices
 /// when its `k` (`block_k`: a part's, for a parallel split) has fewer. `fused`: a fused
-/// kernel's, which runs its own variant of the configuration, one block per SM.
+/// kernel's, which runs its own variant of the configuration.
 fn gemm_in_flight(
     config: GemmConfig,
     (m, block_k): (usize, usize),
@@ -218,11 +218,7 @@ fn gemm_in_flight(
         config.info()
     };
     let registers = registers_of(profile.arch, &[kernel, config_struct(config)]);
-    let fit = if fused {
-        1
-    } else {
-        profile.blocks_per_sm_for(info.threads, info.smem_bytes, registers)
-    };
+    let fit = profile.blocks_per_sm_for(info.threads, info.smem_bytes, registers);
     let resident = fit.min(blocks.div_ceil(profile.sms.max(1))).max(1);
     let rows = info.block_m.min(m.max(1)) + info.block_n;
     let slices = (info.stages - 1).min(block_k.div_ceil(info.block_k)).max(1);
@@ -257,7 +253,7 @@ struct Model {
     chain_s: f64,
     rounds: usize,
     /// Latencies the busiest block waits one after another on top of the rest (the fused
-    /// kernel: a pipeline fill per tile and one peer read).
+    /// kernel: a pipeline fill per tile after its first, and one peer read).
     serial_s: f64,
 }
 
@@ -379,8 +375,16 @@ fn limits(tp: usize, p: &DeviceProfile) -> Option<SizeLimits> {
 }
 
 /// What a real group of `tp` ranks on `p` offers the fused kernels (default options; the
-/// persistent grid one block per SM, as `TpGroup::fused_blocks` on a real group).
+/// persistent grid's SMs every SM, as `TpGroup::fused_blocks` on a real group; the blocks an
+/// SM holds from the kernels' resources in the ptxas report of `p`'s architecture, as the
+/// occupancy API counts them on a GPU).
 fn fused_facts(tp: usize, p: &DeviceProfile) -> FusedFacts {
+    let blocks_per_sm = GemmConfig::ALL.map(|config| {
+        let info = config.fused_info();
+        let registers = registers_of(p.arch, &["gemm_all_reduce_kernel", config_struct(config)]);
+        p.blocks_per_sm_for(info.threads, info.smem_bytes, registers)
+            .max(1)
+    });
     FusedFacts {
         device: 0,
         world: tp,
@@ -388,6 +392,7 @@ fn fused_facts(tp: usize, p: &DeviceProfile) -> FusedFacts {
         compute_capability: p.compute_capability,
         sms: p.sms,
         blocks: p.sms,
+        blocks_per_sm,
         one_shot_below: limits(tp, p).map(|l| l.one_shot_below),
     }
 }
@@ -550,8 +555,10 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
     let info = config.info();
     let (tiles_m, tiles_n) = (m.div_ceil(info.block_m), g.n.div_ceil(info.block_n));
     let tiles = tiles_m * tiles_n;
-    // The persistent grid: one block per SM (TpGroup::fused_blocks on a real group).
-    let grid = tiles.min(p.sms);
+    // The persistent grid: as many blocks as the SMs hold at once (the launch's plan).
+    let grid = planned(shape, &fused_facts(tp, p), FusedKernel::RowParallel)
+        .ok()?
+        .grid;
     let s = ELEMENT_BYTES;
     let w = tp as u64;
     let bytes = (m * g.n) as u64 * s;
@@ -595,18 +602,19 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
     let total: u64 = per_block.iter().sum();
     // A block computes its tiles back to back, publishes one flag, waits once for every
     // rank's, then reduces all its tiles with their loads dealt over its threads
-    // (cuda/gemm_all_reduce.cu): one round, a pipeline fill per tile (each tile's ring
-    // starts empty; one block per SM, so no other block's stream hides it) and one peer
-    // read; then, one-shot, the strip's flag for the dealt rows (a strip of more than one
-    // row), two-shot the slices'. (The kernel measured on an H200, which published, awaited
-    // and reduced each tile between its GEMM tiles, spent about 3.7 us per tile on them:
-    // docs/performance.md, "Second H200 run".)
+    // (cuda/gemm_all_reduce.cu): one round, one peer read (the reduction's loads issued once
+    // the GEMM is done: exposed), and a pipeline fill for each tile after the first (each
+    // tile's ring starts empty; the first fill is every GEMM's, which the streaming term
+    // leaves out for the GEMM alone too); then, one-shot, the strip's flag for the dealt rows
+    // (a strip of more than one row), two-shot the slices'. (The kernel measured on an H200,
+    // which published, awaited and reduced each tile between its GEMM tiles, spent about
+    // 3.7 us per tile on them: docs/performance.md, "Second H200 run".)
     let tiles_per_block = tiles.div_ceil(grid);
     let rounds = 1 + match algo {
         AllReduceAlgo::OneShot if m == 1 => 0,
         _ => 1,
     };
-    let serial_s = tiles_per_block as f64 * p.streaming_latency_s + p.peer_latency_s;
+    let serial_s = (tiles_per_block - 1) as f64 * p.streaming_latency_s + p.peer_latency_s;
     let minimum = ((g.n * g.k + m * g.k + 3 * m * g.n) as u64 * s) as f64;
     let floor = (minimum / p.dram_bytes_per_s).max(peer_bytes / p.link_bytes_per_s) + p.round_s;
     let model = Model {
