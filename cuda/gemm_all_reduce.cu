@@ -52,12 +52,12 @@
 // argument needs.
 //
 // RMSNorm. It needs whole rows, and a tile covers part of a row. After a block reduced its
-// tiles and passed a __syncthreads, thread t adds 1 to strip_counts[s] for the block's t-th
-// tile (of strip s, the tile's BM rows; count_strips: atom.acq_rel.gpu, the release of the
+// tiles and passed a __syncthreads, thread j mod blockDim.x adds 1 to strip_counts[s] for the
+// block's j-th tile (of strip s, the tile's BM rows; count_strips: atom.acq_rel.gpu, the release of the
 // block's stores, ordered before it by the __syncthreads; the adds of one counter form a
 // release sequence, so the last adder acquires every earlier tile's stores). The thread whose
 // add brings the count to the strip's tile count sets the count back to 0 and names the strip;
-// after a __syncthreads the block normalises the strip's first row at once (rms_norm_row: the
+// after every add and a __syncthreads the block normalises the strip's first row (rms_norm_row: the
 // standalone kernel's order, so the bits do not depend on which block does it). The strip's
 // other rows are spread over the grid: when the strip has more than one row, that thread also
 // stores the launch's flag into strip_flags[s] of this rank's pad (st.release.sys, after its
@@ -221,42 +221,37 @@ template <typename T> __device__ __forceinline__ void count_slice_tiles(const La
 }
 
 // One-shot with RMSNorm, after the block reduced its tiles: counts each toward its strip (the
-// tile's BM rows), thread t of the block the t-th tile of each pass, so the counters' round
+// tile's BM rows), the block's j-th tile by thread j mod blockDim.x, so the counters' round
 // trips overlap. The thread whose add completes a strip sets its count back to 0, publishes
 // its flag for the strip's other rows (dealt over the grid: normalize_dealt_rows) and names
-// the strip in `completed` (shared memory, blockDim.x ints); the whole block then normalises
-// each completed strip's first row.
+// the strip's first row in completed[j] (shared memory: one int per tile of the block, -1 for
+// none); once every add is done, the whole block normalises each named row.
 template <typename T, typename Cfg>
 __device__ __forceinline__ void count_strips(const Launch<T> &L, BlockState &st, int *completed) {
-  const int tiles = L.tiles_m * L.tiles_n;
   const int grid = static_cast<int>(gridDim.x);
-  const int step = static_cast<int>(blockDim.x) * grid; // a pass's tiles
+  const int mine = (L.tiles_m * L.tiles_n - static_cast<int>(blockIdx.x) + grid - 1) / grid; // the block's tiles
+  __syncthreads(); // the block's reduced stores, before the releases
 #pragma unroll 1
-  for (int pass = blockIdx.x; pass < tiles; pass += step) {
-    __syncthreads(); // the block's stores (reduced tiles, earlier passes' rows), before the releases
-    const int tile = pass + static_cast<int>(threadIdx.x) * grid;
-    int done = -1;
-    if (tile < tiles) {
-      const TileSpan span = span_of<T, Cfg>(L, tile);
-      const Pad own{L.peers.signals[L.g.rank]};
-      uint32_t *count = own.strip_count(span.tm);
-      if (atomic_add_acq_rel_gpu(count, 1u) + 1u == static_cast<uint32_t>(L.tiles_n)) {
-        *count = 0; // no other block of this launch adds to it again
-        // The strip's other rows, for the blocks they are dealt to (after the acquire above).
-        if (span.rows > 1) st_release_sys(own.strip_flag(span.tm), fused::flag_of(st.epoch, L.descriptor));
-        done = span.first;
-      }
+  for (int j = threadIdx.x; j < mine; j += blockDim.x) {
+    const TileSpan span = span_of<T, Cfg>(L, blockIdx.x + j * grid);
+    const Pad own{L.peers.signals[L.g.rank]};
+    uint32_t *count = own.strip_count(span.tm);
+    int named = -1;
+    if (atomic_add_acq_rel_gpu(count, 1u) + 1u == static_cast<uint32_t>(L.tiles_n)) {
+      *count = 0; // no other block of this launch adds to it again
+      // The strip's other rows, for the blocks they are dealt to (after the acquire above).
+      if (span.rows > 1) st_release_sys(own.strip_flag(span.tm), fused::flag_of(st.epoch, L.descriptor));
+      named = span.first;
     }
-    completed[threadIdx.x] = done;
-    __syncthreads(); // the acquires and the names, before the whole block reads the rows
-    const int named = min(static_cast<int>(blockDim.x), (tiles - pass + grid - 1) / grid);
+    completed[j] = named;
+  }
+  __syncthreads(); // the acquires and the names, before the whole block reads the rows
 #pragma unroll 1
-    for (int t = 0; t < named; ++t) {
-      const int row = completed[t];
-      if (row < 0) continue;
-      T *h = L.out + static_cast<size_t>(row) * L.n;
-      rms_norm_row(h, L.gamma, L.eps, h, static_cast<size_t>(L.n));
-    }
+  for (int j = 0; j < mine; ++j) {
+    const int row = completed[j];
+    if (row < 0) continue;
+    T *h = L.out + static_cast<size_t>(row) * L.n;
+    rms_norm_row(h, L.gamma, L.eps, h, static_cast<size_t>(L.n));
   }
 }
 
@@ -369,7 +364,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
       int tm, tn;
       tile_of_block(tile, tiles_m, tiles_n, tm, tn);
       gemm_tile<T, Cfg>(DenseRows<T>{x, k}, w, m, n, k, tm, tn, staging, smem, KSplit{parts, 0, parts});
-      __syncthreads(); // the tile's stores (and the epilogue's reads of smem), before the flags
+      __syncthreads(); // the tile's stores and the epilogue's reads of smem, before the next
+                       // tile's writes to it and (after the last) the flags
       st.clock.tile_computed();
     }
     fused::publish(peers, g, blockIdx.x, flag_value);
@@ -388,6 +384,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
       if (L.slice_tiles > 0) {
         count_slice_tiles(L, st, reducing);
       } else if (L.gamma != nullptr) {
+        // The GEMM's shared memory is free: its last epilogue read it before the tile loop's
+        // last __syncthreads, and no cp.async is pending (gemm_tile waits for all of them).
+        static_assert(TPFUSE_MAX_FUSED_TILES * sizeof(int) <= Cfg::kSmemBytes, "a name per tile");
         count_strips<T, Cfg>(L, st, reinterpret_cast<int *>(smem));
       }
       __syncthreads(); // every warp's share of the reduction, before thread 0 times it
@@ -397,7 +396,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
   // The same rule before the strip waits.
   const bool norming = L.gamma != nullptr && st.failed == 0;
   __syncthreads();
-  st.clock.mark(fused::kPhaseReduce);
   if (norming) normalize_dealt_rows<T, Cfg::kBlockM>(L, deadline, st);
   // The same rule before the gather's waits.
   const bool gathering = two_shot && st.failed == 0;

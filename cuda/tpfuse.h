@@ -134,8 +134,8 @@ int tpfuse_fp_contraction_probe(const float *abc, float *out, void *stream);
  * of phases[b] in its rank's pad: the launch's epoch (fused_epoch + 1), %globaltimer at the
  * block's start and end (ns), the tiles it computed, and the nanoseconds it spent computing
  * them (GEMM), publishing its flags (the all-gather: pushing its rows too), waiting for other
- * ranks' flags, reducing tiles (and their epilogue), and after its last tile (the dealt
- * RMSNorm rows, the two-shot's gather). Plain stores, for the host to read once the launch is
+ * ranks' flags, reducing its tiles (and their epilogue, strip or slice counts), and after
+ * that (the dealt RMSNorm rows, the two-shot's gather). Plain stores, for the host to read once the launch is
  * done; a later launch overwrites them. */
 #define TPFUSE_MAX_PHASE_BLOCKS 256
 #define TPFUSE_PHASE_FIELDS 9
@@ -173,8 +173,8 @@ int tpfuse_fp_contraction_probe(const float *abc, float *out, void *stream);
  * (q << 16): ranks p and q launched different kernels, sizes, epilogues or grids (q noticed).
  * GRID_TIMEOUT | r: the blocks of rank r's launch did not all meet before the deadline (they
  * were not all resident at once). The pad's error word is sticky: nothing clears it, and the
- * barriers' epochs, descriptors, grid count, the fused kernel's epoch, end count and strip
- * counts are only consistent while it is 0 (a launch that fails leaves them as they are); a
+ * barriers' epochs, descriptors, grid count, the fused kernel's epoch, end count, strip
+ * counts and slice count are only consistent while it is 0 (a launch that fails leaves them as they are); a
  * group whose word is set is rebuilt, never reset. */
 #define TPFUSE_ERROR_PEER_TIMEOUT 0x100
 #define TPFUSE_ERROR_PEER_MISMATCH 0x200

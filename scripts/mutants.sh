@@ -340,7 +340,7 @@ mutant reduce-vectors-by-tile-width emu_gemm_all_reduce::fused_equals_gemm_then_
 mutant fused-blocks-per-sm-one emu_counters::the_fused_grid_fills_the_sms_it_is_given "the fused kernel's occupancy query reports one block an SM" \
   gemm_all_reduce.cu '  if (err == 0) *blocks = n;' '  if (err == 0) *blocks = 1;'
 mutant no-sync-before-flag emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16+weak "the fused kernel publishes a block's flag before the whole block stored its tiles" \
-  gemm_all_reduce.cu $'      __syncthreads(); // the tile\'s stores (and the epilogue\'s reads of smem), before the flags\n' ''
+  gemm_all_reduce.cu $'      __syncthreads(); // the tile\'s stores and the epilogue\'s reads of smem, before the next\n' ''
 mutant epoch-not-advanced emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "the fused kernel's launches all use epoch 1" \
   fused_flags.cuh '*own.fused_epoch() = st.epoch;' ''
 mutant norm-before-row-complete emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "the first block to reduce a tile of a strip normalises it" \
@@ -350,15 +350,15 @@ mutant strip-rows-without-waiting emu_gemm_all_reduce::fused_equals_gemm_then_al
 mutant strip-flag-weak-store emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16+weak "the strip's flag stored without release" \
   gemm_all_reduce.cu 'st_release_sys(own.strip_flag(span.tm), fused::flag_of(st.epoch, L.descriptor));' '*own.strip_flag(span.tm) = fused::flag_of(st.epoch, L.descriptor);'
 mutant strip-flag-every-tile emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "the strip's flag published by every thread that counted one of its tiles" \
-  gemm_all_reduce.cu $'      if (atomic_add_acq_rel_gpu(count, 1u) + 1u' $'      st_release_sys(own.strip_flag(span.tm), fused::flag_of(st.epoch, L.descriptor));\n      if (atomic_add_acq_rel_gpu(count, 1u) + 1u'
+  gemm_all_reduce.cu $'    if (atomic_add_acq_rel_gpu(count, 1u) + 1u' $'    st_release_sys(own.strip_flag(span.tm), fused::flag_of(st.epoch, L.descriptor));\n    if (atomic_add_acq_rel_gpu(count, 1u) + 1u'
 mutant strip-counts-first-pass-only emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "a block counts toward their strips only as many of its tiles as it has threads" \
-  gemm_all_reduce.cu 'for (int pass = blockIdx.x; pass < tiles; pass += step) {' 'for (int pass = blockIdx.x; pass < tiles; pass += tiles) {'
+  gemm_all_reduce.cu 'for (int j = threadIdx.x; j < mine; j += blockDim.x) {' 'for (int j = threadIdx.x; j < mine; j += mine) {'
 mutant strip-one-row-per-block emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "one-shot normalises only the first row dealt to each block" \
   gemm_all_reduce.cu 'for (int row = blockIdx.x; row < L.m; row += gridDim.x) {' 'for (int row = blockIdx.x; row < L.m; row += L.m) {'
 mutant strip-rows-on-block-0 emu_counters::the_fused_one_shot_deals_its_rmsnorm_rows_over_the_grid "one-shot normalises every dealt row on block 0 (the same bits, one block's chain)" \
   gemm_all_reduce.cu 'for (int row = blockIdx.x; row < L.m; row += gridDim.x) {' 'for (int row = blockIdx.x == 0 ? 0 : L.m; row < L.m; ++row) {'
 mutant strip-first-row-skipped emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "the block completing a strip leaves its first row" \
-  gemm_all_reduce.cu '      if (row < 0) continue;' '      continue;'
+  gemm_all_reduce.cu '    if (row < 0) continue;' '    continue;'
 mutant fused-failure-unmarked emu_fused_failures::a_missing_rank_is_named_by_the_two_shot_too "the fused kernel's last block leaves a failed launch's outputs" \
   fused_flags.cuh '  return st.last && st.failed;' '  return false;'
 mutant fused-no-descriptor-check emu_fused_failures::ranks_that_launch_different_shapes_get_a_mismatch "the fused kernel accepts a tile flag of another launch's shape" \
