@@ -32,9 +32,9 @@
 // needs, its own rank's included, so each rank's G blocks must be resident together: the
 // launch is cooperative (backend.cuh: all G blocks resident at once, or refused before anything
 // runs; the grid, TpGroup::fused_blocks, is one block per SM of the SMs it is given: every SM,
-// or the SMs divided among virtual ranks). Every rank awaits every peer's parts in every launch, as fused_flags.cuh's
-// exchange-area argument needs: it is also why a push of launch E+2 into a peer's area finds
-// that peer done with launch E.
+// or the SMs divided among virtual ranks). Every rank awaits every peer's parts in every
+// launch, as fused_flags.cuh's exchange-area argument needs: it is also why a push of launch
+// E+2 into a peer's area finds that peer done with launch E.
 
 #include <climits>
 #include <utility>

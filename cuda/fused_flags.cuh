@@ -3,8 +3,8 @@
 // all_gather_gemm.cu: all-gather + GEMM, parts of the input). One protocol, written out here.
 //
 // Flags. A producer publishes a unit of work (a block's tiles, a part of its input) with:
-// every thread stores its share (weak stores), __syncthreads, then thread p (p < W) stores the flag into
-// slot `slot` / source `rank` of rank p's pad (tile_flags, tpfuse.h) with st.release.sys:
+// every thread stores its share (weak stores), __syncthreads, then thread p (p < W) stores the
+// flag into slot `slot` / source `rank` of rank p's pad (tile_flags, tpfuse.h) with st.release.sys:
 // everything the block stored before the __syncthreads is visible, at system scope, to
 // whoever acquires that flag (the pattern of barrier.cuh). A consumer thread spins on the
 // flag with ld.relaxed.sys, loads it once more with ld.acquire.sys when it is ready (same

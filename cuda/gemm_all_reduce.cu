@@ -567,5 +567,6 @@ extern "C" int tpfuse_gemm_all_reduce_blocks_per_sm(tpfuse_dtype dtype, int32_t 
                   : dtype == TPFUSE_DTYPE_BF16 ? blocks_per_sm<__nv_bfloat16>(config, &n)
                                                : static_cast<int>(cudaErrorInvalidValue);
   if (err == 0) *blocks = n;
+  else (void)cudaGetLastError(); // not left for a later launch_result to report
   return err;
 }

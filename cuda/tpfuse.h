@@ -400,9 +400,12 @@ int tpfuse_gemm_all_reduce(tpfuse_dtype dtype, int32_t config, const tpfuse_peer
 
 /*
  * The blocks of tpfuse_gemm_all_reduce's kernel (also the two-shot's and
- * tpfuse_gemm_reduce_scatter's) for dtype and a TPFUSE_GEMM_CONFIG_* (not AUTO) that one SM of
- * the current device holds at once, into *blocks (the occupancy API; it opts the kernel in to
- * its shared memory first). Returns a cudaError_t.
+ * tpfuse_gemm_reduce_scatter's) for dtype and a TPFUSE_GEMM_CONFIG_* (not AUTO) that one idle
+ * SM of the current device holds at once, into *blocks (the occupancy API; 0 when none fits).
+ * It opts the kernel in to its shared memory first (a first use of the kernel, which lazy
+ * loading may make wait for the context's running kernels: call it when nothing of the group
+ * is in flight, as TpGroup does when it is built). A grid of this many blocks on every SM
+ * leaves no room for any other kernel: it starts once they are gone. Returns a cudaError_t.
  */
 int tpfuse_gemm_all_reduce_blocks_per_sm(tpfuse_dtype dtype, int32_t config, int32_t *blocks);
 

@@ -94,6 +94,16 @@ fn invalid_options_name_the_field() {
     );
     assert_invalid(bad(|o| o.blocks = Some(0)), "options.blocks", &["1 to 64"]);
     assert_invalid(bad(|o| o.blocks = Some(65)), "options.blocks", &["65"]);
+    assert_invalid(
+        bad(|o| o.fused_blocks_per_sm = Some(0)),
+        "options.fused_blocks_per_sm",
+        &["0", "1 to 32"],
+    );
+    assert_invalid(
+        bad(|o| o.fused_blocks_per_sm = Some(33)),
+        "options.fused_blocks_per_sm",
+        &["33", "1 to 32"],
+    );
     for b in [1, 16, 64] {
         let o = GroupOptions {
             blocks: Some(b),
@@ -105,6 +115,7 @@ fn invalid_options_name_the_field() {
         capacity_bytes: 1,
         timeout: Duration::from_nanos(1),
         blocks: None,
+        fused_blocks_per_sm: Some(1),
     };
     o.validate().unwrap();
 }

@@ -694,8 +694,11 @@ fn fused_gemm_all_reduce_reads_the_peers_once_or_twice_by_slices() {
 
 /// The fused GEMM + all-reduce's persistent grid: as many blocks as the SMs the group gives a
 /// rank hold at once (each SM then streams several blocks' weights), the blocks of its plan.
-/// The emulator counts an H100's SM: FusedTile64x64 (96 KiB of shared memory, 128 threads of
-/// up to 242 registers) and SmallM16x64 (60 KiB, the same registers) fit two blocks an SM.
+/// The emulator counts an H100's SM with its register table (242 a thread for this kernel,
+/// ptxas's most over its instantiations and more, `cuda/emu/kernel_resources.inc`):
+/// FusedTile64x64 (96 KiB of shared memory, 128 threads) and SmallM16x64 (60 KiB, 128
+/// threads) fit two blocks an SM (a real H100 holds three of the latter: ptxas gives it 139
+/// registers). `GroupOptions::fused_blocks_per_sm` bounds it.
 #[test]
 fn the_fused_grid_fills_the_sms_it_is_given() {
     let _session = session_with(
@@ -741,6 +744,25 @@ fn the_fused_grid_fills_the_sms_it_is_given() {
         for rec in &recs {
             assert_eq!(rec.blocks.len(), plan.grid, "{label}: blocks");
         }
+        // GroupOptions::fused_blocks_per_sm bounds it: one block an SM leaves room beside.
+        let options = GroupOptions {
+            fused_blocks_per_sm: Some(1),
+            ..GroupOptions::default()
+        };
+        let roomy = virtual_group(&gpu.ctx, world, options);
+        let plans = round(&roomy, &label, |r| {
+            let (x, wt, out) = (&xs[r], &ws[r], &mut outs[r]);
+            gemm_all_reduce_with(
+                &roomy[r],
+                x,
+                wt,
+                Epilogue::default(),
+                out,
+                shape,
+                Algorithm::OneShot,
+            )
+        });
+        assert_eq!(plans[0].grid, sms_per_rank, "{label}: one block an SM");
     }
 }
 

@@ -1378,7 +1378,7 @@ fn child_check_ipc(env: &ChildEnv) {
     let options = GroupOptions {
         capacity_bytes: 1 << 20,
         timeout: Duration::from_secs(30),
-        blocks: None,
+        ..GroupOptions::default()
     };
     let group = TpGroup::from_comm(comm, options)
         .unwrap_or_else(|e| panic!("rank {rank}/{world}: TpGroup::from_comm: {e}"));

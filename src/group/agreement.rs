@@ -22,6 +22,8 @@ pub(super) struct RankRecord {
     ordinal: u32,
     /// `options.blocks`, 0 for none.
     blocks: u32,
+    /// `options.fused_blocks_per_sm`, 0 for none.
+    fused_blocks_per_sm: u32,
     capacity: u64,
     timeout_ns: u64,
     bus_id: String,
@@ -33,7 +35,8 @@ const RANK_MAGIC: [u8; 4] = *b"TPG1";
 const RANK_RECORD_BYTES: usize = 256;
 const BUS_ID: std::ops::Range<usize> = 32..64;
 const BOOT_ID: std::ops::Range<usize> = 64..128;
-const HOSTNAME: std::ops::Range<usize> = 128..256;
+const HOSTNAME: std::ops::Range<usize> = 128..224;
+const FUSED_BLOCKS_PER_SM: usize = 224;
 
 fn put_str(buf: &mut [u8], range: std::ops::Range<usize>, s: &str) {
     let field = &mut buf[range];
@@ -69,6 +72,7 @@ impl RankRecord {
             sms: sm_count(ctx)? as u32,
             ordinal: ctx.ordinal() as u32,
             blocks: options.blocks.unwrap_or(0) as u32,
+            fused_blocks_per_sm: options.fused_blocks_per_sm.unwrap_or(0) as u32,
             capacity: options.capacity_bytes as u64,
             timeout_ns: options.timeout_ns(),
             bus_id: get_str(&bus, 0..bus.len()),
@@ -88,6 +92,8 @@ impl RankRecord {
         put_str(&mut b, BUS_ID, &self.bus_id);
         put_str(&mut b, BOOT_ID, &self.boot_id);
         put_str(&mut b, HOSTNAME, &self.hostname);
+        b[FUSED_BLOCKS_PER_SM..FUSED_BLOCKS_PER_SM + 4]
+            .copy_from_slice(&self.fused_blocks_per_sm.to_le_bytes());
         b
     }
 
@@ -113,6 +119,7 @@ impl RankRecord {
             bus_id: get_str(b, BUS_ID),
             boot_id: get_str(b, BOOT_ID),
             hostname: get_str(b, HOSTNAME),
+            fused_blocks_per_sm: u32_at(FUSED_BLOCKS_PER_SM),
         })
     }
 
@@ -159,15 +166,23 @@ pub(super) fn agree(records: &[RankRecord]) -> Result<Agreement> {
                 format!("{:?}", Duration::from_nanos(rec.timeout_ns)),
             ));
         }
+        // An Option<usize> option as the record holds it: 0 for None.
+        let show = |b: u32| {
+            if b == 0 {
+                "None".to_string()
+            } else {
+                format!("Some({b})")
+            }
+        };
         if rec.blocks != first.blocks {
-            let show = |b: u32| {
-                if b == 0 {
-                    "None".to_string()
-                } else {
-                    format!("Some({b})")
-                }
-            };
             return Err(mismatch("blocks", show(first.blocks), show(rec.blocks)));
+        }
+        if rec.fused_blocks_per_sm != first.fused_blocks_per_sm {
+            return Err(mismatch(
+                "fused_blocks_per_sm",
+                show(first.fused_blocks_per_sm),
+                show(rec.fused_blocks_per_sm),
+            ));
         }
     }
     let world = records.len();
@@ -315,6 +330,7 @@ mod tests {
             sms: 132,
             ordinal: 3,
             blocks: 0,
+            fused_blocks_per_sm: 0,
             capacity: 8 << 20,
             timeout_ns: 10_000_000_000,
             bus_id: "00000000:18:00.0".to_string(),
@@ -327,6 +343,7 @@ mod tests {
     fn rank_records_round_trip() {
         let mut r = record("node-1", "0b1f7c1e-8f7e-4c55-9a3a-1f2e3d4c5b6a");
         r.blocks = 17;
+        r.fused_blocks_per_sm = 2;
         let b = r.encode();
         assert_eq!(b.len(), RANK_RECORD_BYTES);
         assert_eq!(RankRecord::decode(0, &b).unwrap(), r);
@@ -389,10 +406,19 @@ mod tests {
         r[1].timeout_ns = 1;
         let e = agree(&r).unwrap_err().to_string();
         assert!(e.contains("options.timeout"), "{e}");
-        let mut r = base;
+        let mut r = base.clone();
         r[1].blocks = 4;
         let e = agree(&r).unwrap_err().to_string();
         assert!(e.contains("options.blocks") && e.contains("Some(4)"), "{e}");
+        let mut r = base;
+        r[2].fused_blocks_per_sm = 1;
+        let e = agree(&r).unwrap_err().to_string();
+        assert!(
+            e.contains("options.fused_blocks_per_sm")
+                && e.contains("None")
+                && e.contains("Some(1)"),
+            "{e}"
+        );
     }
 
     fn fixture(name: &str) -> Topology {

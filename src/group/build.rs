@@ -26,7 +26,7 @@ pub(crate) struct DeviceFacts {
     pub(crate) fused_blocks_per_sm: [usize; 5],
 }
 
-fn device_facts(ctx: &CudaContext) -> Result<DeviceFacts> {
+fn device_facts(ctx: &CudaContext, options: &GroupOptions) -> Result<DeviceFacts> {
     let attr = |a| {
         ctx.attribute(a)
             .map(|v| v.max(0) as u32)
@@ -39,12 +39,13 @@ fn device_facts(ctx: &CudaContext) -> Result<DeviceFacts> {
             attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
         ),
         sms: sm_count(ctx)?,
-        fused_blocks_per_sm: fused_blocks_per_sm(ctx)?,
+        fused_blocks_per_sm: fused_blocks_per_sm(ctx)?
+            .map(|b| b.min(options.fused_blocks_per_sm.unwrap_or(usize::MAX))),
     })
 }
 
-/// [`DeviceFacts::fused_blocks_per_sm`]: the occupancy API's count for each configuration,
-/// the fewer of the f16 and bf16 kernels'. 1 where the device runs no such kernel (a compute
+/// The occupancy API's count for each configuration, the fewer of the f16 and bf16 kernels'
+/// ([`DeviceFacts::fused_blocks_per_sm`] before `options.fused_blocks_per_sm`). 1 where the device runs no such kernel (a compute
 /// capability below 8.0: the fused path refuses it by name anyway).
 fn fused_blocks_per_sm(ctx: &CudaContext) -> Result<[usize; 5]> {
     ctx.bind_to_thread().map_err(cuda("binding the context"))?;
@@ -251,7 +252,7 @@ impl TpGroup {
                 timeout: options.timeout,
                 poison: poison.clone(),
                 clock_khz: peak_clock_khz(ctx),
-                device_facts: device_facts(ctx)?,
+                device_facts: device_facts(ctx, &options)?,
                 comm: None,
             });
         }
@@ -362,7 +363,7 @@ impl TpGroup {
                     timeout: options.timeout,
                     poison: poison.clone(),
                     clock_khz: peak_clock_khz(&ctx),
-                    device_facts: device_facts(&ctx)?,
+                    device_facts: device_facts(&ctx, &options)?,
                     comm: Some(comm),
                 })
             })
@@ -435,7 +436,7 @@ impl TpGroup {
             stream,
             host_error: host_error_word(&ctx, workspace.as_ref())?,
             clock_khz: peak_clock_khz(&ctx),
-            device_facts: device_facts(&ctx)?,
+            device_facts: device_facts(&ctx, &options)?,
             workspace,
             unavailable,
             verdict,

@@ -112,6 +112,14 @@ pub struct GroupOptions {
     /// [`cta_budget`]'s choice. For virtual ranks, `world * blocks` must not exceed the
     /// device's SM count. Default: `None`.
     pub blocks: Option<usize>,
+    /// At most this many blocks of the fused GEMM + all-reduce (and GEMM + reduce-scatter) on
+    /// each SM (1 ..= 32). Default `None`: as many as one SM holds (the occupancy API, per
+    /// tile configuration), so that every SM streams several blocks' weights. Its grid then
+    /// needs the room of every SM it is given: a kernel of another stream holding part of an
+    /// SM delays it, and one that meanwhile waits for another GPU (another communicator's
+    /// collective) can hold it until the deadline (`Error::PeerTimeout`). `Some(1)` leaves
+    /// room beside it (one block an SM, as tpfuse ran it before).
+    pub fused_blocks_per_sm: Option<usize>,
 }
 
 impl Default for GroupOptions {
@@ -120,6 +128,7 @@ impl Default for GroupOptions {
             capacity_bytes: 8 << 20,
             timeout: Duration::from_secs(10),
             blocks: None,
+            fused_blocks_per_sm: None,
         }
     }
 }
@@ -127,7 +136,8 @@ impl Default for GroupOptions {
 impl GroupOptions {
     /// Checks every field: a capacity of at least one byte (whose doubled, rounded size is
     /// addressable), a positive timeout of at most `u64::MAX` nanoseconds, and a block count
-    /// in 1 ..= [`MAX_BLOCKS`]. The error names the field (`options.capacity_bytes`, …).
+    /// in 1 ..= [`MAX_BLOCKS`], fused blocks per SM in 1 ..= 32. The error names the field
+    /// (`options.capacity_bytes`, …).
     pub fn validate(&self) -> Result<()> {
         if symmetric::round_capacity(self.capacity_bytes).is_none() {
             return Err(Error::invalid(
@@ -157,6 +167,14 @@ impl GroupOptions {
                 return Err(Error::invalid(
                     "options.blocks",
                     format!("{b}: a custom kernel launches 1 to {MAX_BLOCKS} blocks"),
+                ));
+            }
+        }
+        if let Some(b) = self.fused_blocks_per_sm {
+            if !(1..=32).contains(&b) {
+                return Err(Error::invalid(
+                    "options.fused_blocks_per_sm",
+                    format!("{b}: an SM holds 1 to 32 blocks"),
                 ));
             }
         }

@@ -177,8 +177,32 @@ fn per_sm(block_bytes: &[u64], sms: usize) -> (u64, f64, usize) {
 fn registers_of(arch: &str, names: &[&str]) -> usize {
     crate::build_info::kernel_resources()
         .into_iter()
-        .find(|r| r.arch == arch && names.iter().all(|n| r.kernel.contains(n)))
-        .map_or(0, |r| r.registers as usize)
+        .filter(|r| r.arch == arch && names.iter().all(|n| r.kernel.contains(n)))
+        .map(|r| r.registers as usize)
+        .max()
+        .unwrap_or(0)
+}
+
+/// Blocks of the fused GEMM + all-reduce kernel of `config` one SM of `p` holds at once, as
+/// the occupancy API counts them (`TpGroup`'s grid): its threads, shared memory (dynamic and
+/// the kernel's static) and registers (the most of its instantiations; 255, the most its
+/// launch bounds allow, where the build has no ptxas report for `p`'s architecture, so never
+/// more blocks than the GPU holds).
+fn fused_blocks_per_sm(config: GemmConfig, p: &DeviceProfile) -> usize {
+    const KERNEL: &str = "gemm_all_reduce_kernel";
+    let info = config.fused_info();
+    let registers = match registers_of(p.arch, &[KERNEL, config_struct(config)]) {
+        0 => 255,
+        r => r,
+    };
+    let static_smem = crate::build_info::kernel_resources()
+        .into_iter()
+        .filter(|r| r.arch == p.arch && r.kernel.contains(KERNEL))
+        .map(|r| r.shared as usize)
+        .max()
+        .unwrap_or(0);
+    p.blocks_per_sm_for(info.threads, info.smem_bytes + static_smem, registers)
+        .max(1)
 }
 
 /// The kernel-name fragment of a GEMM configuration (its struct in `gemm_sm80.cuh`).
@@ -217,8 +241,12 @@ fn gemm_in_flight(
     } else {
         config.info()
     };
-    let registers = registers_of(profile.arch, &[kernel, config_struct(config)]);
-    let fit = profile.blocks_per_sm_for(info.threads, info.smem_bytes, registers);
+    let fit = if fused {
+        fused_blocks_per_sm(config, profile)
+    } else {
+        let registers = registers_of(profile.arch, &[kernel, config_struct(config)]);
+        profile.blocks_per_sm_for(info.threads, info.smem_bytes, registers)
+    };
     let resident = fit.min(blocks.div_ceil(profile.sms.max(1))).max(1);
     let rows = info.block_m.min(m.max(1)) + info.block_n;
     let slices = (info.stages - 1).min(block_k.div_ceil(info.block_k)).max(1);
@@ -379,12 +407,7 @@ fn limits(tp: usize, p: &DeviceProfile) -> Option<SizeLimits> {
 /// SM holds from the kernels' resources in the ptxas report of `p`'s architecture, as the
 /// occupancy API counts them on a GPU).
 fn fused_facts(tp: usize, p: &DeviceProfile) -> FusedFacts {
-    let blocks_per_sm = GemmConfig::ALL.map(|config| {
-        let info = config.fused_info();
-        let registers = registers_of(p.arch, &["gemm_all_reduce_kernel", config_struct(config)]);
-        p.blocks_per_sm_for(info.threads, info.smem_bytes, registers)
-            .max(1)
-    });
+    let blocks_per_sm = GemmConfig::ALL.map(|config| fused_blocks_per_sm(config, p));
     FusedFacts {
         device: 0,
         world: tp,
