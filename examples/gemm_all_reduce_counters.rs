@@ -18,7 +18,7 @@
 //! ```
 //!
 //! Per rank (the worst one): kernel launches, blocks per launch, cross-rank synchronisation
-//! rounds of the busiest block (barriers; for the fused kernel, tile-flag waits), global bytes
+//! rounds of the busiest block (barriers; for the fused kernels, flag waits), global bytes
 //! read and written, of which peer bytes (read from or written to another rank's memory).
 //! The minimum a rank must move: its weight shard (n·k) and its input (m·k), then for the
 //! all-reduce the other ranks' partials ((W-1)·m·n one-shot; two-shot, the others' partials of
@@ -31,8 +31,9 @@
 //! measured on an H100) scaled by the share of the 132 SMs the launch's blocks occupy (an
 //! assumption: an SM streams no more than its share), plus peer bytes over 450 GB/s (NVLink,
 //! one direction), plus 2 µs per synchronisation round on the critical path, plus 4 µs per
-//! extra kernel launch; the fused kernel's tile waits overlap the next tile's GEMM except the
-//! last one, so it is charged one round (two-shot: two, the last tile's and the slices').
+//! extra kernel launch. The fused GEMM + all-reduce waits once per block for the other ranks'
+//! flags, after its GEMM (one round; one-shot's strip flags or two-shot's slices one more);
+//! all-gather + GEMM's part waits overlap its GEMM but one, so it is charged one round.
 
 use cudarc::driver::CudaSlice;
 use half::bf16;
@@ -266,11 +267,11 @@ fn row(op: Op, m: usize, way: Way, launches: &[LaunchCounters]) {
         (Op::AllReduce, _) => (n * k + m64 * k + peer_minimum + 3 * m64 * n) * SIZE,
         (Op::ReduceScatter, _) => (n * k + m64 * k + (w - 1) * rows * n + rows * n) * SIZE,
     };
-    // The fused kernels' tile waits overlap the next tile but the last; the two-shot's wait
-    // for the slices is one more round.
-    let critical_rounds = match way {
-        Way::Fused(Algorithm::TwoShot) => rounds.min(2),
-        Way::Fused(_) => rounds.min(1),
+    // The rounds on the critical path: the fused GEMM + all-reduce's are the waits it passes
+    // (its block flags, then one-shot's strip flags or two-shot's slices); all-gather + GEMM's
+    // part waits overlap its GEMM but one.
+    let critical_rounds = match (op, way) {
+        (Op::AllGather, Way::Fused(_)) => rounds.min(1),
         _ => rounds,
     };
     let share = (blocks as f64 / 132.0).min(1.0);
