@@ -137,7 +137,7 @@ int tpfuse_fp_contraction_probe(const float *abc, float *out, void *stream);
  * ranks' flags, reducing its tiles (and their epilogue, strip or slice counts), and after
  * that (the dealt RMSNorm rows, the two-shot's gather). Plain stores, for the host to read once the launch is
  * done; a later launch overwrites them. */
-#define TPFUSE_MAX_PHASE_BLOCKS 256
+#define TPFUSE_MAX_PHASE_BLOCKS 1024
 #define TPFUSE_PHASE_FIELDS 9
 #define TPFUSE_PHASE_EPOCH 0
 #define TPFUSE_PHASE_START_NS 1

@@ -62,7 +62,8 @@ impl BlockPhases {
 
 impl TpGroup {
     /// The phase records of the last fused GEMM launch that ran on this rank, one per block
-    /// (at most the first 256 blocks), index = block; empty before the first fused launch. A
+    /// (at most the first 1024 blocks: a grid of as many blocks as an SM holds, times the
+    /// SMs), index = block; empty before the first fused launch. A
     /// launch refused before it ran (a grid past what the device holds) leaves the previous
     /// launch's records: compare [`BlockPhases::epoch`] across calls. Waits for the rank's
     /// stream first, through [`check`](Self::check): so it fails once a launch failed (its
