@@ -37,7 +37,6 @@
 // E+2 into a peer's area finds that peer done with launch E.
 
 #include <climits>
-#include <utility>
 
 #include "fused_flags.cuh"
 #include "gemm_split.cuh"
@@ -163,12 +162,6 @@ int launch_config(const tpfuse_peers &peers, const tpfuse_group_args &g, int con
       peers, g, descriptor, x, w, bias, out, m, n, k, static_cast<int>(tiles_m), static_cast<int>(tiles_n), parts));
 }
 
-// Launches the fused kernels' variant (gemm::Fused) of tpfuse_gemm_select's configuration
-// Selected: the same tiles, so the same bits.
-template <typename T, typename Selected, typename... Args> int launch_selected(Args &&...args) {
-  return launch_config<T, typename gemm::Fused<Selected>::type>(std::forward<Args>(args)...);
-}
-
 template <typename T>
 int launch(int config, const tpfuse_peers &peers, const tpfuse_group_args &g, int blocks, const void *x,
            const void *w, const void *bias, void *out, int m, int n, int k, cudaStream_t s) {
@@ -176,15 +169,12 @@ int launch(int config, const tpfuse_peers &peers, const tpfuse_group_args &g, in
   const T *tw = static_cast<const T *>(w);
   const T *tb = static_cast<const T *>(bias);
   T *to = static_cast<T *>(out);
-  using namespace gemm;
-  switch (config) {
-  case TPFUSE_GEMM_CONFIG_SMALL_16X16: return launch_selected<T, SmallM16x16>(peers, g, config, blocks, tx, tw, tb, to, m, n, k, s);
-  case TPFUSE_GEMM_CONFIG_SMALL_16X32: return launch_selected<T, SmallM16x32>(peers, g, config, blocks, tx, tw, tb, to, m, n, k, s);
-  case TPFUSE_GEMM_CONFIG_SMALL_16X64: return launch_selected<T, SmallM16x64>(peers, g, config, blocks, tx, tw, tb, to, m, n, k, s);
-  case TPFUSE_GEMM_CONFIG_TILE_64X64: return launch_selected<T, Tile64x64>(peers, g, config, blocks, tx, tw, tb, to, m, n, k, s);
-  case TPFUSE_GEMM_CONFIG_TILE_128X128: return launch_selected<T, Tile128x128>(peers, g, config, blocks, tx, tw, tb, to, m, n, k, s);
-  default: return cudaErrorInvalidValue;
-  }
+  // The fused kernels' variant (gemm::Fused) of tpfuse_gemm_select's configuration: the same
+  // tiles, so the same bits.
+  return gemm::visit_config(config, [&](auto selected) {
+    using Cfg = typename gemm::Fused<decltype(selected)>::type;
+    return launch_config<T, Cfg>(peers, g, config, blocks, tx, tw, tb, to, m, n, k, s);
+  });
 }
 
 constexpr size_t kMaxDim = size_t{1} << 30;

@@ -97,17 +97,15 @@ template <typename Cfg> struct Plain {
 };
 
 // Fills `info` for configuration `config` as `Map` maps it (Plain or Fused).
+// The small-m path is the configurations of one m16 row of fragments.
 template <template <typename> class Map> int describe_as(int32_t config, tpfuse_gemm_config_info *info) {
   if (info == nullptr) return cudaErrorInvalidValue;
-  constexpr int32_t kSmall = TPFUSE_GEMM_PATH_SM80_SMALL_M, kTiled = TPFUSE_GEMM_PATH_SM80_TILED;
-  switch (config) {
-  case TPFUSE_GEMM_CONFIG_SMALL_16X16: describe<typename Map<SmallM16x16>::type>(kSmall, *info); return 0;
-  case TPFUSE_GEMM_CONFIG_SMALL_16X32: describe<typename Map<SmallM16x32>::type>(kSmall, *info); return 0;
-  case TPFUSE_GEMM_CONFIG_SMALL_16X64: describe<typename Map<SmallM16x64>::type>(kSmall, *info); return 0;
-  case TPFUSE_GEMM_CONFIG_TILE_64X64: describe<typename Map<Tile64x64>::type>(kTiled, *info); return 0;
-  case TPFUSE_GEMM_CONFIG_TILE_128X128: describe<typename Map<Tile128x128>::type>(kTiled, *info); return 0;
-  default: return cudaErrorInvalidValue;
-  }
+  return visit_config(config, [&](auto selected) {
+    using Cfg = decltype(selected);
+    describe<typename Map<Cfg>::type>(
+        Cfg::kBlockM == 16 ? TPFUSE_GEMM_PATH_SM80_SMALL_M : TPFUSE_GEMM_PATH_SM80_TILED, *info);
+    return 0;
+  });
 }
 
 // The scratch a parallel split of `parts` needs for [m, n]: the counts, then the partials
@@ -164,14 +162,9 @@ int launch(int config, const void *a, const void *b, const void *bias, const voi
   const T *tbias = static_cast<const T *>(bias);
   const T *tres = static_cast<const T *>(residual);
   T *tc = static_cast<T *>(c);
-  switch (config) {
-  case TPFUSE_GEMM_CONFIG_SMALL_16X16: return launch_config<T, SmallM16x16>(ta, tb, tbias, tres, tc, m, n, k, parts, scratch, scratch_bytes, stream);
-  case TPFUSE_GEMM_CONFIG_SMALL_16X32: return launch_config<T, SmallM16x32>(ta, tb, tbias, tres, tc, m, n, k, parts, scratch, scratch_bytes, stream);
-  case TPFUSE_GEMM_CONFIG_SMALL_16X64: return launch_config<T, SmallM16x64>(ta, tb, tbias, tres, tc, m, n, k, parts, scratch, scratch_bytes, stream);
-  case TPFUSE_GEMM_CONFIG_TILE_64X64: return launch_config<T, Tile64x64>(ta, tb, tbias, tres, tc, m, n, k, parts, scratch, scratch_bytes, stream);
-  case TPFUSE_GEMM_CONFIG_TILE_128X128: return launch_config<T, Tile128x128>(ta, tb, tbias, tres, tc, m, n, k, parts, scratch, scratch_bytes, stream);
-  default: return cudaErrorInvalidValue;
-  }
+  return visit_config(config, [&](auto cfg) {
+    return launch_config<T, decltype(cfg)>(ta, tb, tbias, tres, tc, m, n, k, parts, scratch, scratch_bytes, stream);
+  });
 }
 
 constexpr size_t kMaxDim = size_t{1} << 30;

@@ -45,8 +45,9 @@ fn device_facts(ctx: &CudaContext, options: &GroupOptions) -> Result<DeviceFacts
 }
 
 /// The occupancy API's count for each configuration, the fewer of the f16 and bf16 kernels'
-/// ([`DeviceFacts::fused_blocks_per_sm`] before `options.fused_blocks_per_sm`). 1 where the device runs no such kernel (a compute
-/// capability below 8.0: the fused path refuses it by name anyway).
+/// ([`DeviceFacts::fused_blocks_per_sm`] before `options.fused_blocks_per_sm`); 1 where the
+/// device runs no such kernel (a compute capability below 8.0: the fused path refuses it by
+/// name anyway).
 fn fused_blocks_per_sm(ctx: &CudaContext) -> Result<[usize; 5]> {
     ctx.bind_to_thread().map_err(cuda("binding the context"))?;
     let mut out = [1; 5];
@@ -231,6 +232,7 @@ impl TpGroup {
         load_kernels(ctx)?;
         let workspaces = symmetric::virtual_ranks(ctx, world, options.capacity_bytes)?;
         let poison = Arc::new(Poison::default());
+        let facts = device_facts(ctx, &options)?; // one device for every rank
         let mut groups = Vec::with_capacity(world);
         for (rank, (ws, stream)) in workspaces.into_iter().zip(streams).enumerate() {
             let stream = stream.clone();
@@ -252,7 +254,7 @@ impl TpGroup {
                 timeout: options.timeout,
                 poison: poison.clone(),
                 clock_khz: peak_clock_khz(ctx),
-                device_facts: device_facts(ctx, &options)?,
+                device_facts: facts,
                 comm: None,
             });
         }

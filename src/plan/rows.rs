@@ -574,18 +574,17 @@ fn not_fused(
 /// persistent launch (`cuda/gemm_all_reduce.cu`).
 pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Option<PlanRow> {
     let shape = GemmShape { m, n: g.n, k: g.k };
-    let config = select_config(shape, p.compute_capability, p.sms)?;
+    let facts = fused_facts(tp, p);
+    // The launch's plan: the GEMM's tiles, and a persistent grid of as many blocks as the SMs
+    // hold at once.
+    let plan = planned(shape, &facts, FusedKernel::RowParallel).ok()?;
+    let (config, tiles, grid) = (plan.config, plan.tiles, plan.grid);
     let info = config.info();
-    let (tiles_m, tiles_n) = (m.div_ceil(info.block_m), g.n.div_ceil(info.block_n));
-    let tiles = tiles_m * tiles_n;
-    // The persistent grid: as many blocks as the SMs hold at once (the launch's plan).
-    let grid = planned(shape, &fused_facts(tp, p), FusedKernel::RowParallel)
-        .ok()?
-        .grid;
+    let tiles_n = g.n.div_ceil(info.block_n);
     let s = ELEMENT_BYTES;
     let w = tp as u64;
     let bytes = (m * g.n) as u64 * s;
-    let algo = fused_all_reduce_algo::<bf16>(shape, &fused_facts(tp, p), Algorithm::Auto).ok()?;
+    let algo = fused_all_reduce_algo::<bf16>(shape, &facts, Algorithm::Auto).ok()?;
     // Per tile: the GEMM's A rows and B rows, its partial stored; one-shot: the W partials
     // read, bias-free residual read and written, out written; the norm of a row (out read
     // twice, gamma, out written per element): a strip's first row by the block that completes
