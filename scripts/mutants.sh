@@ -345,6 +345,10 @@ mutant epoch-not-advanced emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce
   fused_flags.cuh '*own.fused_epoch() = st.epoch;' ''
 mutant norm-before-row-complete emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "the first block to reduce a tile of a strip normalises it" \
   gemm_all_reduce.cu '+ 1u == static_cast<uint32_t>(L.tiles_n)) {' '+ 1u == 1u) {'
+mutant strip-count-relaxed emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16+weak-random "the fused strip counts added relaxed (the completing thread acquires no other block's rows)" \
+  gemm_all_reduce.cu '    if (atomic_add_acq_rel_gpu(count, 1u) + 1u' '    if (atomicAdd(count, 1u) + 1u'
+mutant slice-count-relaxed emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16+weak-random "the two-shot's slice count added relaxed (the slice flag covers no other block's rows)" \
+  gemm_all_reduce.cu 'atomic_add_acq_rel_gpu(count, static_cast<uint32_t>(reduced))' 'atomicAdd(count, static_cast<uint32_t>(reduced))'
 mutant strip-rows-without-waiting emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "one-shot normalises its dealt rows without waiting for the strip's flag" \
   gemm_all_reduce.cu 'fused::await_flag(L.peers, L.g, deadline, st, flag, L.g.rank, L.descriptor, true);' '(void)flag;'
 mutant strip-flag-weak-store emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16+weak "the strip's flag stored without release" \
