@@ -76,6 +76,8 @@ struct Pad {
     return reinterpret_cast<uint64_t *>(reinterpret_cast<char *>(base) + TPFUSE_SIGNAL_STRIP_FLAGS_OFFSET) + strip;
   }
   __device__ uint32_t *slice_count() const { return base + TPFUSE_SIGNAL_SLICE_COUNT_OFFSET / 4; }
+  // The fused GEMM + all-reduce's parts of k finished per tile (gemm_split.cuh's counts).
+  __device__ uint32_t *part_count(int tile) const { return base + TPFUSE_SIGNAL_PART_COUNTS_OFFSET / 4 + tile; }
   __device__ uint64_t *phase_record(int block) const {
     return reinterpret_cast<uint64_t *>(reinterpret_cast<char *>(base) + TPFUSE_SIGNAL_PHASES_OFFSET) +
            static_cast<size_t>(block) * TPFUSE_PHASE_FIELDS;

@@ -30,12 +30,29 @@
 // only the tiles that hold rows of the rank's slice, and only those rows; a block with none
 // waits for nothing.
 //
+// The split of k in parallel (S parts: tpfuse_gemm's, tpfuse.h says when). The grid's units are
+// then the parts of the tiles, unit u = part u / tiles of tile u % tiles, block b computing
+// units b, b + G, ...: each stores its part's f32 chains into this rank's staging half and
+// counts it in part_count[tile] (gemm_split.cuh: finished_last, the protocol and the bits of
+// tpfuse_gemm's parallel split). The block whose part completes the tile adds the S partials
+// in ascending order, stores the sum rounded to T into the exchange area, and publishes the
+// tile: after a __syncthreads, thread p stores the flag into tile_flags[tile][rank] of rank
+// p's pad (st.release.sys, as above; cumulative over the adds' stores, and over the parts it
+// acquired through the count's release sequence). A flag then says one tile is stored, and a
+// consuming block waits (thread q) for rank q's flag of each of its tiles b, b + G, ... that
+// holds rows it reduces, in turn, then reduces them all as above. Blocks b >= tiles reduce
+// nothing. Whichever block adds a tile's parts, the tile's flag slot is the same on every
+// rank. No deadlock: a block publishes every tile it completes inside its unit loop, before
+// any wait, so every tile's parts and flag need only blocks that have not waited yet.
+//
 // Grid. G is at most the SMs the group gives the rank (TpGroup::fused_blocks) times the blocks
 // of this kernel one SM holds at once (tpfuse_gemm_all_reduce_blocks_per_sm, the occupancy
 // API), so that every SM streams weights for several blocks (the Rust plan decides it).
 //
 // No deadlock: block b waits only for block b of the other ranks, whose flag it publishes
-// before it waits for anything. So no cycle can form, provided block b of every rank runs.
+// before it waits for anything. So no cycle can form, provided block b of every rank runs
+// (with the split in parallel, a tile's flag comes from whichever block adds its parts: then
+// every block of every rank must run, which the same cooperative launch gives).
 // Every rank's grid is a cooperative launch (backend.cuh): all its G blocks are resident at
 // once, or the launch is refused before anything runs (G past what the device holds at once:
 // the occupancy API's bound), so block b of every rank runs, however many SMs other kernels
@@ -319,7 +336,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
                                                                           const T *bias, T *residual, const T *gamma,
                                                                           float eps, T *out, int m, int n, int k,
                                                                           int tiles_m, int tiles_n, int row_begin,
-                                                                          int row_end, int two_shot, int parts) {
+                                                                          int row_end, int two_shot, int parts,
+                                                                          int split_parallel) {
   TPFUSE_DYNAMIC_SHARED(smem);
   TPFUSE_SHARED(BlockState, st);
   const Deadline deadline(g);
@@ -355,10 +373,40 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
 
   // Produce: the block's tiles back to back, then one flag to every rank (slot b: "block b's
   // tiles are stored"). Consume: one wait for every rank's flag of slot b, then the tiles'
-  // reduction. (Nothing writes st.failed between begin()'s __syncthreads and the waits.)
+  // reduction. A parallel split produces the parts of the tiles instead, and the block that
+  // adds a tile's parts publishes the tile (slot = tile), so the consumers wait for every
+  // rank's flag of each of their tiles. (Nothing writes st.failed between begin()'s
+  // __syncthreads and the waits.)
   const int tiles = tiles_m * tiles_n;
   const bool producing = st.failed == 0;
-  if (producing) {
+  if (producing && split_parallel) {
+    if constexpr (Cfg::kSplittable) {
+      // The parts' f32 chains in this rank's staging half ([parts][m][n]); only this rank's
+      // blocks touch it during the launch (fused_flags.cuh, "Exchange areas").
+      float *partials = static_cast<float *>(peers.data[g.rank]);
+      const size_t mn = static_cast<size_t>(m) * static_cast<size_t>(n);
+      const Pad own{peers.signals[g.rank]};
+#pragma unroll 1
+      for (int unit = blockIdx.x; unit < tiles * parts; unit += gridDim.x) {
+        const int tile = unit % tiles, part = unit / tiles;
+        int tm, tn;
+        tile_of_block(tile, tiles_m, tiles_n, tm, tn);
+        gemm_tile<T, Cfg>(DenseRows<T>{x, k}, w, m, n, k, tm, tn, gemm::PartialEpilogue{partials + part * mn, n}, smem,
+                          KSplit{parts, part, part + 1});
+        st.clock.tile_computed();
+        // The last part to finish adds the parts into the exchange area (gemm_split.cuh's
+        // protocol and bits), then publishes the tile. finished_last's __syncthreads also
+        // order the epilogue's reads of smem before the next unit's writes.
+        // (st.last is free until the reduction's counts.)
+        if (gemm::finished_last(own.part_count(tile), parts, st.last)) {
+          gemm::add_parts<Cfg>(partials, parts, m, n, tm, tn, staging);
+          __syncthreads(); // the tile's stores, before the flags' releases
+          fused::publish(peers, g, tile, flag_value);
+        }
+        st.clock.mark(fused::kPhasePublish);
+      }
+    }
+  } else if (producing) {
 #pragma unroll 1
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       int tm, tn;
@@ -375,8 +423,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
   // a block with none waits for nothing.
   const int reducing = producing ? tiles_to_reduce<T, Cfg>(L) : 0;
   if (reducing > 0) {
-    if (static_cast<int>(threadIdx.x) < g.world)
-      fused::await(peers, g, deadline, st, blockIdx.x, threadIdx.x, descriptor);
+    if (static_cast<int>(threadIdx.x) < g.world) {
+      if (split_parallel) {
+#pragma unroll 1
+        for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x)
+          if (span_of<T, Cfg>(L, tile).rows > 0) fused::await(peers, g, deadline, st, tile, threadIdx.x, descriptor);
+      } else {
+        fused::await(peers, g, deadline, st, blockIdx.x, threadIdx.x, descriptor);
+      }
+    }
     const bool arrived = fused::passed(st);
     st.clock.mark(fused::kPhaseWait);
     if (arrived) {
@@ -432,11 +487,32 @@ int launch_config(Reduction reduction, const tpfuse_peers &peers, const tpfuse_g
   const long long tiles_m = (m + Cfg::kBlockM - 1) / Cfg::kBlockM;
   const long long tiles_n = (n + Cfg::kBlockN - 1) / Cfg::kBlockN;
   if (tiles_m * tiles_n > TPFUSE_MAX_FUSED_TILES) return cudaErrorInvalidValue;
-  const int grid = static_cast<int>(tiles_m * tiles_n < blocks ? tiles_m * tiles_n : blocks);
-  // The GEMM's split of k (tpfuse_gemm's, so the same bits), each tile's parts in its block.
+  // The GEMM's split of k (tpfuse_gemm's, so the same bits): the parts of every tile as the
+  // grid's units where the staging half holds their f32 partials (tpfuse.h), else each tile's
+  // parts in its block.
   const int parts = split_parts_here(n, k);
   if (parts == 0) return cudaErrorInvalidDevice;
   if (!Cfg::kSplittable && parts != 1) return cudaErrorInvalidValue;
+  const bool split_parallel = parts > 1 && m <= TPFUSE_GEMM_SPLIT_PARALLEL_M_MAX &&
+                              static_cast<uint64_t>(parts) * m * n * sizeof(float) <= g.capacity;
+  if (split_parallel) {
+    // The parts' partials overwrite the start of the staging half: no argument may lie there.
+    const uintptr_t scratch = reinterpret_cast<uintptr_t>(peers.data[g.rank]);
+    const uintptr_t scratch_end = scratch + static_cast<size_t>(parts) * m * n * sizeof(float);
+    const size_t mn = static_cast<size_t>(m) * n;
+    const size_t out_rows = reduction.scatter && !reduction.two_shot ? m / g.world : m;
+    const struct {
+      const void *p;
+      size_t elements;
+    } args[] = {{x, static_cast<size_t>(m) * k}, {w, static_cast<size_t>(n) * k}, {bias, static_cast<size_t>(n)},
+                {residual, mn}, {gamma, static_cast<size_t>(n)}, {out, out_rows * n}};
+    for (const auto &a : args) {
+      const uintptr_t p = reinterpret_cast<uintptr_t>(a.p);
+      if (p != 0 && p < scratch_end && scratch < p + a.elements * sizeof(T)) return cudaErrorInvalidValue;
+    }
+  }
+  const long long units = tiles_m * tiles_n * (split_parallel ? parts : 1);
+  const int grid = static_cast<int>(units < blocks ? units : blocks);
   auto gemm_all_reduce = gemm_all_reduce_kernel<T, Cfg>; // the name the emulator suite reports
   // Always opted in (not only past 48 KiB, as gemm.cu does): the kernel's static shared
   // memory (BlockState, the RMSNorm's warp sums) counts with the dynamic size toward the
@@ -452,14 +528,14 @@ int launch_config(Reduction reduction, const tpfuse_peers &peers, const tpfuse_g
       launch_descriptor({reduction.kind, sizeof(T), static_cast<uint64_t>(m), static_cast<uint64_t>(n),
                          static_cast<uint64_t>(k), static_cast<uint64_t>(config), static_cast<uint64_t>(grid),
                          bias != nullptr, residual != nullptr, gamma != nullptr, eps_bits,
-                         static_cast<uint64_t>(parts)}));
+                         static_cast<uint64_t>(parts), split_parallel ? 1u : 0u}));
   const int slice = m / g.world;
   const int row_begin = reduction.scatter ? g.rank * slice : 0;
   const int row_end = reduction.scatter ? row_begin + slice : m;
   // Cooperative: the two-shot's blocks wait for their own rank's slice (see above).
   return launch_result(TPFUSE_LAUNCH_COOPERATIVE(gemm_all_reduce, grid, Cfg::kThreads, Cfg::kSmemBytes, stream)(
       peers, g, descriptor, x, w, bias, residual, gamma, eps, out, m, n, k, static_cast<int>(tiles_m),
-      static_cast<int>(tiles_n), row_begin, row_end, reduction.two_shot ? 1 : 0, parts));
+      static_cast<int>(tiles_n), row_begin, row_end, reduction.two_shot ? 1 : 0, parts, split_parallel ? 1 : 0));
 }
 
 template <typename T>

@@ -84,32 +84,30 @@ struct PartialEpilogue {
   }
 };
 
-// Block b: part b / tiles of tile b % tiles (tile_of_block's order within a part, so the
-// blocks of one part cover the tiles as the unsplit kernel does).
-template <typename T, typename Cfg>
-__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
-    gemm_split_kernel(const T *__restrict__ a, const T *__restrict__ b, int m, int n, int k, int tiles_m, int tiles_n,
-                      int parts, uint32_t *counts, float *partials, const GemmEpilogue<T> epi) {
-  static_assert(Cfg::kSplittable, "a split runs on splittable configurations only");
-  TPFUSE_DYNAMIC_SHARED(smem);
-  TPFUSE_SHARED(int, last);
-  const int tiles = tiles_m * tiles_n;
-  const int tile = static_cast<int>(blockIdx.x) % tiles;
-  const int part = static_cast<int>(blockIdx.x) / tiles;
-  const size_t mn = static_cast<size_t>(m) * static_cast<size_t>(n);
-  int tile_m, tile_n;
-  tile_of_block(tile, tiles_m, tiles_n, tile_m, tile_n);
-  gemm_tile<T, Cfg>(DenseRows<T>{a, k}, b, m, n, k, tile_m, tile_n, PartialEpilogue{partials + part * mn, n}, smem,
-                    KSplit{parts, part, part + 1});
+// After a block stored its part of a tile (every thread, weak stores): whether it was the
+// tile's last part to finish, in every thread (`last`: a shared int). The __syncthreads
+// before thread 0's acq_rel add on the tile's count (`count`, S parts in all) orders every
+// thread's stores before its release; the second orders thread 0's acquire before the
+// block's loads of the other parts. The last block sets the count back to 0 (no other block
+// of the launch adds to it any more).
+__device__ __forceinline__ bool finished_last(uint32_t *count, int parts, int &last) {
   __syncthreads(); // every thread's partial stores, before thread 0's release
   if (threadIdx.x == 0) {
-    last = atomic_add_acq_rel_gpu(counts + tile, 1u) + 1u == static_cast<uint32_t>(parts);
-    if (last) counts[tile] = 0;
+    last = atomic_add_acq_rel_gpu(count, 1u) + 1u == static_cast<uint32_t>(parts);
+    if (last) *count = 0;
   }
   __syncthreads(); // thread 0's acquire, before the block's loads of the other parts
-  if (!last) return;
-  // The tile's outputs in runs of 8 columns: the parts in ascending order, then the epilogue.
+  return last != 0;
+}
+
+// Tile (tile_m, tile_n)'s outputs in runs of 8 columns: the `parts` f32 partials ([parts][m]
+// [n] from `partials`) added in ascending order, then `epi.store8` (the bits of gemm_tile with
+// KSplit{parts, 0, parts}). Call after finished_last returned true.
+template <typename Cfg, typename Epi>
+__device__ __forceinline__ void add_parts(const float *partials, int parts, int m, int n, int tile_m, int tile_n,
+                                          const Epi &epi) {
   constexpr int kRuns = Cfg::kBlockN / 8;
+  const size_t mn = static_cast<size_t>(m) * static_cast<size_t>(n);
   const int m0 = tile_m * Cfg::kBlockM, n0 = tile_n * Cfg::kBlockN;
   for (int idx = threadIdx.x; idx < Cfg::kBlockM * kRuns; idx += Cfg::kThreads) {
     const int row = m0 + idx / kRuns;
@@ -128,6 +126,26 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     }
     epi.store8(row, col, v);
   }
+}
+
+// Block b: part b / tiles of tile b % tiles (tile_of_block's order within a part, so the
+// blocks of one part cover the tiles as the unsplit kernel does).
+template <typename T, typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
+    gemm_split_kernel(const T *__restrict__ a, const T *__restrict__ b, int m, int n, int k, int tiles_m, int tiles_n,
+                      int parts, uint32_t *counts, float *partials, const GemmEpilogue<T> epi) {
+  static_assert(Cfg::kSplittable, "a split runs on splittable configurations only");
+  TPFUSE_DYNAMIC_SHARED(smem);
+  TPFUSE_SHARED(int, last);
+  const int tiles = tiles_m * tiles_n;
+  const int tile = static_cast<int>(blockIdx.x) % tiles;
+  const int part = static_cast<int>(blockIdx.x) / tiles;
+  const size_t mn = static_cast<size_t>(m) * static_cast<size_t>(n);
+  int tile_m, tile_n;
+  tile_of_block(tile, tiles_m, tiles_n, tile_m, tile_n);
+  gemm_tile<T, Cfg>(DenseRows<T>{a, k}, b, m, n, k, tile_m, tile_n, PartialEpilogue{partials + part * mn, n}, smem,
+                    KSplit{parts, part, part + 1});
+  if (finished_last(counts + tile, parts, last)) add_parts<Cfg>(partials, parts, m, n, tile_m, tile_n, epi);
 }
 
 } // namespace gemm

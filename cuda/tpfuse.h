@@ -107,7 +107,8 @@ int tpfuse_fp_contraction_probe(const float *abc, float *out, void *stream);
  *       uint64 tile_flags[TPFUSE_MAX_FUSED_TILES][TPFUSE_MAX_RANKS]  tile_flags[s][src]: rank
  *                                                         src's unit s is ready (block s's
  *                                                         partial tiles of GEMM + all-reduce /
- *                                                         reduce-scatter, a part of the
+ *                                                         reduce-scatter, or its tile s when
+ *                                                         k splits in parallel; a part of the
  *                                                         all-gather + GEMM's input):
  *                                                         epoch (40 bits) << 24 |
  *                                                         descriptor (24 bits)
@@ -118,6 +119,9 @@ int tpfuse_fp_contraction_probe(const float *abc, float *out, void *stream);
  *       uint64 phases[TPFUSE_MAX_PHASE_BLOCKS][TPFUSE_PHASE_FIELDS]  phases[b]: where block b
  *                                                         of this rank's last fused GEMM launch
  *                                                         spent its time (diagnostics, below)
+ *       uint32 part_counts[TPFUSE_MAX_FUSED_TILES]        GEMM + all-reduce's split of k in
+ *                                                         parallel: parts of tile t finished
+ *                                                         (back to 0 when the tile is added)
  *   (cuda/fused_flags.cuh explains the fused words)
  * The kernels never reset flags: every barrier waits for a larger value (epochs), so the
  * same launch can be replayed from a CUDA graph.
@@ -132,8 +136,8 @@ int tpfuse_fp_contraction_probe(const float *abc, float *out, void *stream);
 /* The phase records of the fused GEMM kernels (cuda/phase_clock.cuh): every block b <
  * TPFUSE_MAX_PHASE_BLOCKS of a fused launch stores, at its end, uint64 fields at these indices
  * of phases[b] in its rank's pad: the launch's epoch (fused_epoch + 1), %globaltimer at the
- * block's start and end (ns), the tiles it computed, and the nanoseconds it spent computing
- * them (GEMM), publishing its flags (the all-gather: pushing its rows too), waiting for other
+ * block's start and end (ns), the tiles it computed (the parts of tiles, with a split of k in
+ * parallel), and the nanoseconds it spent computing them (GEMM), publishing its flags (the all-gather: pushing its rows too), waiting for other
  * ranks' flags, reducing its tiles (and their epilogue, strip or slice counts), and after
  * that (the dealt RMSNorm rows, the two-shot's gather). Plain stores, for the host to read once the launch is
  * done; a later launch overwrites them. */
@@ -166,7 +170,8 @@ int tpfuse_fp_contraction_probe(const float *abc, float *out, void *stream);
 #define TPFUSE_SIGNAL_TILE_FLAGS_OFFSET (TPFUSE_SIGNAL_STRIP_COUNTS_OFFSET + 4 * TPFUSE_MAX_FUSED_TILES)
 #define TPFUSE_SIGNAL_STRIP_FLAGS_OFFSET (TPFUSE_SIGNAL_TILE_FLAGS_OFFSET + 8 * TPFUSE_MAX_FUSED_TILES * TPFUSE_MAX_RANKS)
 #define TPFUSE_SIGNAL_PHASES_OFFSET (TPFUSE_SIGNAL_STRIP_FLAGS_OFFSET + 8 * TPFUSE_MAX_FUSED_TILES)
-#define TPFUSE_SIGNAL_PAD_BYTES (TPFUSE_SIGNAL_PHASES_OFFSET + 8 * TPFUSE_PHASE_FIELDS * TPFUSE_MAX_PHASE_BLOCKS)
+#define TPFUSE_SIGNAL_PART_COUNTS_OFFSET (TPFUSE_SIGNAL_PHASES_OFFSET + 8 * TPFUSE_PHASE_FIELDS * TPFUSE_MAX_PHASE_BLOCKS)
+#define TPFUSE_SIGNAL_PAD_BYTES (TPFUSE_SIGNAL_PART_COUNTS_OFFSET + 4 * TPFUSE_MAX_FUSED_TILES)
 
 
 /* Error word values. TIMEOUT | p: rank p did not arrive before the deadline. MISMATCH | p |
@@ -174,7 +179,7 @@ int tpfuse_fp_contraction_probe(const float *abc, float *out, void *stream);
  * GRID_TIMEOUT | r: the blocks of rank r's launch did not all meet before the deadline (they
  * were not all resident at once). The pad's error word is sticky: nothing clears it, and the
  * barriers' epochs, descriptors, grid count, the fused kernel's epoch, end count, strip
- * counts and slice count are only consistent while it is 0 (a launch that fails leaves them as they are); a
+ * counts, slice count and part counts are only consistent while it is 0 (a launch that fails leaves them as they are); a
  * group whose word is set is rebuilt, never reset. */
 #define TPFUSE_ERROR_PEER_TIMEOUT 0x100
 #define TPFUSE_ERROR_PEER_MISMATCH 0x200
@@ -392,6 +397,13 @@ int tpfuse_gemm_describe_fused(int32_t config, tpfuse_gemm_config_info *info);
  * residual overlap nothing. Returns a cudaError_t; the outcome of the waits is in this rank's
  * error word, and a launch that does not complete marks out and residual failed, as
  * tpfuse_all_reduce does.
+ * The split of k is tpfuse_gemm's (tpfuse_gemm_split_parts on the current device, S parts).
+ * When S > 1, m <= TPFUSE_GEMM_SPLIT_PARALLEL_M_MAX and S * m * n * 4 <= capacity, the grid's
+ * units are the parts of the tiles (min(tiles * S, blocks) blocks), each part's f32 partial in
+ * this rank's staging half (the first S * m * n * 4 bytes: its contents are lost; no argument
+ * may lie there, cudaErrorInvalidValue) and the last part of a tile to finish adds them;
+ * otherwise each tile's block runs its parts one after another (min(tiles, blocks) blocks).
+ * The same bits either way.
  */
 int tpfuse_gemm_all_reduce(tpfuse_dtype dtype, int32_t config, const tpfuse_peers *peers,
                            const tpfuse_group_args *group, int32_t blocks, const void *x, const void *w,

@@ -310,7 +310,7 @@ mutant split-parts-reversed gpu_gemm::split_k_bf16 "the parallel split adds the 
   gemm_split.cuh $'      const Vec16<float> lo = load16_peer(at + p * mn);\n      const Vec16<float> hi = load16_peer(at + p * mn + 4);' \
   $'      const Vec16<float> lo = load16_peer(at + (parts - 1 - p) * mn);\n      const Vec16<float> hi = load16_peer(at + (parts - 1 - p) * mn + 4);'
 mutant split-count-kept gpu_gemm::split_k_bf16 "the parallel split leaves its counts at S (the next launch never finishes a tile)" \
-  gemm_split.cuh '    if (last) counts[tile] = 0;' ''
+  gemm_split.cuh '    if (last) *count = 0;' ''
 mutant split-boundary-32 gpu_gemm::split_k_bf16 "part boundaries at multiples of 32 (inside a 64-deep k-slice)" \
   gemm_sm80.cuh 'return static_cast<int>(64 * (k64 * p / parts));' 'return static_cast<int>(32 * (2 * k64 * p / parts));'
 mutant select-128-only-when-full cpu_gemm::the_tile_configuration_fills_the_gpu "128x128 tiles only once they give every SM a block (not 90%)" \
@@ -322,13 +322,26 @@ mutant split-release-early gpu_gemm::split_k_bf16+weak-random "the part's count 
 mutant split-no-sync-after-acquire gpu_gemm::split_k_bf16+weak-random "the block reads the parts without the barrier after thread 0's acquire" \
   gemm_split.cuh $'  __syncthreads(); // thread 0\'s acquire, before the block\'s loads of the other parts\n' ''
 mutant split-count-relaxed gpu_gemm::split_k_bf16+weak-random "the parts' count added relaxed (no release, no acquire)" \
-  gemm_split.cuh 'atomic_add_acq_rel_gpu(counts + tile, 1u)' 'atomicAdd(counts + tile, 1u)'
+  gemm_split.cuh 'atomic_add_acq_rel_gpu(count, 1u)' 'atomicAdd(count, 1u)'
 mutant split-counts-by-tiles emu_counters::one_scratch_serves_splits_of_every_shape "the partials start after the call's own counts (their place moves with the tile count)" \
   gemm.cu 'reinterpret_cast<float *>(base + kSplitCountsBytes)' 'reinterpret_cast<float *>(base + (tiles * 4 + 255) / 256 * 256)'
 mutant epilogue-no-bias emu_gemm::gemm_auto_picks_a_config_that_gives_the_same_bits "the GEMM epilogue reads bias at column 0" \
   gemm_epilogue.cuh 'const Vec16<T> b = load16(bias + col);' 'const Vec16<T> b = load16(bias);'
 mutant flag-before-tile emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16@random:1 "the fused kernel publishes a block's flag before computing its tiles" \
-  gemm_all_reduce.cu $'  if (producing) {\n#pragma unroll 1' $'  if (producing) {\n    fused::publish(peers, g, blockIdx.x, flag_value);\n#pragma unroll 1'
+  gemm_all_reduce.cu $'  } else if (producing) {\n#pragma unroll 1' $'  } else if (producing) {\n    fused::publish(peers, g, blockIdx.x, flag_value);\n#pragma unroll 1'
+mutant fused-split-flag-before-add emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16@random:1 "the fused parallel split publishes a tile before adding its parts" \
+  gemm_all_reduce.cu $'          gemm::add_parts<Cfg>(partials, parts, m, n, tm, tn, staging);\n          __syncthreads(); // the tile\'s stores, before the flags\' releases\n          fused::publish(peers, g, tile, flag_value);' \
+  $'          fused::publish(peers, g, tile, flag_value);\n          gemm::add_parts<Cfg>(partials, parts, m, n, tm, tn, staging);'
+mutant fused-split-no-sync-before-flag emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16+weak "the fused parallel split publishes a tile before the whole block stored its sum" \
+  gemm_all_reduce.cu $'          __syncthreads(); // the tile\'s stores, before the flags\' releases\n' ''
+mutant fused-split-await-first-tile-only emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16@random:1 "with the parts in parallel, a block waits only for its first tile's flags" \
+  gemm_all_reduce.cu 'for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x)
+          if (span_of' 'for (int tile = blockIdx.x; tile < tiles; tile += tiles)
+          if (span_of'
+mutant fused-split-first-part-only emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "the fused parallel split computes only the first part of each tile" \
+  gemm_all_reduce.cu 'for (int unit = blockIdx.x; unit < tiles * parts; unit += gridDim.x) {' 'for (int unit = blockIdx.x; unit < tiles; unit += gridDim.x) {'
+mutant fused-split-never-parallel emu_counters::the_fused_split_runs_its_parts_as_the_grids_units "the fused kernel runs a tile's parts in its block where the plan runs them in parallel" \
+  gemm_all_reduce.cu 'const bool split_parallel = parts > 1 &&' 'const bool split_parallel = false &&'
 mutant flag-after-first-tile emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16@random:1 "the fused kernel publishes a block's flag after its first tile" \
   gemm_all_reduce.cu $'      st.clock.tile_computed();\n    }' $'      st.clock.tile_computed();\n      fused::publish(peers, g, blockIdx.x, flag_value);\n    }'
 mutant reduce-without-waiting emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16@random:1 "the fused kernel reduces its tiles without waiting for the other ranks' flags" \

@@ -138,7 +138,7 @@ fn the_abi_limits_are_the_headers() {
     // flags[64][8] + counters[64] (u32 each) + 256 bytes for the error word and the rank's
     // grid barrier + descriptors[64][8] + 256 bytes for the fused kernel's epoch and end
     // count + strip_counts[4096] (u32) + tile_flags[4096][8] (u64) + strip_flags[4096] (u64)
-    // + the fused blocks' phase records [1024][9] (u64).
+    // + the fused blocks' phase records [1024][9] (u64) + part_counts[4096] (u32).
     assert_eq!(
         SIGNAL_PAD_BYTES,
         4 * 64 * 8
@@ -150,6 +150,7 @@ fn the_abi_limits_are_the_headers() {
             + 8 * 4096 * 8
             + 8 * 4096
             + 8 * 1024 * 9
+            + 4 * 4096
     );
 }
 

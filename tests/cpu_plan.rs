@@ -414,3 +414,34 @@ fn the_fused_row_pays_a_fill_per_later_tile_and_one_round_and_peer_read_per_bloc
         "every m gives the 16-SM device's blocks several tiles"
     );
 }
+
+#[test]
+fn the_fused_row_runs_a_split_k_in_parallel_where_its_partials_fit() {
+    // Llama-3-8B's o_proj at TP 2 (n 4096, k 2048) splits k in 2 on an H100: the fused
+    // kernel's units are the 64 tiles' 2 parts, so 128 blocks stream the weight (64 when a
+    // tile's parts ran one after another in its block), and each block's k is a part's.
+    let h100 = DeviceProfile::builtin("h100-sxm").unwrap();
+    let o_proj = tpfuse::plan::LayerGemm {
+        layer: "o_proj",
+        n: 4096,
+        k: 2048,
+        row_parallel: true,
+    };
+    assert_eq!(split_parts(4096, 2048, h100.sms), 2);
+    for m in [1, 16, 64] {
+        let fused = tpfuse::plan::fused_row(&o_proj, m, 2, &h100).unwrap();
+        let label = format!("m {m}: {fused:?}");
+        assert_eq!(fused.split_k, 2, "{label}");
+        assert_eq!(fused.blocks, 128, "{label}: a block a part of a tile");
+        assert_eq!(fused.sms_streaming, 128, "{label}");
+        assert!(fused.choice.contains("in parallel"), "{label}");
+        let alone = tpfuse::plan::gemm_row(&o_proj, m, 2, &h100).unwrap();
+        assert_eq!(
+            alone.blocks, fused.blocks,
+            "{label}: the unfused GEMM's units"
+        );
+    }
+    // m = 128 is past the parallel split's 64 rows: the parts run in each tile's block.
+    let wide = tpfuse::plan::fused_row(&o_proj, 128, 2, &h100).unwrap();
+    assert!(wide.choice.contains("one after another"), "{wide:?}");
+}

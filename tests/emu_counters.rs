@@ -901,3 +901,90 @@ fn a_late_rank_shows_in_the_others_wait_phase() {
         }
     }
 }
+
+/// The fused GEMM + all-reduce with its split of k in parallel: the plan's units (3 parts of
+/// 5 tiles on 16 SMs, one block each), and each block moves what the plan says. Each block
+/// moves its part (`gemm_split_block_bytes`); the last block of a tile to finish also adds
+/// the parts into the exchange area (which one is a matter of timing, so each tile's blocks
+/// move the plan's total); block t < 5 also reduces tile t.
+#[test]
+fn the_fused_split_runs_its_parts_as_the_grids_units() {
+    let _session = session_with(
+        FILE,
+        "the_fused_split_runs_its_parts_as_the_grids_units",
+        SMS,
+        60_000_000_000,
+    );
+    let gpu = gpu();
+    let world = 2;
+    let groups = virtual_group(&gpu.ctx, world, GroupOptions::default());
+    let (m, n, k) = (1usize, 264usize, 520usize);
+    let shape = GemmShape { m, n, k };
+    let xs: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0x9f, world, m * k));
+    let ws: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0xaf, world, n * k));
+    let mut outs: Vec<CudaSlice<bf16>> = poisoned_ranks(&groups, m * n);
+    let label = format!("GEMM + all-reduce W={world} (m, n, k)=({m}, {n}, {k})");
+    let mut plans = Vec::new();
+    let ((), recs) = counters::count(|| {
+        plans = round(&groups, &label, |r| {
+            let (x, wt, out) = (&xs[r], &ws[r], &mut outs[r]);
+            gemm_all_reduce_with(
+                &groups[r],
+                x,
+                wt,
+                Epilogue::default(),
+                out,
+                shape,
+                Algorithm::OneShot,
+            )
+        });
+    });
+    let plan: FusedPlan = plans[0];
+    let (parts, tiles) = (3, 5);
+    assert_eq!(plan.config, GemmConfig::SmallM16x64, "{label}");
+    assert_eq!((plan.parts, plan.tiles), (parts, tiles), "{label}");
+    assert!(plan.parts_in_parallel, "{label}: the parts in parallel");
+    assert_eq!(plan.grid, parts * tiles, "{label}: a block a unit");
+    let planned = gemm_split_block_bytes(plan.config, shape, parts, false, false);
+    let w = world as u64;
+    for rec in &recs {
+        let l = format!("{label} rank {:?}", rec.rank);
+        assert_eq!(rec.blocks.len(), plan.grid, "{l}: blocks");
+        let bytes = |b: usize| rec.blocks[b].global_read_bytes + rec.blocks[b].global_write_bytes;
+        for tile in 0..tiles {
+            let blocks: Vec<usize> = (0..parts).map(|p| p * tiles + tile).collect();
+            let outputs = (m * 64.min(n - tile * 64)) as u64;
+            // Block `tile` reduces it: the W ranks' partials read (W - 1 a peer's), out written.
+            let reduce = (w + 1) * outputs * S;
+            assert_eq!(
+                rec.blocks[tile].peer_read_bytes,
+                (w - 1) * outputs * S,
+                "{l}: tile {tile}'s peer partials"
+            );
+            let got: u64 = blocks.iter().map(|&b| bytes(b)).sum();
+            let want: u64 = blocks.iter().map(|&b| planned[b]).sum::<u64>() + reduce;
+            assert_eq!(
+                got, want,
+                "{l}: tile {tile}: its blocks' bytes against the plan's"
+            );
+            // Adding the parts: S f32 partials read, the tile's partial stored.
+            let combine = parts as u64 * outputs * 4 + outputs * S;
+            let finishers = blocks
+                .iter()
+                .filter(|&&b| {
+                    let mut part = planned[b] - if b / tiles + 1 == parts { combine } else { 0 };
+                    if b == tile {
+                        part += reduce;
+                    }
+                    let got = bytes(b);
+                    assert!(
+                        got == part || got == part + combine,
+                        "{l}: tile {tile} block {b}: {got} bytes"
+                    );
+                    got == part + combine
+                })
+                .count();
+            assert_eq!(finishers, 1, "{l}: tile {tile}: one block adds the parts");
+        }
+    }
+}

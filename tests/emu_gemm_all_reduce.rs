@@ -31,8 +31,12 @@ use tpfuse::reference::{all_reduce_fused_f64, gemm_f64};
 /// tiles) and more, every epilogue; the two-shot too where m is a multiple of W (slices of
 /// 1, 4, 3, 32 and 65 rows, within a tile row and across them); RMSNorm over strips of 64,
 /// 64 and 1 rows (a last strip of one row has no strip flag); one block with more tiles than
-/// threads (n = 8256 at m = 2: its strip counts take several passes of its threads).
-const CASES: [(usize, i32, Shape, Epi); 11] = [
+/// threads (n = 8256 at m = 2: its strip counts take several passes of its threads). On the
+/// session's 32 SMs, k of 800 and 1040 splits (6 and 8 parts): the parts run in parallel as
+/// the grid's units (several a block; a block that reduces several tiles, waiting for each;
+/// m = 16 with a two-shot, m = 17 with dealt RMSNorm rows), and one after another where their
+/// f32 partials pass the capacity (m = 64).
+const CASES: [(usize, i32, Shape, Epi); 16] = [
     (2, 2, (1, 264, 136), ALL),
     (3, 2, (3, 136, 40), NONE),
     (4, 1, (16, 72, 72), BIAS),
@@ -44,6 +48,11 @@ const CASES: [(usize, i32, Shape, Epi); 11] = [
     (8, 2, (24, 136, 40), ALL),
     (2, 3, (129, 136, 40), RESIDUAL_NORM),
     (2, 1, (2, 8256, 8), RESIDUAL_NORM),
+    (2, 8, (1, 264, 800), ALL),
+    (2, 2, (1, 264, 800), BIAS),
+    (2, 4, (16, 136, 1040), ALL),
+    (3, 8, (17, 136, 1040), RESIDUAL_NORM),
+    (2, 2, (64, 136, 1040), BIAS),
 ];
 
 fn every_case<T: TestElement>(seed: u64) {
@@ -173,14 +182,15 @@ fn reduce_scatter_case<T: TestElement>(world: usize, blocks: i32, shape: Shape, 
 }
 
 /// (world, blocks, shape): slices of 1, 3, 16, 65 rows (tiles of 16 and 64 rows cut across
-/// slices), tails of n and k.
-const REDUCE_SCATTER_CASES: [(usize, i32, Shape); 6] = [
+/// slices), tails of n and k; a split of k in parallel (6 parts of 800 on 32 SMs).
+const REDUCE_SCATTER_CASES: [(usize, i32, Shape); 7] = [
     (2, 2, (2, 136, 40)),
     (3, 1, (9, 72, 72)),
     (4, 2, (64, 72, 40)),
     (8, 2, (24, 264, 24)),
     (2, 3, (130, 136, 40)),
     (4, 1, (68, 72, 56)),
+    (4, 6, (16, 264, 800)),
 ];
 
 #[test]
@@ -301,7 +311,8 @@ fn all_gather_gemm_equals_all_gather_then_gemm() {
 
 /// Launches in a row on every stream, all in flight before one synchronize, each with fresh
 /// inputs and the residual carried from one to the next (a decode loop): every launch's
-/// epoch and exchange area must be its own.
+/// epoch and exchange area must be its own. Every other launch splits k in parallel (6 parts
+/// of 800 on 32 SMs: its flags per tile, where the others' are per block).
 #[test]
 fn launches_in_a_row_each_get_their_own_inputs() {
     let _s = session(
@@ -309,11 +320,13 @@ fn launches_in_a_row_each_get_their_own_inputs() {
         "launches_in_a_row_each_get_their_own_inputs",
     );
     let (world, steps) = (3, 12);
-    let shape = (2, 72, 40);
     let seed = base_seed(0xf05e_0003);
     let ranks = Ranks::with_capacity(world, 2, LONG_TIMEOUT_NS, CAPACITY);
     let problems: Vec<Problem<bf16>> = (0..steps)
-        .map(|step| problem::<bf16>(world, shape, ALL, mix_seed(seed, &[step])))
+        .map(|step| {
+            let k = if step % 2 == 0 { 40 } else { 800 };
+            problem::<bf16>(world, (2, 72, k), ALL, mix_seed(seed, &[step]))
+        })
         .collect();
     let mut finals = Vec::new();
     for path in [Path::Fused, Path::Unfused] {
@@ -435,4 +448,59 @@ fn an_all_gather_gemm_right_after_a_one_shot_rmsnorm_overlaps_nothing() {
             );
         }
     }
+}
+
+/// With k split in parallel, the parts' f32 partials overwrite the start of the rank's staging
+/// half: an argument there (x, or out) is refused before anything is launched, on the rank
+/// that passes it.
+#[test]
+fn an_argument_in_the_staging_half_is_refused_when_k_splits_in_parallel() {
+    let _s = session(
+        "emu_gemm_all_reduce",
+        "an_argument_in_the_staging_half_is_refused_when_k_splits_in_parallel",
+    );
+    let (m, n, k) = (1usize, 264usize, 800usize);
+    let ranks = Ranks::with_capacity(2, 2, LONG_TIMEOUT_NS, CAPACITY);
+    let peers = ranks.peers();
+    let args = ranks.args(0);
+    let x = DeviceBuffer::from_slice(&random_vec::<bf16>(0x51, m * k, -1.0, 1.0));
+    let w = DeviceBuffer::from_slice(&random_vec::<bf16>(0x52, n * k, -1.0, 1.0));
+    let out = poisoned::<bf16>(m * n);
+    // The staging half's first bytes, then just past the 6 parts' 6 x 1 x 264 x 4 bytes.
+    let staging = peers.data[0].cast::<u8>();
+    let partials = 6 * m * n * 4;
+    for (what, x_at, out_at) in [
+        ("x at the staging's start", staging.cast(), out.ptr().cast()),
+        (
+            "out in the partials",
+            x.ptr().cast(),
+            staging.wrapping_add(partials - 16).cast(),
+        ),
+    ] {
+        // SAFETY: the call is refused before it launches anything (what this test asserts).
+        let code = unsafe {
+            abi::tpfuse_gemm_all_reduce(
+                <bf16 as tpfuse::dtype::Element>::DTYPE,
+                auto_config(m, n, k),
+                &peers,
+                &args,
+                ranks.blocks,
+                x_at,
+                w.ptr().cast(),
+                std::ptr::null(),
+                std::ptr::null_mut(),
+                std::ptr::null(),
+                EPS,
+                out_at,
+                m,
+                n,
+                k,
+                ranks.stream(0),
+            )
+        };
+        assert_eq!(code, 1, "{what}: cudaErrorInvalidValue");
+    }
+    ranks.synchronize();
+    assert_eq!(ranks.error_word(0), 0, "nothing ran");
+    assert!(out.to_vec().iter().all(|v| v.is_nan()), "out untouched");
 }

@@ -27,12 +27,14 @@ pub struct BlockPhases {
     pub start_ns: u64,
     /// `%globaltimer` at the block's end, ns.
     pub end_ns: u64,
-    /// The tiles the block computed.
+    /// The tiles the block computed (GEMM + all-reduce with its split of k in parallel: the
+    /// parts of tiles).
     pub tiles: u64,
     /// Computing them (the GEMM's mainloop and epilogue).
     pub gemm_ns: u64,
     /// Publishing its flags (thread 0's store into rank 0's pad; the all-gather + GEMM:
-    /// pushing its rows too).
+    /// pushing its rows too; a split of k in parallel: each part's count, and adding the
+    /// parts of the tiles it completes).
     pub publish_ns: u64,
     /// Waiting for other ranks' flags.
     pub wait_ns: u64,

@@ -25,7 +25,8 @@ use crate::ffi::kernels;
 use crate::group::TpGroup;
 use crate::ops::all_reduce::{Algorithm, Epilogue};
 use crate::ops::gemm::{
-    check_gemm, check_gemm_shapes, select_config, GemmBuffers, GemmConfig, GemmElement, GemmShape,
+    check_gemm, check_gemm_shapes, select_config, split_parts, GemmBuffers, GemmConfig,
+    GemmElement, GemmShape, SPLIT_PARALLEL_M_MAX,
 };
 use crate::topology::{AllReduceAlgo, FusedKernel};
 use crate::validate::{check_disjoint, owner, BufferInfo};
@@ -74,14 +75,25 @@ pub struct FusedFacts {
 
 /// What a fused launch will run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct FusedPlan {
     /// The GEMM tile configuration (the same choice as [`gemm`](crate::ops::gemm())).
     pub config: GemmConfig,
     /// Output tiles.
     pub tiles: usize,
-    /// Blocks of the persistent grid: `min(tiles, blocks x blocks_per_sm)` for GEMM +
-    /// all-reduce and GEMM + reduce-scatter, `min(tiles, blocks)` for all-gather + GEMM.
+    /// Blocks of the persistent grid: `min(units, blocks x blocks_per_sm)` for GEMM +
+    /// all-reduce and GEMM + reduce-scatter (its units: the tiles, or the parts of the tiles
+    /// when [`parts_in_parallel`](Self::parts_in_parallel)), `min(tiles, blocks)` for
+    /// all-gather + GEMM.
     pub grid: usize,
+    /// The split of `k` ([`split_parts`] on the group's device: the GEMM's, so the same bits).
+    pub parts: usize,
+    /// GEMM + all-reduce and GEMM + reduce-scatter with `parts` > 1, `m` ≤
+    /// [`SPLIT_PARALLEL_M_MAX`] and the parts' f32 partials (`parts · m · n · 4` bytes) within
+    /// the group's capacity: each part of each tile is a unit of the grid, its partial in the
+    /// rank's staging half, and the last part of a tile to finish adds them. Otherwise (and
+    /// always for all-gather + GEMM) each tile's block runs its parts one after another.
+    pub parts_in_parallel: bool,
     /// GEMM + all-reduce: how it reduced, [`AllReduceAlgo::OneShot`] (every rank reduces
     /// every tile) or [`AllReduceAlgo::TwoShot`] (each rank its slice of rows, then every rank
     /// gathers the slices); `None` for the other fused ops.
@@ -147,14 +159,32 @@ pub(crate) fn planned(
 ) -> Result<FusedPlan> {
     let config = fused_config(shape, facts).map_err(|reason| Error::invalid("out", reason))?;
     let tiles = tiles_of(config, shape);
-    let per_sm = match kernel {
-        FusedKernel::RowParallel => facts.blocks_per_sm[config.abi() as usize],
-        FusedKernel::AllGather => 1,
+    let parts = split_parts(shape.n, shape.k, facts.sms);
+    let (per_sm, parts_in_parallel) = match kernel {
+        FusedKernel::RowParallel => (
+            facts.blocks_per_sm[config.abi() as usize],
+            // cuda/gemm_all_reduce.cu's rule (launch_config).
+            parts > 1
+                && shape.m <= SPLIT_PARALLEL_M_MAX
+                && parts
+                    .saturating_mul(shape.m)
+                    .saturating_mul(shape.n)
+                    .saturating_mul(4)
+                    <= facts.capacity,
+        ),
+        FusedKernel::AllGather => (1, false),
+    };
+    let units = if parts_in_parallel {
+        tiles * parts
+    } else {
+        tiles
     };
     Ok(FusedPlan {
         config,
         tiles,
-        grid: tiles.min(facts.blocks.max(1) * per_sm.max(1)),
+        grid: units.min(facts.blocks.max(1) * per_sm.max(1)),
+        parts,
+        parts_in_parallel,
         all_reduce: None,
     })
 }

@@ -562,7 +562,10 @@ fn not_fused(
             if m > max_m {
                 return Some(format!("Fusion::Auto: m = {m} is past the rule's {max_m}"));
             }
-            if split_parts(g.n, g.k, p.sms) > 1 {
+            let shape = GemmShape { m, n: g.n, k: g.k };
+            if planned(shape, &fused_facts(tp, p), FusedKernel::RowParallel)
+                .is_ok_and(|plan| plan.parts > 1 && !plan.parts_in_parallel)
+            {
                 return Some("Fusion::Auto: fused, the parts would run one after another".into());
             }
             refused()
@@ -578,20 +581,30 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
     // The launch's plan: the GEMM's tiles, and a persistent grid of as many blocks as the SMs
     // hold at once.
     let plan = planned(shape, &facts, FusedKernel::RowParallel).ok()?;
-    let (config, tiles, grid) = (plan.config, plan.tiles, plan.grid);
+    let (config, tiles, grid, parts) = (plan.config, plan.tiles, plan.grid, plan.parts);
     let info = config.info();
     let tiles_n = g.n.div_ceil(info.block_n);
     let s = ELEMENT_BYTES;
     let w = tp as u64;
     let bytes = (m * g.n) as u64 * s;
     let algo = fused_all_reduce_algo::<bf16>(shape, &facts, Algorithm::Auto).ok()?;
-    // Per tile: the GEMM's A rows and B rows, its partial stored; one-shot: the W partials
-    // read, bias-free residual read and written, out written; the norm of a row (out read
-    // twice, gamma, out written per element): a strip's first row by the block that completes
-    // the strip (in the kernel whichever block adds last; here the block of its last column's
-    // tile), its other rows dealt over the grid (row r to block r mod G).
-    let gemm_bytes = gemm_block_bytes(config, shape, false, false);
+    // Per unit (block u mod G): a tile's GEMM, its A rows and B rows, its partial stored; or,
+    // with the parts in parallel, a part of a tile (the tile's rows over the part's k, its f32
+    // chains stored; the part that adds them, here the last, reads the S partials and stores
+    // the tile's partial). Per tile (block t mod G): one-shot, the W partials read, bias-free
+    // residual read and written, out written; the norm of a row (out read twice, gamma, out
+    // written per element): a strip's first row by the block that completes the strip (in
+    // the kernel whichever block adds last; here the block of its last column's tile), its
+    // other rows dealt over the grid (row r to block r mod G).
+    let unit_bytes = if plan.parts_in_parallel {
+        gemm_split_block_bytes(config, shape, parts, false, false)
+    } else {
+        gemm_block_bytes(config, shape, false, false)
+    };
     let mut per_block = vec![0u64; grid];
+    for (unit, bytes) in unit_bytes.iter().enumerate() {
+        per_block[unit % grid] += bytes;
+    }
     for tile in 0..tiles {
         let (rows, cols, tn) = tile_extent(config, shape, tile);
         let out = rows * cols * s;
@@ -599,7 +612,7 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
             AllReduceAlgo::OneShot => (w + 3) * out,
             _ => (w + 3) * out / w,
         };
-        per_block[tile % grid] += gemm_bytes[tile] + reduce;
+        per_block[tile % grid] += reduce;
         if tn + 1 == tiles_n && algo == AllReduceAlgo::OneShot {
             per_block[tile % grid] += 4 * g.n as u64 * s;
         }
@@ -615,28 +628,43 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
         }
     }
     let (max, mean, streaming) = per_sm(&per_block, p.sms);
-    // The block's ring runs through every part of k without draining.
-    let flight = gemm_in_flight(config, (m, g.k), grid, p, "gemm_all_reduce_kernel", true);
+    // The block's ring runs through every part of k without draining; with the parts in
+    // parallel, through its part.
+    let block_k = if plan.parts_in_parallel {
+        g.k.div_ceil(parts)
+    } else {
+        g.k
+    };
+    let flight = gemm_in_flight(
+        config,
+        (m, block_k),
+        grid,
+        p,
+        "gemm_all_reduce_kernel",
+        true,
+    );
     let peer_bytes = match algo {
         AllReduceAlgo::OneShot => (w - 1) as f64 * bytes as f64,
         _ => 2.0 * (w - 1) as f64 / w as f64 * bytes as f64,
     };
     let total: u64 = per_block.iter().sum();
-    // A block computes its tiles back to back, publishes one flag, waits once for every
-    // rank's, then reduces all its tiles with their loads dealt over its threads
+    // A block computes its units back to back, publishes one flag (with the parts in
+    // parallel: the block adding a tile's parts publishes the tile), waits once for every
+    // rank's (per tile), then reduces all its tiles with their loads dealt over its threads
     // (cuda/gemm_all_reduce.cu): one round, one peer read (the reduction's loads issued once
-    // the GEMM is done: exposed), and a pipeline fill for each tile after the first (each
-    // tile's ring starts empty; the first fill is every GEMM's, which the streaming term
+    // the GEMM is done: exposed), and a pipeline fill for each unit after the first (each
+    // unit's ring starts empty; the first fill is every GEMM's, which the streaming term
     // leaves out for the GEMM alone too); then, one-shot, the strip's flag for the dealt rows
     // (a strip of more than one row), two-shot the slices'. (The kernel measured on an H200,
     // which published, awaited and reduced each tile between its GEMM tiles, spent about
-    // 3.7 us per tile on them: docs/performance.md, "Second H200 run".)
-    let tiles_per_block = tiles.div_ceil(grid);
+    // 3.7 us per tile on them: docs/performance.md, "Second H200 run".) Adding the parts, as
+    // in the GEMM alone's row, counts in the busiest SM's bytes only.
+    let units_per_block = unit_bytes.len().div_ceil(grid);
     let rounds = 1 + match algo {
         AllReduceAlgo::OneShot if m == 1 => 0,
         _ => 1,
     };
-    let serial_s = (tiles_per_block - 1) as f64 * p.streaming_latency_s + p.peer_latency_s;
+    let serial_s = (units_per_block - 1) as f64 * p.streaming_latency_s + p.peer_latency_s;
     let minimum = ((g.n * g.k + m * g.k + 3 * m * g.n) as u64 * s) as f64;
     let floor = (minimum / p.dram_bytes_per_s).max(peer_bytes / p.link_bytes_per_s) + p.round_s;
     let model = Model {
@@ -647,7 +675,7 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
         peer_share: peer_bytes / total as f64,
         streams_weights: true,
         in_flight: flight.bytes as f64,
-        chain_s: chain_seconds(g.k, tiles_per_block, p),
+        chain_s: chain_seconds(block_k, units_per_block, p),
         rounds,
         serial_s,
     };
@@ -664,7 +692,7 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
         k: g.k,
         tp,
         config: format!("{} {name}", config.name()),
-        split_k: split_parts(g.n, g.k, p.sms),
+        split_k: parts,
         blocks: grid,
         sms: p.sms,
         sms_streaming: streaming,
@@ -674,9 +702,10 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
         sync_rounds: rounds,
         floor_us: us(floor),
         model_us: us(model.seconds(p)),
-        choice: match split_parts(g.n, g.k, p.sms) {
-            1 => "fused".into(),
-            parts => format!("fused; k in {parts} parts, one after another"),
+        choice: match (parts, plan.parts_in_parallel) {
+            (1, _) => "fused".into(),
+            (_, true) => format!("fused; k in {parts} parts, in parallel"),
+            (_, false) => format!("fused; k in {parts} parts, one after another"),
         },
     })
 }

@@ -4,8 +4,8 @@
 
 use crate::error::{Error, Result};
 use crate::group::TpGroup;
-use crate::ops::gemm::{split_parts, GemmShape};
-use crate::ops::gemm_all_reduce::{facts_of, FusedFacts};
+use crate::ops::gemm::GemmShape;
+use crate::ops::gemm_all_reduce::{facts_of, planned, FusedFacts};
 use crate::topology::{FusedKernel, FusionRule};
 
 /// How a layer joins its GEMM and its collective: a row-parallel layer's GEMM + all-reduce
@@ -18,7 +18,7 @@ pub enum Fusion {
     /// all-gather + GEMM fuses for small `m` on groups whose custom kernels run, when the
     /// shape fits the fused kernel and its `k` does not split
     /// ([`split_parts`](crate::ops::gemm::split_parts) = 1: the unfused GEMM runs the parts in
-    /// parallel, the fused kernels one after another); a row-parallel layer's GEMM +
+    /// parallel, the fused all-gather + GEMM one after another); a row-parallel layer's GEMM +
     /// all-reduce or GEMM + reduce-scatter runs unfused (measured 1.6-2.6x slower fused on an
     /// H200, `docs/performance.md`; [`Fusion::Fused`] still runs it).
     Auto,
@@ -72,9 +72,10 @@ impl FusedOp {
 /// Whether a layer's call of `shape` (its GEMM's, `m` rows) runs `op` fused, by its `fusion`: `auto_allowed` is what the layer adds to
 /// [`Fusion::Auto`]'s rule, `unfusable` says why the fused kernel cannot take the shape on the
 /// group. [`Fusion::Auto`] also leaves a shape whose `k` splits
-/// ([`split_parts`](crate::ops::gemm::split_parts) > 1) unfused: the fused kernels run a
-/// tile's parts one after another on as many SMs as there are tiles, where the unfused GEMM
-/// runs them in parallel (the same bits either way). Forced fusion that cannot run is an
+/// ([`split_parts`](crate::ops::gemm::split_parts) > 1) unfused where the fused kernel runs a
+/// tile's parts one after another on as many SMs as there are tiles
+/// ([`FusedPlan::parts_in_parallel`](crate::ops::gemm_all_reduce::FusedPlan::parts_in_parallel)
+/// false), where the unfused GEMM runs them in parallel (the same bits either way). Forced fusion that cannot run is an
 /// error naming the layer (`label`).
 pub(super) fn fuses(
     fusion: Fusion,
@@ -103,7 +104,8 @@ pub(super) fn fuses(
         },
         Fusion::Auto => Ok(auto_allowed
             && FusionRule::default().fuse(op.kernel(), group.verdict(), m)
-            && split_parts(shape.n, shape.k, facts_of(group).sms) == 1
+            && planned(shape, &facts_of(group), op.kernel())
+                .is_ok_and(|plan| plan.parts == 1 || plan.parts_in_parallel)
             && refusal().is_none()),
     }
 }
