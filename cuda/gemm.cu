@@ -114,11 +114,6 @@ size_t split_scratch_bytes(size_t m, size_t n, int parts) {
   return kSplitCountsBytes + static_cast<size_t>(parts) * m * n * sizeof(float);
 }
 
-// The parts in parallel only for the configurations select_config gives a split (64 columns:
-// 16 x 64, 64 x 64); a forced 16 x 16 or 16 x 32 runs its parts one after another (the same
-// bits).
-template <typename Cfg> constexpr bool kParallelSplit = Cfg::kSplittable && Cfg::kBlockN == 64;
-
 template <typename T, typename Cfg>
 int launch_config(const T *a, const T *b, const T *bias, const T *residual, T *c, int m, int n, int k, int parts,
                   void *scratch, size_t scratch_bytes, cudaStream_t stream) {

@@ -33,17 +33,17 @@
 // The split of k in parallel (S parts: tpfuse_gemm's, tpfuse.h says when). The grid's units are
 // then the parts of the tiles, unit u = part u / tiles of tile u % tiles, block b computing
 // units b, b + G, ...: each stores its part's f32 chains into this rank's staging half and
-// counts it in part_count[tile] (gemm_split.cuh: finished_last, the protocol and the bits of
-// tpfuse_gemm's parallel split). The block whose part completes the tile adds the S partials
-// in ascending order, stores the sum rounded to T into the exchange area, and publishes the
-// tile: after a __syncthreads, thread p stores the flag into tile_flags[tile][rank] of rank
-// p's pad (st.release.sys, as above; cumulative over the adds' stores, and over the parts it
-// acquired through the count's release sequence). A flag then says one tile is stored, and a
+// marks it in the tile's word, part_count[tile] (gemm_split.cuh: stored_part, fold_parts, the
+// protocol and the bits of tpfuse_gemm's parallel split). The parts are folded in ascending
+// order into part 0's partials; the block that folds the last part stores the sum rounded to
+// T into the exchange area, and publishes the tile: after a __syncthreads, thread p stores the
+// flag into tile_flags[tile][rank] of rank p's pad (st.release.sys, as above; cumulative over
+// the block's stores of the tile). A flag then says one tile is stored, and a
 // consuming block waits (thread q) for rank q's flag of each of its tiles b, b + G, ... that
 // holds rows it reduces, in turn, then reduces them all as above. Blocks b >= tiles reduce
-// nothing. Whichever block adds a tile's parts, the tile's flag slot is the same on every
-// rank. No deadlock: a block publishes every tile it completes inside its unit loop, before
-// any wait, so every tile's parts and flag need only blocks that have not waited yet.
+// nothing. Whichever block folds a tile's last part, the tile's flag slot is the same on every
+// rank. No deadlock: a block folds and publishes inside its unit loop, before any wait, so
+// every tile's parts and flag need only blocks that have not waited yet.
 //
 // Grid. G is at most the SMs the group gives the rank (TpGroup::fused_blocks) times the blocks
 // of this kernel one SM holds at once (tpfuse_gemm_all_reduce_blocks_per_sm, the occupancy
@@ -51,8 +51,8 @@
 //
 // No deadlock: block b waits only for block b of the other ranks, whose flag it publishes
 // before it waits for anything. So no cycle can form, provided block b of every rank runs
-// (with the split in parallel, a tile's flag comes from whichever block adds its parts: then
-// every block of every rank must run, which the same cooperative launch gives).
+// (with the split in parallel, a tile's flag comes from whichever block folds its last part:
+// then every block of every rank must run, which the same cooperative launch gives).
 // Every rank's grid is a cooperative launch (backend.cuh): all its G blocks are resident at
 // once, or the launch is refused before anything runs (G past what the device holds at once:
 // the occupancy API's bound), so block b of every rank runs, however many SMs other kernels
@@ -374,13 +374,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
   // Produce: the block's tiles back to back, then one flag to every rank (slot b: "block b's
   // tiles are stored"). Consume: one wait for every rank's flag of slot b, then the tiles'
   // reduction. A parallel split produces the parts of the tiles instead, and the block that
-  // adds a tile's parts publishes the tile (slot = tile), so the consumers wait for every
+  // folds a tile's last part publishes the tile (slot = tile), so the consumers wait for every
   // rank's flag of each of their tiles. (Nothing writes st.failed between begin()'s
   // __syncthreads and the waits.)
   const int tiles = tiles_m * tiles_n;
   const bool producing = st.failed == 0;
   if (producing && split_parallel) {
-    if constexpr (Cfg::kSplittable) {
+    if constexpr (gemm::kParallelSplit<Cfg>) {
       // The parts' f32 chains in this rank's staging half ([parts][m][n]); only this rank's
       // blocks touch it during the launch (fused_flags.cuh, "Exchange areas").
       float *partials = static_cast<float *>(peers.data[g.rank]);
@@ -394,15 +394,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
         gemm_tile<T, Cfg>(DenseRows<T>{x, k}, w, m, n, k, tm, tn, gemm::PartialEpilogue{partials + part * mn, n}, smem,
                           KSplit{parts, part, part + 1});
         st.clock.tile_computed();
-        // The last part to finish adds the parts into the exchange area (gemm_split.cuh's
-        // protocol and bits), then publishes the tile. finished_last's __syncthreads also
-        // order the epilogue's reads of smem before the next unit's writes.
-        // (st.last is free until the reduction's counts.)
-        if (gemm::finished_last(own.part_count(tile), parts, st.last)) {
-          gemm::add_parts<Cfg>(partials, parts, m, n, tm, tn, staging);
-          __syncthreads(); // the tile's stores, before the flags' releases
+        // The parts are folded in order into the exchange area (gemm_split.cuh's protocol and
+        // bits); the block that folds the last one publishes the tile, after fold_parts'
+        // __syncthreads (every thread's stores of the tile, before the flags' releases). The
+        // __syncthreads of stored_part also order the epilogue's reads of smem before the next
+        // unit's writes. (st.last is free until the reduction's counts.)
+        uint32_t *word = own.part_count(tile);
+        if (gemm::stored_part(word, part, parts, st.last) &&
+            gemm::fold_parts<Cfg>(partials, word, part, parts, m, n, tm, tn, staging, st.last))
           fused::publish(peers, g, tile, flag_value);
-        }
         st.clock.mark(fused::kPhasePublish);
       }
     }
@@ -424,7 +424,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
   const int reducing = producing ? tiles_to_reduce<T, Cfg>(L) : 0;
   if (reducing > 0) {
     if (static_cast<int>(threadIdx.x) < g.world) {
-      if (split_parallel) {
+      if (gemm::kParallelSplit<Cfg> && split_parallel) {
 #pragma unroll 1
         for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x)
           if (span_of<T, Cfg>(L, tile).rows > 0) fused::await(peers, g, deadline, st, tile, threadIdx.x, descriptor);
@@ -493,8 +493,9 @@ int launch_config(Reduction reduction, const tpfuse_peers &peers, const tpfuse_g
   const int parts = split_parts_here(n, k);
   if (parts == 0) return cudaErrorInvalidDevice;
   if (!Cfg::kSplittable && parts != 1) return cudaErrorInvalidValue;
-  const bool split_parallel = parts > 1 && m <= TPFUSE_GEMM_SPLIT_PARALLEL_M_MAX &&
-                              static_cast<uint64_t>(parts) * m * n * sizeof(float) <= g.capacity;
+  const bool split_parallel =
+      gemm::kParallelSplit<Cfg> && parts > 1 && m <= TPFUSE_GEMM_SPLIT_PARALLEL_M_MAX &&
+      static_cast<uint64_t>(parts) * m * n * sizeof(float) <= g.capacity;
   if (split_parallel) {
     // The parts' partials overwrite the start of the staging half: no argument may lie there.
     const uintptr_t scratch = reinterpret_cast<uintptr_t>(peers.data[g.rank]);

@@ -34,8 +34,8 @@
 //   configuration; no configuration runs a step that lies wholly past k), and the parts added
 //   in ascending order by plain f32 additions. S = 1 is one chain over all of k. A block runs
 //   the parts of its tile one after another (KSplit{S, 0, S}: the running total in a second
-//   set of registers), or each part is a block of its own and the last of them adds the
-//   parts' f32 partials in the same order (gemm_split.cuh): the same operations on the same
+//   set of registers), or each part is a block of its own and the parts' f32 partials are
+//   folded in the same order (gemm_split.cuh): the same operations on the same
 //   values, so the same bits. There is no other reduction across warps or blocks, and no
 //   atomics on values, so the value depends only on row r of A, row c of B, k and S: not on
 //   m, not on the row's position in its tile, not on the tile shape, not on the grid. The

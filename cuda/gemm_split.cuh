@@ -1,27 +1,52 @@
 // gemm_split.cuh: the split of k in parallel (gemm_sm80.cuh's contract, "Batch invariance").
-// Each block computes one part of one tile and stores the part's f32 chain; the last block of
-// a tile to finish adds the tile's parts in ascending order and runs the epilogue. The bits are
-// those of one block running the parts one after another (gemm_tile with KSplit{S, 0, S}): the
-// same chains, added in the same order by the same f32 additions, then the same store8.
+// Each block computes one part of one tile and stores the part's f32 chain; the parts are then
+// folded into part 0's partials in ascending order (P0 := P0 + Pj, j = 1, 2, ...), the last
+// fold handing its sum to the epilogue instead. The bits are those of one block running the
+// parts one after another (gemm_tile with KSplit{S, 0, S}): the same chains, added in the same
+// order by the same f32 additions, then the same store8.
+//
+// Who folds. A block that stores part j folds when every part before it is folded: then it
+// folds the run of parts stored from j on in one pass (the running sum read once, each part's
+// chains once, the sum written once, or the last part's handed to the epilogue), then, in
+// further rounds, each run stored meanwhile; it stops where the next part is not stored yet,
+// which that part's block then folds. When the parts finish in order each block folds its own
+// (the sum and its chains read, the sum written); in the worst order (part 0 last) part 0's
+// block reads all S partials in one pass, as a single adder would. Which block folds what
+// depends on the order the parts finish: on a GPU, unmeasured (their blocks start within one
+// wave, so their order is close to chance).
 //
 // Scratch (the caller's, 16-byte aligned, zeroed once before its first use):
-//   uint32 counts[kSplitMaxTiles]   how many parts of tile t have finished (a fixed region,
+//   uint32 counts[kSplitMaxTiles]   tile t's word: bit j set once part j is stored, and the
+//                                   parts folded so far at kFoldedShift (a fixed region,
 //                                   whatever the shape: calls of different shapes share it)
-//   float  partials[S][m][n]        part p's chains (written before they are read)
-// A launch leaves every count at 0 again, so launches of any shape on one stream can reuse the
-// scratch. Only the counts matter between launches; a launch that failed part-way may leave
-// counts behind, and the scratch must then be zeroed again.
+//   float  partials[S][m][n]        part p's chains (written before they are read); part 0's
+//                                   become the running sum
+// A launch leaves every word at 0 again, so launches of any shape on one stream can reuse the
+// scratch. Only the words matter between launches; a launch that failed part-way may leave
+// words behind, and the scratch must then be zeroed again.
 //
-// Protocol (PTX ISA memory model). A block stores its part's partials (weak st.global), then
-// __syncthreads orders every thread's stores before thread 0's atom.acq_rel.gpu add on the
-// tile's count (bar.sync is a CTA-scope fence-like synchronisation, and the release is
-// cumulative: it releases what thread 0 observed through the barrier). The adds of one count
-// form a release sequence, so the block whose add brings the count to S acquires every other
-// part's release: their partial stores happen before its reads. Thread 0 then sets the count
-// back to 0 (no other block of this launch adds to it any more; the next launch on the stream
-// starts after this one ends), and a second __syncthreads orders thread 0's acquire before
-// the other threads' loads of the partials (ld.global.cg: L2, never a stale L1 line). No
-// block waits for another: nothing here can hang.
+// Protocol (PTX ISA memory model). Every change of a tile's word is thread 0's atom.acq_rel.gpu
+// add, after a __syncthreads that orders the block's stores before it (bar.sync is a CTA-scope
+// fence-like synchronisation, and the release is cumulative: it releases what thread 0
+// observed through the barrier), and before a second __syncthreads that orders its acquire
+// before the block's loads (ld.global.cg: L2, never a stale L1 line). The adds of one word
+// form a total order and each reads the value of the one before, so each acquires what every
+// earlier add released: the partials of every part stored before it and the running sum of
+// every fold before it. The adds:
+//   stored_part  adds 1 << j once part j's chains are stored (the bits never carry: each is
+//                added once); the block folds from part j on when the old word says exactly j
+//                parts are folded (every earlier part; j itself cannot be, since only j's
+//                block sets bit j), the run of parts whose bits the old word holds from j on;
+//   fold_parts   after folding parts [f, e), adds (e - f) << kFoldedShift (e folded) and goes
+//                on with the run from part e when the old word has e's bit set (its block
+//                found fewer than e parts folded and left it), else stops (e's block will find
+//                exactly e folded).
+// Of the two adds that concern part e (its block's, and the fold's that brings the count to e),
+// the one later in the word's order sees the other: exactly one block folds each part, after
+// every part before it. The block that folds part S - 1 runs the epilogue and sets the word
+// back to 0 (every part stored and folded: no other block of this launch touches it any more;
+// the next launch on the stream starts after this one ends). No block waits for another:
+// nothing here can hang.
 #pragma once
 
 #include "gemm_epilogue.cuh"
@@ -84,28 +109,42 @@ struct PartialEpilogue {
   }
 };
 
-// After a block stored its part of a tile (every thread, weak stores): whether it was the
-// tile's last part to finish, in every thread (`last`: a shared int). The __syncthreads
-// before thread 0's acq_rel add on the tile's count (`count`, S parts in all) orders every
-// thread's stores before its release; the second orders thread 0's acquire before the
-// block's loads of the other parts. The last block sets the count back to 0 (no other block
-// of the launch adds to it any more).
-__device__ __forceinline__ bool finished_last(uint32_t *count, int parts, int &last) {
-  __syncthreads(); // every thread's partial stores, before thread 0's release
-  if (threadIdx.x == 0) {
-    last = atomic_add_acq_rel_gpu(count, 1u) + 1u == static_cast<uint32_t>(parts);
-    if (last) *count = 0;
-  }
-  __syncthreads(); // thread 0's acquire, before the block's loads of the other parts
-  return last != 0;
+// The parts in parallel only for the configurations select_config gives a split (64 columns:
+// 16 x 64, 64 x 64, and the fused kernels' variants); a forced 16 x 16 or 16 x 32 runs its
+// parts one after another (the same bits), and its kernels carry no fold code (registers).
+template <typename Cfg> constexpr bool kParallelSplit = Cfg::kSplittable && Cfg::kBlockN == 64;
+
+// A tile's word: the stored parts' bits below kFoldedShift, the parts folded from it on.
+constexpr int kFoldedShift = 16;
+static_assert(kMaxParts <= kFoldedShift, "a bit for every part below the folded count");
+
+// The end of the run of stored parts from part `first` (itself stored) in a word's bits.
+__device__ __forceinline__ int stored_run_end(uint32_t word, int first, int parts) {
+  int end = first + 1;
+  while (end < parts && (word >> end & 1u) != 0) ++end;
+  return end;
 }
 
-// Tile (tile_m, tile_n)'s outputs in runs of 8 columns: the `parts` f32 partials ([parts][m]
-// [n] from `partials`) added in ascending order, then `epi.store8` (the bits of gemm_tile with
-// KSplit{parts, 0, parts}). Call after finished_last returned true.
+// After a block stored part `part` of a tile (every thread, weak stores): whether it folds from
+// that part on (every part before it folded), in every thread; if so, `run_end` (a shared int)
+// is the end of the run of stored parts from it, else -1.
+__device__ __forceinline__ bool stored_part(uint32_t *word, int part, int parts, int &run_end) {
+  __syncthreads(); // every thread's partial stores, before thread 0's release
+  if (threadIdx.x == 0) {
+    const uint32_t old = atomic_add_acq_rel_gpu(word, 1u << part);
+    run_end = old >> kFoldedShift == static_cast<uint32_t>(part) ? stored_run_end(old, part, parts) : -1;
+  }
+  __syncthreads(); // thread 0's acquire, before the block's loads of the running sum
+  return run_end >= 0;
+}
+
+// Folds parts [first, end) into the running sum (part 0's partials) over tile (tile_m, tile_n),
+// in runs of 8 columns: the sum, then each part in ascending order (part 0 is the sum's start);
+// stored back, or, when `end` is the last part's end, handed to `epi.store8` (the bits of
+// gemm_tile with KSplit{parts, 0, parts}).
 template <typename Cfg, typename Epi>
-__device__ __forceinline__ void add_parts(const float *partials, int parts, int m, int n, int tile_m, int tile_n,
-                                          const Epi &epi) {
+__device__ __forceinline__ void fold_range(float *partials, int first, int end, int parts, int m, int n, int tile_m,
+                                           int tile_n, const Epi &epi) {
   constexpr int kRuns = Cfg::kBlockN / 8;
   const size_t mn = static_cast<size_t>(m) * static_cast<size_t>(n);
   const int m0 = tile_m * Cfg::kBlockM, n0 = tile_n * Cfg::kBlockN;
@@ -113,18 +152,62 @@ __device__ __forceinline__ void add_parts(const float *partials, int parts, int 
     const int row = m0 + idx / kRuns;
     const int col = n0 + idx % kRuns * 8;
     if (row >= m || col >= n) continue;
-    const float *at = partials + static_cast<size_t>(row) * static_cast<size_t>(n) + static_cast<size_t>(col);
+    float *sum = partials + static_cast<size_t>(row) * static_cast<size_t>(n) + static_cast<size_t>(col);
+    const Vec16<float> s_lo = load16_peer(sum), s_hi = load16_peer(sum + 4);
     float v[8];
-    for (int p = 0; p < parts; ++p) {
-      const Vec16<float> lo = load16_peer(at + p * mn);
-      const Vec16<float> hi = load16_peer(at + p * mn + 4);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        v[j] = p == 0 ? lo.v[j] : v[j] + lo.v[j];
-        v[4 + j] = p == 0 ? hi.v[j] : v[4 + j] + hi.v[j];
+    for (int i = 0; i < 4; ++i) {
+      v[i] = s_lo.v[i];
+      v[4 + i] = s_hi.v[i];
+    }
+    for (int j = first > 0 ? first : 1; j < end; ++j) {
+      const Vec16<float> p_lo = load16_peer(sum + j * mn), p_hi = load16_peer(sum + j * mn + 4);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        v[i] += p_lo.v[i];
+        v[4 + i] += p_hi.v[i];
       }
     }
-    epi.store8(row, col, v);
+    if (end == parts) {
+      epi.store8(row, col, v);
+    } else {
+      Vec16<float> lo, hi;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        lo.v[i] = v[i];
+        hi.v[i] = v[4 + i];
+      }
+      store16(sum, lo);
+      store16(sum + 4, hi);
+    }
+  }
+}
+
+// After stored_part gave this block the parts from `first` to fold (the run up to `run_end`):
+// folds that run, then, in further rounds, each run of parts stored meanwhile. True when it
+// folded the last part, so the tile's outputs are stored (through `epi`, before the last
+// round's __syncthreads); false when the next part is not stored yet (its block folds it).
+// `run_end` is stored_part's shared int.
+template <typename Cfg, typename Epi>
+__device__ __forceinline__ bool fold_parts(float *partials, uint32_t *word, int first, int parts, int m, int n,
+                                           int tile_m, int tile_n, const Epi &epi, int &run_end) {
+  for (;;) {
+    const int end = run_end;
+    if (end == parts || end > (first > 0 ? first : 1))
+      fold_range<Cfg>(partials, first, end, parts, m, n, tile_m, tile_n, epi);
+    __syncthreads(); // every thread's fold (and read of run_end), before thread 0's release
+    if (threadIdx.x == 0) {
+      if (end == parts) {
+        *word = 0; // every part folded: no other block touches the word in this launch
+      } else {
+        const uint32_t old = atomic_add_acq_rel_gpu(word, static_cast<uint32_t>(end - first) << kFoldedShift);
+        run_end = (old >> end & 1u) != 0 ? stored_run_end(old, end, parts) : -1;
+      }
+    }
+    __syncthreads(); // thread 0's acquire, before the block's loads of the next run
+    if (end == parts) return true;
+    if (run_end < 0) return false;
+    first = end;
   }
 }
 
@@ -145,7 +228,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   tile_of_block(tile, tiles_m, tiles_n, tile_m, tile_n);
   gemm_tile<T, Cfg>(DenseRows<T>{a, k}, b, m, n, k, tile_m, tile_n, PartialEpilogue{partials + part * mn, n}, smem,
                     KSplit{parts, part, part + 1});
-  if (finished_last(counts + tile, parts, last)) add_parts<Cfg>(partials, parts, m, n, tile_m, tile_n, epi);
+  if (stored_part(counts + tile, part, parts, last))
+    fold_parts<Cfg>(partials, counts + tile, part, parts, m, n, tile_m, tile_n, epi, last);
 }
 
 } // namespace gemm

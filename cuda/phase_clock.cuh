@@ -30,7 +30,7 @@ namespace fused {
 enum Phase {
   kPhaseGemm,    // gemm_tile of the block's tiles (its mainloop and epilogue)
   kPhasePublish, // a unit's flags stored to every rank (the all-gather: its rows pushed too;
-                 // a split of k in parallel: a part's count, and adding a tile's parts)
+                 // a split of k in parallel: marking a part stored, and folding parts)
   kPhaseWait,    // waiting for other ranks' flags, to the __syncthreads after them
   kPhaseReduce,  // the W partials of the block's tiles reduced, their epilogue, strip or slice counts
   kPhaseTail,    // after the reduction: the dealt RMSNorm rows, the two-shot's gather

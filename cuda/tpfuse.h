@@ -120,8 +120,9 @@ int tpfuse_fp_contraction_probe(const float *abc, float *out, void *stream);
  *                                                         of this rank's last fused GEMM launch
  *                                                         spent its time (diagnostics, below)
  *       uint32 part_counts[TPFUSE_MAX_FUSED_TILES]        GEMM + all-reduce's split of k in
- *                                                         parallel: parts of tile t finished
- *                                                         (back to 0 when the tile is added)
+ *                                                         parallel: tile t's parts stored and
+ *                                                         folded (gemm_split.cuh; back to 0
+ *                                                         once the tile's parts are folded)
  *   (cuda/fused_flags.cuh explains the fused words)
  * The kernels never reset flags: every barrier waits for a larger value (epochs), so the
  * same launch can be replayed from a CUDA graph.
@@ -344,11 +345,11 @@ int tpfuse_gemm(tpfuse_dtype dtype, int32_t config, const void *a, const void *b
 
 /* tpfuse_gemm, with a scratch for the parallel split of k: when the shape's split has S > 1
  * parts, m <= TPFUSE_GEMM_SPLIT_PARALLEL_M_MAX and scratch_bytes >= tpfuse_gemm_scratch_bytes,
- * a block runs each part of each tile and the last one adds them (more SMs stream the weight;
- * the same bits), with the configurations AUTO chooses where k splits (SMALL_16X64, TILE_64X64;
+ * a block runs each part of each tile and the parts are folded in order, each by the block
+ * that finds it ready, normally its own (more SMs stream the weight; the same bits), with the configurations AUTO chooses where k splits (SMALL_16X64, TILE_64X64;
  * a forced SMALL_16X16 or SMALL_16X32 runs each tile's parts in its block). scratch: 16-byte aligned, zeroed before its first use, used by one stream at
  * a time (not by two branches of one CUDA graph either). Calls of any shape may share it: every
- * launch leaves its counts (its first 16 KiB) back at zero; zero it again after a launch that
+ * launch leaves its tiles' words (its first 16 KiB) back at zero; zero it again after a launch that
  * failed. NULL, or too small: each tile's block runs its parts one after another. */
 int tpfuse_gemm_scratch(tpfuse_dtype dtype, int32_t config, const void *a, const void *b, const void *bias,
                         const void *residual, void *c, size_t m, size_t n, size_t k, void *scratch,
@@ -398,10 +399,11 @@ int tpfuse_gemm_describe_fused(int32_t config, tpfuse_gemm_config_info *info);
  * error word, and a launch that does not complete marks out and residual failed, as
  * tpfuse_all_reduce does.
  * The split of k is tpfuse_gemm's (tpfuse_gemm_split_parts on the current device, S parts).
- * When S > 1, m <= TPFUSE_GEMM_SPLIT_PARALLEL_M_MAX and S * m * n * 4 <= capacity, the grid's
+ * When S > 1, m <= TPFUSE_GEMM_SPLIT_PARALLEL_M_MAX, S * m * n * 4 <= capacity and the
+ * configuration is one that tpfuse_gemm_select gives a split (SMALL_16X64, TILE_64X64), the grid's
  * units are the parts of the tiles (min(tiles * S, blocks) blocks), each part's f32 partial in
  * this rank's staging half (the first S * m * n * 4 bytes: its contents are lost; no argument
- * may lie there, cudaErrorInvalidValue) and the last part of a tile to finish adds them;
+ * may lie there, cudaErrorInvalidValue), folded in order as tpfuse_gemm_scratch folds them;
  * otherwise each tile's block runs its parts one after another (min(tiles, blocks) blocks).
  * The same bits either way.
  */

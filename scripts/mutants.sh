@@ -306,34 +306,44 @@ mutant split-chain-not-restarted gpu_gemm::split_k_bf16 "a part's chain starts f
   '            total[i][j][q] = first_part ? acc[i][j][q] : total[i][j][q] + acc[i][j][q];'
 mutant split-last-part-alone gpu_gemm::split_k_bf16 "a tile run in one block keeps only its last part" \
   gemm_sm80.cuh 'if (split.last - split.first > 1) {' 'if (false) {'
-mutant split-parts-reversed gpu_gemm::split_k_bf16 "the parallel split adds the parts in descending order" \
-  gemm_split.cuh $'      const Vec16<float> lo = load16_peer(at + p * mn);\n      const Vec16<float> hi = load16_peer(at + p * mn + 4);' \
-  $'      const Vec16<float> lo = load16_peer(at + (parts - 1 - p) * mn);\n      const Vec16<float> hi = load16_peer(at + (parts - 1 - p) * mn + 4);'
-mutant split-count-kept gpu_gemm::split_k_bf16 "the parallel split leaves its counts at S (the next launch never finishes a tile)" \
-  gemm_split.cuh '    if (last) *count = 0;' ''
+mutant split-fold-wrong-part gpu_gemm::split_k_bf16 "the parallel split folds the parts in another order (part S - j for part j)" \
+  gemm_split.cuh 'const Vec16<float> p_lo = load16_peer(sum + j * mn), p_hi = load16_peer(sum + j * mn + 4);' \
+  'const Vec16<float> p_lo = load16_peer(sum + (parts - j) * mn), p_hi = load16_peer(sum + (parts - j) * mn + 4);'
+mutant split-count-kept gpu_gemm::split_k_bf16 "the parallel split leaves its tiles' words set (the next launch never finishes a tile)" \
+  gemm_split.cuh '        *word = 0; // every part folded: no other block touches the word in this launch' ''
 mutant split-boundary-32 gpu_gemm::split_k_bf16 "part boundaries at multiples of 32 (inside a 64-deep k-slice)" \
   gemm_sm80.cuh 'return static_cast<int>(64 * (k64 * p / parts));' 'return static_cast<int>(32 * (2 * k64 * p / parts));'
 mutant select-128-only-when-full cpu_gemm::the_tile_configuration_fills_the_gpu "128x128 tiles only once they give every SM a block (not 90%)" \
   gemm.cu 'return big_tiles * 10 >= static_cast<size_t>(sms) * 9 ?' 'return big_tiles >= static_cast<size_t>(sms) ?'
 mutant fused-tile-shallow cpu_gemm::the_configurations_describe_themselves "the fused kernels run tile-64x64's 32-deep slices" \
   gemm_sm80.cuh 'using type = FusedTile64x64;' 'using type = Tile64x64;'
-mutant split-release-early gpu_gemm::split_k_bf16+weak-random "the part's count is released before the block's partial stores" \
+mutant split-release-early gpu_gemm::split_k_bf16@random:1+weak-random "a part marked stored before the whole block stored its chains" \
   gemm_split.cuh $'  __syncthreads(); // every thread\'s partial stores, before thread 0\'s release\n' ''
 mutant split-no-sync-after-acquire gpu_gemm::split_k_bf16+weak-random "the block reads the parts without the barrier after thread 0's acquire" \
-  gemm_split.cuh $'  __syncthreads(); // thread 0\'s acquire, before the block\'s loads of the other parts\n' ''
-mutant split-count-relaxed gpu_gemm::split_k_bf16+weak-random "the parts' count added relaxed (no release, no acquire)" \
-  gemm_split.cuh 'atomic_add_acq_rel_gpu(count, 1u)' 'atomicAdd(count, 1u)'
+  gemm_split.cuh $'  __syncthreads(); // thread 0\'s acquire, before the block\'s loads of the running sum\n' ''
+mutant split-count-relaxed gpu_gemm::split_k_bf16+weak-random "a part marked stored relaxed (no release, no acquire)" \
+  gemm_split.cuh 'atomic_add_acq_rel_gpu(word, 1u << part)' 'atomicAdd(word, 1u << part)'
+mutant split-fold-count-relaxed gpu_gemm::split_k_bf16@random:1+weak-random "a fold counted relaxed (no release of the running sum, no acquire of the next part)" \
+  gemm_split.cuh 'atomic_add_acq_rel_gpu(word, static_cast<uint32_t>(end - first) << kFoldedShift)' 'atomicAdd(word, static_cast<uint32_t>(end - first) << kFoldedShift)'
+mutant split-fold-no-sync gpu_gemm::split_k_bf16+weak-random "a fold counted before the whole block stored the running sum" \
+  gemm_split.cuh $'    __syncthreads(); // every thread\'s fold (and read of run_end), before thread 0\'s release\n' ''
+mutant split-fold-stops gpu_gemm::split_k_bf16@random:1 "the folding block stops after its run even when the next part is stored (its block left it)" \
+  gemm_split.cuh 'run_end = (old >> end & 1u) != 0 ? stored_run_end(old, end, parts) : -1;' 'run_end = -1;'
+mutant split-fold-skips-run gpu_gemm::split_k_bf16 "a block that folds from its part on folds none of it unless it is the last run" \
+  gemm_split.cuh 'if (end == parts || end > (first > 0 ? first : 1))' 'if (end == parts)'
+mutant split-fold-always gpu_gemm::split_k_bf16@reverse:1 "every block folds from its part on, whatever was folded before" \
+  gemm_split.cuh 'run_end = old >> kFoldedShift == static_cast<uint32_t>(part) ?' 'run_end = true ?'
 mutant split-counts-by-tiles emu_counters::one_scratch_serves_splits_of_every_shape "the partials start after the call's own counts (their place moves with the tile count)" \
   gemm.cu 'reinterpret_cast<float *>(base + kSplitCountsBytes)' 'reinterpret_cast<float *>(base + (tiles * 4 + 255) / 256 * 256)'
 mutant epilogue-no-bias emu_gemm::gemm_auto_picks_a_config_that_gives_the_same_bits "the GEMM epilogue reads bias at column 0" \
   gemm_epilogue.cuh 'const Vec16<T> b = load16(bias + col);' 'const Vec16<T> b = load16(bias);'
 mutant flag-before-tile emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16@random:1 "the fused kernel publishes a block's flag before computing its tiles" \
   gemm_all_reduce.cu $'  } else if (producing) {\n#pragma unroll 1' $'  } else if (producing) {\n    fused::publish(peers, g, blockIdx.x, flag_value);\n#pragma unroll 1'
-mutant fused-split-flag-before-add emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16@random:1 "the fused parallel split publishes a tile before adding its parts" \
-  gemm_all_reduce.cu $'          gemm::add_parts<Cfg>(partials, parts, m, n, tm, tn, staging);\n          __syncthreads(); // the tile\'s stores, before the flags\' releases\n          fused::publish(peers, g, tile, flag_value);' \
-  $'          fused::publish(peers, g, tile, flag_value);\n          gemm::add_parts<Cfg>(partials, parts, m, n, tm, tn, staging);'
-mutant fused-split-no-sync-before-flag emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16+weak "the fused parallel split publishes a tile before the whole block stored its sum" \
-  gemm_all_reduce.cu $'          __syncthreads(); // the tile\'s stores, before the flags\' releases\n' ''
+mutant fused-split-flag-before-fold emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16@random:1 "the fused parallel split publishes a tile before folding its parts" \
+  gemm_all_reduce.cu 'gemm::fold_parts<Cfg>(partials, word, part, parts, m, n, tm, tn, staging, st.last))' \
+  '(fused::publish(peers, g, tile, flag_value), gemm::fold_parts<Cfg>(partials, word, part, parts, m, n, tm, tn, staging, st.last)))'
+mutant fused-split-fold-no-sync emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16+weak "the fused parallel split publishes a tile before the whole block stored its sum" \
+  gemm_split.cuh $'    __syncthreads(); // every thread\'s fold (and read of run_end), before thread 0\'s release\n' ''
 mutant fused-split-await-first-tile-only emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16@random:1 "with the parts in parallel, a block waits only for its first tile's flags" \
   gemm_all_reduce.cu 'for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x)
           if (span_of' 'for (int tile = blockIdx.x; tile < tiles; tile += tiles)
@@ -341,7 +351,7 @@ mutant fused-split-await-first-tile-only emu_gemm_all_reduce::fused_equals_gemm_
 mutant fused-split-first-part-only emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "the fused parallel split computes only the first part of each tile" \
   gemm_all_reduce.cu 'for (int unit = blockIdx.x; unit < tiles * parts; unit += gridDim.x) {' 'for (int unit = blockIdx.x; unit < tiles; unit += gridDim.x) {'
 mutant fused-split-never-parallel emu_counters::the_fused_split_runs_its_parts_as_the_grids_units "the fused kernel runs a tile's parts in its block where the plan runs them in parallel" \
-  gemm_all_reduce.cu 'const bool split_parallel = parts > 1 &&' 'const bool split_parallel = false &&'
+  gemm_all_reduce.cu 'gemm::kParallelSplit<Cfg> && parts > 1 && m <=' 'false && parts > 1 && m <='
 mutant flag-after-first-tile emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16@random:1 "the fused kernel publishes a block's flag after its first tile" \
   gemm_all_reduce.cu $'      st.clock.tile_computed();\n    }' $'      st.clock.tile_computed();\n      fused::publish(peers, g, blockIdx.x, flag_value);\n    }'
 mutant reduce-without-waiting emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16@random:1 "the fused kernel reduces its tiles without waiting for the other ranks' flags" \

@@ -163,8 +163,11 @@ pub(crate) fn planned(
     let (per_sm, parts_in_parallel) = match kernel {
         FusedKernel::RowParallel => (
             facts.blocks_per_sm[config.abi() as usize],
-            // cuda/gemm_all_reduce.cu's rule (launch_config).
+            // cuda/gemm_all_reduce.cu's rule (launch_config): the configurations a split
+            // selects (64 columns; gemm_split.cuh's kParallelSplit).
             parts > 1
+                && config.splits_k()
+                && config.info().block_n == 64
                 && shape.m <= SPLIT_PARALLEL_M_MAX
                 && parts
                     .saturating_mul(shape.m)

@@ -99,8 +99,10 @@ pub fn gemm_block_bytes(
 /// Global-memory bytes of each block of the parallel split of `k` into `parts`
 /// (`cuda/gemm_split.cuh`), index = `blockIdx.x` (block `b`: part `b / tiles` of tile
 /// `b % tiles`): the tile's live rows of `A` and `B` over the part's `k`, and its f32 chains
-/// stored. The last block of a tile to finish also reads the tile's `parts` partials and runs
-/// the epilogue; which block that is depends on timing: here, the last part's.
+/// stored. Part `j > 0` is then folded into the running sum (part 0's chains read with it),
+/// the sum stored, or for the last part handed to the epilogue. Which block folds a part
+/// depends on timing: here, its own (the parts finishing in order, as their blocks start;
+/// the tile's total is the same whichever block folds).
 pub fn gemm_split_block_bytes(
     config: GemmConfig,
     shape: GemmShape,
@@ -119,9 +121,15 @@ pub fn gemm_split_block_bytes(
             let part = b / tiles;
             let part_k =
                 (part_begin(k, parts, part + 1).min(k) - part_begin(k, parts, part)) as u64;
-            let mut bytes = (rows + cols) * part_k * ELEMENT_BYTES + rows * cols * 4;
-            if part + 1 == parts {
-                bytes += parts as u64 * rows * cols * 4 + per_output * rows * cols * ELEMENT_BYTES;
+            let chains = rows * cols * 4;
+            let mut bytes = (rows + cols) * part_k * ELEMENT_BYTES + chains;
+            if part > 0 {
+                bytes += 2 * chains;
+                bytes += if part + 1 == parts {
+                    per_output * rows * cols * ELEMENT_BYTES
+                } else {
+                    chains
+                };
             }
             bytes
         })
@@ -590,8 +598,8 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
     let algo = fused_all_reduce_algo::<bf16>(shape, &facts, Algorithm::Auto).ok()?;
     // Per unit (block u mod G): a tile's GEMM, its A rows and B rows, its partial stored; or,
     // with the parts in parallel, a part of a tile (the tile's rows over the part's k, its f32
-    // chains stored; the part that adds them, here the last, reads the S partials and stores
-    // the tile's partial). Per tile (block t mod G): one-shot, the W partials read, bias-free
+    // chains stored, then folded into the running sum, the last fold storing the tile's
+    // partial: gemm_split_block_bytes). Per tile (block t mod G): one-shot, the W partials read, bias-free
     // residual read and written, out written; the norm of a row (out read twice, gamma, out
     // written per element): a strip's first row by the block that completes the strip (in
     // the kernel whichever block adds last; here the block of its last column's tile), its
@@ -649,7 +657,7 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
     };
     let total: u64 = per_block.iter().sum();
     // A block computes its units back to back, publishes one flag (with the parts in
-    // parallel: the block adding a tile's parts publishes the tile), waits once for every
+    // parallel: the block folding a tile's last part publishes the tile), waits once for every
     // rank's (per tile), then reduces all its tiles with their loads dealt over its threads
     // (cuda/gemm_all_reduce.cu): one round, one peer read (the reduction's loads issued once
     // the GEMM is done: exposed), and a pipeline fill for each unit after the first (each
@@ -657,7 +665,7 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
     // leaves out for the GEMM alone too); then, one-shot, the strip's flag for the dealt rows
     // (a strip of more than one row), two-shot the slices'. (The kernel measured on an H200,
     // which published, awaited and reduced each tile between its GEMM tiles, spent about
-    // 3.7 us per tile on them: docs/performance.md, "Second H200 run".) Adding the parts, as
+    // 3.7 us per tile on them: docs/performance.md, "Second H200 run".) Folding the parts, as
     // in the GEMM alone's row, counts in the busiest SM's bytes only.
     let units_per_block = unit_bytes.len().div_ceil(grid);
     let rounds = 1 + match algo {
