@@ -171,14 +171,7 @@ __device__ __forceinline__ void fold_range(float *partials, int first, int end, 
     if (end == parts) {
       epi.store8(row, col, v);
     } else {
-      Vec16<float> lo, hi;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        lo.v[i] = v[i];
-        hi.v[i] = v[4 + i];
-      }
-      store16(sum, lo);
-      store16(sum + 4, hi);
+      PartialEpilogue{partials, n}.store8(row, col, v); // back into the running sum
     }
   }
 }

@@ -64,6 +64,37 @@ fn grid(bytes: usize, budget: usize) -> usize {
     bytes.div_ceil(16).div_ceil(512).clamp(1, budget)
 }
 
+/// One fused GEMM + all-reduce (one-shot, no epilogue) of `shape` on every rank of `groups`,
+/// fresh inputs from `seed`: each rank's plan and the launches' records.
+fn fused_one_shot_counted(
+    groups: &[TpGroup],
+    shape: GemmShape,
+    seed: u64,
+    label: &str,
+) -> (Vec<FusedPlan>, Vec<LaunchCounters>) {
+    let GemmShape { m, n, k } = shape;
+    let world = groups.len();
+    let xs: Vec<CudaSlice<bf16>> = upload_ranks(groups, &inputs(seed, world, m * k));
+    let ws: Vec<CudaSlice<bf16>> = upload_ranks(groups, &inputs(seed ^ 0x30, world, n * k));
+    let mut outs: Vec<CudaSlice<bf16>> = poisoned_ranks(groups, m * n);
+    let mut plans = Vec::new();
+    let ((), recs) = counters::count(|| {
+        plans = round(groups, label, |r| {
+            let (x, wt, out) = (&xs[r], &ws[r], &mut outs[r]);
+            gemm_all_reduce_with(
+                &groups[r],
+                x,
+                wt,
+                Epilogue::default(),
+                out,
+                shape,
+                Algorithm::OneShot,
+            )
+        });
+    });
+    (plans, recs)
+}
+
 /// The records of one round of `op` on every rank: one launch per rank, of `kernel`, with
 /// `blocks` blocks, tagged with its rank (in any order of completion).
 fn count_round(
@@ -734,25 +765,8 @@ fn the_fused_grid_fills_the_sms_it_is_given() {
         (1, 1280, 40, GemmConfig::SmallM16x64),
     ] {
         let shape = GemmShape { m, n, k };
-        let xs: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0x9d, world, m * k));
-        let ws: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0xad, world, n * k));
-        let mut outs: Vec<CudaSlice<bf16>> = poisoned_ranks(&groups, m * n);
         let label = format!("GEMM + all-reduce W={world} (m, n, k)=({m}, {n}, {k})");
-        let mut plans = Vec::new();
-        let ((), recs) = counters::count(|| {
-            plans = round(&groups, &label, |r| {
-                let (x, wt, out) = (&xs[r], &ws[r], &mut outs[r]);
-                gemm_all_reduce_with(
-                    &groups[r],
-                    x,
-                    wt,
-                    Epilogue::default(),
-                    out,
-                    shape,
-                    Algorithm::OneShot,
-                )
-            });
-        });
+        let (plans, recs) = fused_one_shot_counted(&groups, shape, 0x9d, &label);
         let plan: FusedPlan = plans[0];
         assert_eq!(plan.config, config, "{label}");
         assert_eq!(plan.grid, 2 * sms_per_rank, "{label}: two blocks an SM");
@@ -765,18 +779,7 @@ fn the_fused_grid_fills_the_sms_it_is_given() {
             ..GroupOptions::default()
         };
         let roomy = virtual_group(&gpu.ctx, world, options);
-        let plans = round(&roomy, &label, |r| {
-            let (x, wt, out) = (&xs[r], &ws[r], &mut outs[r]);
-            gemm_all_reduce_with(
-                &roomy[r],
-                x,
-                wt,
-                Epilogue::default(),
-                out,
-                shape,
-                Algorithm::OneShot,
-            )
-        });
+        let (plans, _) = fused_one_shot_counted(&roomy, shape, 0x9e, &label);
         assert_eq!(plans[0].grid, sms_per_rank, "{label}: one block an SM");
     }
 }
@@ -934,25 +937,8 @@ fn the_fused_split_runs_its_parts_as_the_grids_units() {
     let groups = virtual_group(&gpu.ctx, world, GroupOptions::default());
     let (m, n, k) = (1usize, 264usize, 520usize);
     let shape = GemmShape { m, n, k };
-    let xs: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0x9f, world, m * k));
-    let ws: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0xaf, world, n * k));
-    let mut outs: Vec<CudaSlice<bf16>> = poisoned_ranks(&groups, m * n);
     let label = format!("GEMM + all-reduce W={world} (m, n, k)=({m}, {n}, {k})");
-    let mut plans = Vec::new();
-    let ((), recs) = counters::count(|| {
-        plans = round(&groups, &label, |r| {
-            let (x, wt, out) = (&xs[r], &ws[r], &mut outs[r]);
-            gemm_all_reduce_with(
-                &groups[r],
-                x,
-                wt,
-                Epilogue::default(),
-                out,
-                shape,
-                Algorithm::OneShot,
-            )
-        });
-    });
+    let (plans, recs) = fused_one_shot_counted(&groups, shape, 0x9f, &label);
     let plan: FusedPlan = plans[0];
     let (parts, tiles) = (3, 5);
     assert_eq!(plan.config, GemmConfig::SmallM16x64, "{label}");
