@@ -8,12 +8,15 @@
 // Who folds. A block that stores part j folds when every part before it is folded: then it
 // folds the run of parts stored from j on in one pass (the running sum read once, each part's
 // chains once, the sum written once, or the last part's handed to the epilogue), then, in
-// further rounds, each run stored meanwhile; it stops where the next part is not stored yet,
-// which that part's block then folds. When the parts finish in order each block folds its own
-// (the sum and its chains read, the sum written); in the worst order (part 0 last) part 0's
-// block reads all S partials in one pass, as a single adder would. Which block folds what
-// depends on the order the parts finish: on a GPU, unmeasured (their blocks start within one
-// wave, so their order is close to chance).
+// further rounds, each run stored meanwhile (each round reads and writes the sum again); it
+// stops where the next part is not stored yet, which that part's block then folds. When each
+// part is stored after the fold of the one before, each block folds its own (part j > 0: the
+// sum and its chains read, the sum written): the plan's case. When part 0 is stored last,
+// part 0's block folds all S in one pass, as a single adder would (the least traffic in all).
+// The most on one block: every part stored while the one before is being folded, so one
+// block folds them one round each (3S - 4 partials read or written, S - 1 rounds of two
+// barriers and an L2 atomic). Which block folds what depends on the order the parts finish:
+// on a GPU, unmeasured (their blocks start within one wave, so it may be close to chance).
 //
 // Scratch (the caller's, 16-byte aligned, zeroed once before its first use):
 //   uint32 counts[kSplitMaxTiles]   tile t's word: bit j set once part j is stored, and the
@@ -25,8 +28,8 @@
 // scratch. Only the words matter between launches; a launch that failed part-way may leave
 // words behind, and the scratch must then be zeroed again.
 //
-// Protocol (PTX ISA memory model). Every change of a tile's word is thread 0's atom.acq_rel.gpu
-// add, after a __syncthreads that orders the block's stores before it (bar.sync is a CTA-scope
+// Protocol (PTX ISA memory model). Every change of a tile's word but its reset is thread 0's
+// atom.acq_rel.gpu add, after a __syncthreads that orders the block's stores before it (bar.sync is a CTA-scope
 // fence-like synchronisation, and the release is cumulative: it releases what thread 0
 // observed through the barrier), and before a second __syncthreads that orders its acquire
 // before the block's loads (ld.global.cg: L2, never a stale L1 line). The adds of one word

@@ -100,9 +100,10 @@ pub fn gemm_block_bytes(
 /// (`cuda/gemm_split.cuh`), index = `blockIdx.x` (block `b`: part `b / tiles` of tile
 /// `b % tiles`): the tile's live rows of `A` and `B` over the part's `k`, and its f32 chains
 /// stored. Part `j > 0` is then folded into the running sum (part 0's chains read with it),
-/// the sum stored, or for the last part handed to the epilogue. Which block folds a part
-/// depends on timing: here, its own (the parts finishing in order, as their blocks start;
-/// the tile's total is the same whichever block folds).
+/// the sum stored, or for the last part handed to the epilogue. Which block folds a part, and
+/// how many parts one pass folds, depend on timing: here, each part its own, one pass each
+/// (each part stored after the fold of the one before: the tile's most in all, 3S - 4
+/// partials, spread over its blocks; one pass of all S is the least).
 pub fn gemm_split_block_bytes(
     config: GemmConfig,
     shape: GemmShape,
