@@ -8,14 +8,15 @@
 // Who folds. A block that stores part j folds when every part before it is folded: then it
 // folds the run of parts stored from j on in one pass (the running sum read once, each part's
 // chains once, the sum written once, or the last part's handed to the epilogue), then, in
-// further rounds, each run stored meanwhile (each round reads and writes the sum again); it
-// stops where the next part is not stored yet, which that part's block then folds. When each
-// part is stored after the fold of the one before, each block folds its own (part j > 0: the
-// sum and its chains read, the sum written): the plan's case. When part 0 is stored last,
-// part 0's block folds all S in one pass, as a single adder would (the least traffic in all).
-// The most on one block: every part stored while the one before is being folded, so one
-// block folds them one round each (3S - 4 partials read or written, S - 1 rounds of two
-// barriers and an L2 atomic). Which block folds what depends on the order the parts finish:
+// further rounds, each run stored meanwhile (the sum kept in registers, but written back each
+// round for whichever block folds next); it stops where the next part is not stored yet,
+// which that part's block then folds. When each part is stored after the fold of the one
+// before, each block folds its own (part j > 0: the sum and its chains read, the sum written):
+// the plan's case, 3S - 4 partials read or written over the tile's blocks. When part 0 is
+// stored last, part 0's block folds all S in one pass, as a single adder would (the least
+// traffic in all). The most on one block: every part stored while the one before is being
+// folded, so one block folds them one round each (2S - 2 partials read or written, S - 1
+// rounds of two barriers and an L2 atomic). Which block folds what depends on the order the parts finish:
 // on a GPU, unmeasured (their blocks start within one wave, so it may be close to chance).
 //
 // Scratch (the caller's, 16-byte aligned, zeroed once before its first use):
@@ -141,56 +142,60 @@ __device__ __forceinline__ bool stored_part(uint32_t *word, int part, int parts,
   return run_end >= 0;
 }
 
-// Folds parts [first, end) into the running sum (part 0's partials) over tile (tile_m, tile_n),
-// in runs of 8 columns: the sum, then each part in ascending order (part 0 is the sum's start);
-// stored back, or, when `end` is the last part's end, handed to `epi.store8` (the bits of
-// gemm_tile with KSplit{parts, 0, parts}).
-template <typename Cfg, typename Epi>
-__device__ __forceinline__ void fold_range(float *partials, int first, int end, int parts, int m, int n, int tile_m,
-                                           int tile_n, const Epi &epi) {
-  constexpr int kRuns = Cfg::kBlockN / 8;
-  const size_t mn = static_cast<size_t>(m) * static_cast<size_t>(n);
-  const int m0 = tile_m * Cfg::kBlockM, n0 = tile_n * Cfg::kBlockN;
-  for (int idx = threadIdx.x; idx < Cfg::kBlockM * kRuns; idx += Cfg::kThreads) {
-    const int row = m0 + idx / kRuns;
-    const int col = n0 + idx % kRuns * 8;
-    if (row >= m || col >= n) continue;
-    float *sum = partials + static_cast<size_t>(row) * static_cast<size_t>(n) + static_cast<size_t>(col);
-    const Vec16<float> s_lo = load16_peer(sum), s_hi = load16_peer(sum + 4);
-    float v[8];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      v[i] = s_lo.v[i];
-      v[4 + i] = s_hi.v[i];
-    }
-    for (int j = first > 0 ? first : 1; j < end; ++j) {
-      const Vec16<float> p_lo = load16_peer(sum + j * mn), p_hi = load16_peer(sum + j * mn + 4);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        v[i] += p_lo.v[i];
-        v[4 + i] += p_hi.v[i];
-      }
-    }
-    if (end == parts) {
-      epi.store8(row, col, v);
-    } else {
-      PartialEpilogue{partials, n}.store8(row, col, v); // back into the running sum
-    }
-  }
-}
-
 // After stored_part gave this block the parts from `first` to fold (the run up to `run_end`):
 // folds that run, then, in further rounds, each run of parts stored meanwhile. True when it
 // folded the last part, so the tile's outputs are stored (through `epi`, before the last
 // round's __syncthreads); false when the next part is not stored yet (its block folds it).
 // `run_end` is stored_part's shared int.
+//
+// The running sum is part 0's partials. A round folds parts [first, end) over tile (tile_m,
+// tile_n), in runs of 8 columns, each thread the same runs every round: the sum (read in the
+// block's first fold, then kept in registers), then each part in ascending order (part 0 is
+// the sum's start); stored back for the block that may fold next, or, when `end` is the last
+// part's end, handed to `epi.store8` (the bits of gemm_tile with KSplit{parts, 0, parts}).
 template <typename Cfg, typename Epi>
 __device__ __forceinline__ bool fold_parts(float *partials, uint32_t *word, int first, int parts, int m, int n,
                                            int tile_m, int tile_n, const Epi &epi, int &run_end) {
+  constexpr int kRuns = Cfg::kBlockN / 8;
+  constexpr int kPerThread = (Cfg::kBlockM * kRuns + Cfg::kThreads - 1) / Cfg::kThreads;
+  const size_t mn = static_cast<size_t>(m) * static_cast<size_t>(n);
+  const int m0 = tile_m * Cfg::kBlockM, n0 = tile_n * Cfg::kBlockN;
+  float v[kPerThread][8];
+  bool loaded = false; // whether v holds the sum (uniform over the block)
   for (;;) {
     const int end = run_end;
-    if (end == parts || end > (first > 0 ? first : 1))
-      fold_range<Cfg>(partials, first, end, parts, m, n, tile_m, tile_n, epi);
+    if (end == parts || end > (first > 0 ? first : 1)) {
+#pragma unroll
+      for (int r = 0; r < kPerThread; ++r) {
+        const int idx = static_cast<int>(threadIdx.x) + r * Cfg::kThreads;
+        const int row = m0 + idx / kRuns;
+        const int col = n0 + idx % kRuns * 8;
+        if (idx >= Cfg::kBlockM * kRuns || row >= m || col >= n) continue;
+        float *sum = partials + static_cast<size_t>(row) * static_cast<size_t>(n) + static_cast<size_t>(col);
+        if (!loaded) {
+          const Vec16<float> lo = load16_peer(sum), hi = load16_peer(sum + 4);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            v[r][i] = lo.v[i];
+            v[r][4 + i] = hi.v[i];
+          }
+        }
+        for (int j = first > 0 ? first : 1; j < end; ++j) {
+          const Vec16<float> lo = load16_peer(sum + j * mn), hi = load16_peer(sum + j * mn + 4);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            v[r][i] += lo.v[i];
+            v[r][4 + i] += hi.v[i];
+          }
+        }
+        if (end == parts) {
+          epi.store8(row, col, v[r]);
+        } else {
+          PartialEpilogue{partials, n}.store8(row, col, v[r]); // for the block that folds next
+        }
+      }
+      loaded = true;
+    }
     __syncthreads(); // every thread's fold (and read of run_end), before thread 0's release
     if (threadIdx.x == 0) {
       if (end == parts) {

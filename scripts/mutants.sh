@@ -307,8 +307,10 @@ mutant split-chain-not-restarted gpu_gemm::split_k_bf16 "a part's chain starts f
 mutant split-last-part-alone gpu_gemm::split_k_bf16 "a tile run in one block keeps only its last part" \
   gemm_sm80.cuh 'if (split.last - split.first > 1) {' 'if (false) {'
 mutant split-fold-wrong-part gpu_gemm::split_k_bf16 "the parallel split folds the parts in another order (part S - j for part j)" \
-  gemm_split.cuh 'const Vec16<float> p_lo = load16_peer(sum + j * mn), p_hi = load16_peer(sum + j * mn + 4);' \
-  'const Vec16<float> p_lo = load16_peer(sum + (parts - j) * mn), p_hi = load16_peer(sum + (parts - j) * mn + 4);'
+  gemm_split.cuh 'const Vec16<float> lo = load16_peer(sum + j * mn), hi = load16_peer(sum + j * mn + 4);' \
+  'const Vec16<float> lo = load16_peer(sum + (parts - j) * mn), hi = load16_peer(sum + (parts - j) * mn + 4);'
+mutant split-fold-sum-not-read gpu_gemm::split_k_bf16 "a block's first fold starts from uninitialised registers, not the running sum" \
+  gemm_split.cuh '        if (!loaded) {' '        if (false) {'
 mutant split-count-kept gpu_gemm::split_k_bf16 "the parallel split leaves its tiles' words set (the next launch never finishes a tile)" \
   gemm_split.cuh '        *word = 0; // every part folded: no other block touches the word in this launch' ''
 mutant split-boundary-32 gpu_gemm::split_k_bf16 "part boundaries at multiples of 32 (inside a 64-deep k-slice)" \
