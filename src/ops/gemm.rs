@@ -484,8 +484,10 @@ pub fn gemm_with_config_and_scratch<T: GemmElement>(
 
 /// [`gemm`] with a scratch for the parallel split of `k`: where `shape`'s `k` splits into
 /// parts ([`split_parts`] > 1) and `m` ≤ [`SPLIT_PARALLEL_M_MAX`], each part of each output
-/// tile runs in a block of its own and the last adds them, so that more SMs stream the weight.
-/// The same bits as [`gemm`] (the parts are added in the same order either way).
+/// tile runs in a block of its own, so that more SMs stream the weight, and the parts are
+/// folded in order into a running sum, each run of stored parts by the block whose part finds
+/// every earlier one folded (`cuda/gemm_split.cuh`). The same bits as [`gemm`] (the parts are
+/// added in the same order either way).
 ///
 /// `scratch`: bytes on `stream`'s device, 16-byte aligned, **zeroed before its first use**
 /// (e.g. `alloc_zeros`), used by one stream at a time (and not by two branches of one CUDA
