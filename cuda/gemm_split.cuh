@@ -16,8 +16,9 @@
 // stored last, part 0's block folds all S in one pass, as a single adder would (the least
 // traffic in all). The most on one block: every part stored while the one before is being
 // folded, so one block folds them one round each (2S - 2 partials read or written, S - 1
-// rounds of two barriers and an L2 atomic). Which block folds what depends on the order the parts finish:
-// on a GPU, unmeasured (their blocks start within one wave, so it may be close to chance).
+// rounds of two barriers and an L2 atomic). Which block folds what depends on the order the
+// parts finish: on a GPU, unmeasured (their blocks start within one wave, so it may be close
+// to chance).
 //
 // Scratch (the caller's, 16-byte aligned, zeroed once before its first use):
 //   uint32 counts[kSplitMaxTiles]   tile t's word: bit j set once part j is stored, and the
@@ -30,13 +31,13 @@
 // words behind, and the scratch must then be zeroed again.
 //
 // Protocol (PTX ISA memory model). Every change of a tile's word but its reset is thread 0's
-// atom.acq_rel.gpu add, after a __syncthreads that orders the block's stores before it (bar.sync is a CTA-scope
-// fence-like synchronisation, and the release is cumulative: it releases what thread 0
-// observed through the barrier), and before a second __syncthreads that orders its acquire
-// before the block's loads (ld.global.cg: L2, never a stale L1 line). The adds of one word
-// form a total order and each reads the value of the one before, so each acquires what every
-// earlier add released: the partials of every part stored before it and the running sum of
-// every fold before it. The adds:
+// atom.acq_rel.gpu add, after a __syncthreads that orders the block's stores before it
+// (bar.sync is a CTA-scope fence-like synchronisation, and the release is cumulative: it
+// releases what thread 0 observed through the barrier), and before a second __syncthreads
+// that orders its acquire before the block's loads (ld.global.cg: L2, never a stale L1
+// line). The adds of one word form a total order and each reads the value of the one before,
+// so each acquires what every earlier add released: the partials of every part stored before
+// it and the running sum of every fold before it. The adds:
 //   stored_part  adds 1 << j once part j's chains are stored (the bits never carry: each is
 //                added once); the block folds from part j on when the old word says exactly j
 //                parts are folded (every earlier part; j itself cannot be, since only j's

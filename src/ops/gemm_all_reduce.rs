@@ -91,8 +91,8 @@ pub struct FusedPlan {
     /// GEMM + all-reduce and GEMM + reduce-scatter with `parts` > 1, `m` ≤
     /// [`SPLIT_PARALLEL_M_MAX`] and the parts' f32 partials (`parts · m · n · 4` bytes) within
     /// the group's capacity: each part of each tile is a unit of the grid, its partial in the
-    /// rank's staging half, folded in order as [`gemm_with_scratch`](crate::ops::gemm::gemm_with_scratch)
-    /// folds them. Otherwise (and
+    /// rank's staging half, folded in order as
+    /// [`gemm_with_scratch`](crate::ops::gemm::gemm_with_scratch) folds them. Otherwise (and
     /// always for all-gather + GEMM) each tile's block runs its parts one after another.
     pub parts_in_parallel: bool,
     /// GEMM + all-reduce: how it reduced, [`AllReduceAlgo::OneShot`] (every rank reduces

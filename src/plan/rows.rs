@@ -323,6 +323,16 @@ fn chain_seconds(k: usize, tiles: usize, p: &DeviceProfile) -> f64 {
     (k.div_ceil(16) * tiles) as f64 * p.mma_latency_cycles / p.clock_hz
 }
 
+/// What a row's choice says of its split of k into `parts`, run `parallel` or not (empty
+/// without a split).
+fn split_choice(parts: usize, parallel: bool) -> String {
+    match (parts, parallel) {
+        (1, _) => String::new(),
+        (_, true) => format!("; k in {parts} parts, in parallel"),
+        (_, false) => format!("; k in {parts} parts, one after another"),
+    }
+}
+
 /// The row of a GEMM that runs alone (a column-parallel layer, or an unfused row-parallel
 /// layer's GEMM into its workspace).
 pub fn gemm_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Option<PlanRow> {
@@ -365,11 +375,7 @@ pub fn gemm_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Option
         rounds: 0,
         serial_s: 0.0,
     };
-    let how = match (parts, parallel) {
-        (1, _) => String::new(),
-        (_, true) => format!("; k in {parts} parts, in parallel"),
-        (_, false) => format!("; k in {parts} parts, one after another"),
-    };
+    let how = split_choice(parts, parallel);
     Some(PlanRow {
         layer: g.layer.to_string(),
         op: "gemm".into(),
@@ -600,11 +606,11 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
     // Per unit (block u mod G): a tile's GEMM, its A rows and B rows, its partial stored; or,
     // with the parts in parallel, a part of a tile (the tile's rows over the part's k, its f32
     // chains stored, then folded into the running sum, the last fold storing the tile's
-    // partial: gemm_split_block_bytes). Per tile (block t mod G): one-shot, the W partials read, bias-free
-    // residual read and written, out written; the norm of a row (out read twice, gamma, out
-    // written per element): a strip's first row by the block that completes the strip (in
-    // the kernel whichever block adds last; here the block of its last column's tile), its
-    // other rows dealt over the grid (row r to block r mod G).
+    // partial: gemm_split_block_bytes). Per tile (block t mod G): one-shot, the W partials
+    // read, bias-free residual read and written, out written; the norm of a row (out read
+    // twice, gamma, out written per element): a strip's first row by the block that completes
+    // the strip (in the kernel whichever block adds last; here the block of its last column's
+    // tile), its other rows dealt over the grid (row r to block r mod G).
     let unit_bytes = if plan.parts_in_parallel {
         gemm_split_block_bytes(config, shape, parts, false, false)
     } else {
@@ -711,11 +717,7 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
         sync_rounds: rounds,
         floor_us: us(floor),
         model_us: us(model.seconds(p)),
-        choice: match (parts, plan.parts_in_parallel) {
-            (1, _) => "fused".into(),
-            (_, true) => format!("fused; k in {parts} parts, in parallel"),
-            (_, false) => format!("fused; k in {parts} parts, one after another"),
-        },
+        choice: format!("fused{}", split_choice(parts, plan.parts_in_parallel)),
     })
 }
 

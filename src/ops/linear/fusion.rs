@@ -75,8 +75,8 @@ impl FusedOp {
 /// ([`split_parts`](crate::ops::gemm::split_parts) > 1) unfused where the fused kernel runs a
 /// tile's parts one after another on as many SMs as there are tiles
 /// ([`FusedPlan::parts_in_parallel`](crate::ops::gemm_all_reduce::FusedPlan::parts_in_parallel)
-/// false), where the unfused GEMM runs them in parallel (the same bits either way). Forced fusion that cannot run is an
-/// error naming the layer (`label`).
+/// false), where the unfused GEMM runs them in parallel (the same bits either way). Forced
+/// fusion that cannot run is an error naming the layer (`label`).
 pub(super) fn fuses(
     fusion: Fusion,
     label: &str,
