@@ -5,7 +5,8 @@
 // Every kernel follows the same shape, with the barriers of barrier.cuh between phases:
 //
 //   one-shot    stage -> | -> reduce all ranks' staging, epilogue -> | -> (RMSNorm: sums of
-//               squares of the block's row segments -> the rank's blocks meet -> normalise)
+//               squares of the block's row segments -> the rank's blocks meet -> normalise;
+//               rows of one segment: each normalised from registers before the second |)
 //   two-shot    stage -> | -> reduce own slice, epilogue, publish -> | -> gather slices -> |
 //   all-gather  stage -> | -> copy every rank's staging -> |
 //   reduce-sc.  stage -> | -> reduce own slice -> |
@@ -26,6 +27,7 @@
 // and grid) that the first barrier compares across ranks.
 
 #include <cstring>
+#include <type_traits>
 
 #include "barrier.cuh"
 #include "reduce.cuh"
@@ -83,6 +85,21 @@ __device__ __forceinline__ void reduce_vectors(const tpfuse_peers &peers, size_t
   }
 }
 
+// Calls f(std::integral_constant<int, world>{}): the reductions' loops unrolled for the
+// group's world (2 ..= TPFUSE_MAX_RANKS, checked by valid()).
+template <typename F> __device__ __forceinline__ void with_world(int world, F &&f) {
+  static_assert(TPFUSE_MAX_RANKS == 8, "with_world dispatches worlds 2..8");
+  switch (world) {
+  case 2: f(std::integral_constant<int, 2>{}); break;
+  case 3: f(std::integral_constant<int, 3>{}); break;
+  case 4: f(std::integral_constant<int, 4>{}); break;
+  case 5: f(std::integral_constant<int, 5>{}); break;
+  case 6: f(std::integral_constant<int, 6>{}); break;
+  case 7: f(std::integral_constant<int, 7>{}); break;
+  default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
 // For elements [r.begin, r.end): the rank-ordered sum of every rank's staging, through the
 // epilogue, into out (and, when `publish` is set, into this rank's result buffer too).
 // `peer_offset` (elements) is added to every rank's staging pointer (reduce-scatter reads
@@ -92,16 +109,9 @@ __device__ __forceinline__ void reduce_range(const tpfuse_peers &peers, int worl
                              const Epilogue<T> &epi, T *out, T *publish) {
   constexpr size_t kVec = Vec16<T>::kLen;
   const size_t full_end = r.begin + (r.end - r.begin) / kVec * kVec;
-  switch (world) { // world is 2 ..= TPFUSE_MAX_RANKS (valid())
-  case 2: reduce_vectors<T, 2>(peers, peer_offset, r.begin, full_end, epi, out, publish); break;
-  case 3: reduce_vectors<T, 3>(peers, peer_offset, r.begin, full_end, epi, out, publish); break;
-  case 4: reduce_vectors<T, 4>(peers, peer_offset, r.begin, full_end, epi, out, publish); break;
-  case 5: reduce_vectors<T, 5>(peers, peer_offset, r.begin, full_end, epi, out, publish); break;
-  case 6: reduce_vectors<T, 6>(peers, peer_offset, r.begin, full_end, epi, out, publish); break;
-  case 7: reduce_vectors<T, 7>(peers, peer_offset, r.begin, full_end, epi, out, publish); break;
-  default: reduce_vectors<T, 8>(peers, peer_offset, r.begin, full_end, epi, out, publish); break;
-  }
-  static_assert(TPFUSE_MAX_RANKS == 8, "reduce_range dispatches worlds 2..8");
+  with_world(world, [&](auto w) {
+    reduce_vectors<T, decltype(w)::value>(peers, peer_offset, r.begin, full_end, epi, out, publish);
+  });
   for (size_t i = full_end + threadIdx.x; i < r.end; i += kThreads) {
     float acc = Elem<T>::to_f32(ld_global_cg(static_cast<const T *>(peers.data[0]) + peer_offset + i));
     for (int p = 1; p < world; ++p) {
@@ -178,6 +188,31 @@ __device__ __forceinline__ bool normalize_units(BlockBarrier &barrier, const Seg
   return true;
 }
 
+// One-shot with RMSNorm where a row is one segment (hidden <= kSegment): the block's units are
+// whole rows, so it normalises each alone, from registers. Thread t holds vector t of the row
+// (segment_sum_of_squares's virtual thread t: the kernel runs kThreads threads), reduced
+// through the epilogue, its squares added by the segment's tree (held_sum_of_squares), then
+// normalised and stored once, with `gamma_held`, the thread's vector of gamma (the same in
+// every row, loaded before the first barrier). No partial is stored and the rank's blocks do
+// not meet. The same bits as normalize_units: the same reduction, tree, sum (0 + the one
+// partial), rstd and element arithmetic.
+template <typename T, int W>
+__device__ __forceinline__ void reduce_and_normalize_rows(const tpfuse_peers &peers, const Segments<T> &seg,
+                                                          Range units, const Epilogue<T> &epi,
+                                                          const Vec16<T> &gamma_held, float eps, T *out) {
+  const size_t col = threadIdx.x * Vec16<T>::kLen;
+  const bool held = col < seg.hidden;
+  for (size_t u = units.begin; u < units.end; ++u) {
+    const size_t i = u * seg.hidden + col;
+    Vec16<T> h;
+    if (held) h = reduce_vector<T, W>(peers, W, 0, i, epi);
+    float sum = 0.f;
+    sum += held_sum_of_squares(h, held);
+    const float rstd = rstd_of(sum, seg.hidden, eps);
+    if (held) store16(out + i, normalize_vector(h, gamma_held, rstd));
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1)
     one_shot_kernel(const __grid_constant__ tpfuse_peers peers,
@@ -193,13 +228,23 @@ __global__ void __launch_bounds__(kThreads, 1)
                             blockIdx.x, gridDim.x);
   const Range r = gamma != nullptr ? seg.elements(units) : element_range<T>(units, n);
   if (barrier.poisoned()) return give_up(barrier, out, residual, r);
+  const Epilogue<T> epi{bias, residual, hidden};
+  // A row in one segment: the whole-row path, its gamma loaded now, before the barriers.
+  const bool whole_rows = gamma != nullptr && seg.per_row == 1;
+  Vec16<T> gamma_held;
+  if (whole_rows && threadIdx.x * Vec16<T>::kLen < hidden) gamma_held = load16(gamma + threadIdx.x * Vec16<T>::kLen);
   copy_range(input, static_cast<T *>(peers.data[g.rank]), r);
   if (!barrier.arrive_and_wait()) return give_up(barrier, out, residual, r);
-  reduce_range(peers, g.world, 0, r, Epilogue<T>{bias, residual, hidden}, out,
-               static_cast<T *>(nullptr));
+  if (whole_rows) {
+    with_world(g.world, [&](auto w) {
+      reduce_and_normalize_rows<T, decltype(w)::value>(peers, seg, units, epi, gamma_held, eps, out);
+    });
+  } else {
+    reduce_range(peers, g.world, 0, r, epi, out, static_cast<T *>(nullptr));
+  }
   if (!barrier.arrive_and_wait()) return give_up(barrier, out, residual, r);
   barrier.commit();
-  if (gamma == nullptr) return;
+  if (gamma == nullptr || whole_rows) return;
   // The partials go into the units' own staging (normalize_units says why that is safe).
   if (!normalize_units(barrier, seg, units, static_cast<T *>(peers.data[g.rank]), gamma, eps, out)) {
     give_up(barrier, out, residual, r);
@@ -379,7 +424,8 @@ int launch_all_reduce(int algo, const tpfuse_peers &peers, const tpfuse_group_ar
                          static_cast<uint64_t>(grid), bias != nullptr, residual != nullptr,
                          gamma != nullptr, gamma != nullptr ? float_bits(eps) : 0});
   if (algo == TPFUSE_ALGO_ONE_SHOT && gamma != nullptr) {
-    // Cooperative: the RMSNorm's blocks meet (meet_rank_blocks), so they must all be resident.
+    // Cooperative: the RMSNorm's blocks meet (meet_rank_blocks, for rows of several segments),
+    // so they must all be resident.
     return launch_result(TPFUSE_LAUNCH_COOPERATIVE(one_shot_kernel<T>, grid, kThreads, 0, stream)(
         peers, g, descriptor, in, b, res, gam, eps, o, rows, hidden));
   } else if (algo == TPFUSE_ALGO_ONE_SHOT) {

@@ -36,14 +36,34 @@ template <typename T> struct Epilogue {
   // computed once, bias and residual move in 16-byte accesses, and each element gets the
   // same arithmetic as apply(), so the same bits.
   __device__ __forceinline__ Vec16<T> apply_vec(const float (&acc)[Vec16<T>::kLen], size_t i) const {
+    return apply_loaded(acc, i, operands(i));
+  }
+
+  // The bias and residual vectors of vector i, loaded (a reduction issues these loads with its
+  // peers' loads, so that they wait one latency together, not one after the other).
+  // Kept as raw 16 bytes until they are used: unpacked into elements in the branch that loads
+  // them, the first would wait for its load before the second load issues.
+  struct Operands {
+    uint4 b, r;
+  };
+  __device__ __forceinline__ Operands operands(size_t i) const {
+    Operands o;
+    if (bias != nullptr) o.b = ld_global(reinterpret_cast<const uint4 *>(bias + i % hidden));
+    if (residual != nullptr) o.r = ld_global(reinterpret_cast<const uint4 *>(residual + i));
+    return o;
+  }
+
+  // apply_vec with the operands already loaded.
+  __device__ __forceinline__ Vec16<T> apply_loaded(const float (&acc)[Vec16<T>::kLen], size_t i,
+                                                   const Operands &o) const {
     constexpr int kVec = Vec16<T>::kLen;
     Vec16<T> y;
 #pragma unroll
     for (int j = 0; j < kVec; ++j) y.v[j] = Elem<T>::from_f32(acc[j]);
     if (bias == nullptr && residual == nullptr) return y;
     Vec16<T> b, r;
-    if (bias != nullptr) b = load16(bias + i % hidden);
-    if (residual != nullptr) r = load16(residual + i);
+    *reinterpret_cast<uint4 *>(&b) = o.b;
+    *reinterpret_cast<uint4 *>(&r) = o.r;
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
       float h = Elem<T>::to_f32(y.v[j]);
@@ -81,6 +101,37 @@ template <typename T> __host__ __device__ __forceinline__ size_t segments_per_ro
   return (hidden + kSegment<T> - 1) / kSegment<T>;
 }
 
+// One vector's sum of squares, as a virtual thread adds it (fmaf, in element order).
+template <typename T> __device__ __forceinline__ float squares_of(const Vec16<T> &v) {
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < Vec16<T>::kLen; ++j) {
+    const float f = Elem<T>::to_f32(v.v[j]);
+    ss = fmaf(f, f, ss);
+  }
+  return ss;
+}
+
+// A virtual warp's sum: its 32 lanes' values added with the xor-shuffle tree (every lane
+// gets it).
+__device__ __forceinline__ float warp_tree(float ss) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, offset);
+  return ss;
+}
+
+// The warp sums of one segment (warp_sums[w], w < kThreads / 32) added in warp order, the
+// same value in every thread; the __syncthreads before orders the stores, the one after
+// frees warp_sums for the next segment.
+__device__ __forceinline__ float warp_sums_total(const float *warp_sums) {
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w];
+  __syncthreads();
+  return total;
+}
+
 // The partial sum of squares of elements [begin, end) of x (one segment: at most kSegment,
 // begin vector-aligned), the same value in every thread of the block (blockDim.x a multiple
 // of 32, at most kThreads).
@@ -90,31 +141,38 @@ __device__ __forceinline__ float segment_sum_of_squares(const T *x, size_t begin
   TPFUSE_SHARED(float[kWarps], warp_sums);
   const int lane = threadIdx.x & 31;
   for (int w = threadIdx.x / 32; w < kWarps; w += blockDim.x / 32) {
-    float ss = 0.f;
     const size_t i = begin + (static_cast<size_t>(w) * 32 + lane) * Vec16<T>::kLen;
-    if (i < end) {
-      const Vec16<T> v = load16(x + i);
-#pragma unroll
-      for (int j = 0; j < Vec16<T>::kLen; ++j) {
-        const float f = Elem<T>::to_f32(v.v[j]);
-        ss = fmaf(f, f, ss);
-      }
-    }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, offset);
+    const float ss = warp_tree(i < end ? squares_of(load16(x + i)) : 0.f);
     if (lane == 0) warp_sums[w] = ss;
   }
-  __syncthreads();
-  float total = 0.f;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) total += warp_sums[w];
-  __syncthreads(); // warp_sums is reused by the next call
-  return total;
+  return warp_sums_total(warp_sums);
+}
+
+// segment_sum_of_squares of a segment whose vectors the threads hold in registers, in a
+// block of kThreads threads: thread t (virtual thread t) holds vector t, `held` when that
+// vector lies in the segment. The same tree, so the same bits, without reading the segment
+// again.
+template <typename T> __device__ __forceinline__ float held_sum_of_squares(const Vec16<T> &v, bool held) {
+  TPFUSE_SHARED(float[kThreads / 32], warp_sums);
+  const float ss = warp_tree(held ? squares_of(v) : 0.f);
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x / 32] = ss;
+  return warp_sums_total(warp_sums);
 }
 
 // The row's rstd from the sum of its segments' partials (added in segment order from 0).
 __device__ __forceinline__ float rstd_of(float sum_of_squares, size_t hidden, float eps) {
   return rsqrtf(sum_of_squares / static_cast<float>(hidden) + eps);
+}
+
+// y = x * rstd * gamma of one vector (gamma's vector of the same columns).
+template <typename T>
+__device__ __forceinline__ Vec16<T> normalize_vector(const Vec16<T> &v, const Vec16<T> &g, float rstd) {
+  Vec16<T> y;
+#pragma unroll
+  for (int j = 0; j < Vec16<T>::kLen; ++j) {
+    y.v[j] = Elem<T>::from_f32(Elem<T>::to_f32(v.v[j]) * rstd * Elem<T>::to_f32(g.v[j]));
+  }
+  return y;
 }
 
 // y = x * rstd * gamma[col] for the elements [begin, end) of one segment of a row that
@@ -124,14 +182,7 @@ template <typename T>
 __device__ __forceinline__ void normalize_segment(const T *x, const T *gamma, float rstd, T *out, size_t row_begin,
                                                   size_t begin, size_t end) {
   for (size_t i = begin + threadIdx.x * Vec16<T>::kLen; i < end; i += blockDim.x * Vec16<T>::kLen) {
-    const Vec16<T> v = load16(x + i);
-    const Vec16<T> g = load16(gamma + (i - row_begin));
-    Vec16<T> y;
-#pragma unroll
-    for (int j = 0; j < Vec16<T>::kLen; ++j) {
-      y.v[j] = Elem<T>::from_f32(Elem<T>::to_f32(v.v[j]) * rstd * Elem<T>::to_f32(g.v[j]));
-    }
-    store16(out + i, y);
+    store16(out + i, normalize_vector(load16(x + i), load16(gamma + (i - row_begin)), rstd));
   }
 }
 

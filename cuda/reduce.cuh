@@ -10,8 +10,9 @@ namespace tpfuse {
 // Elements i .. i + kLen - 1 (i a multiple of kLen) of the sum over the `world` ranks of
 // peers.data[p] + offset (elements), through `epi` (which rounds once and, with a residual,
 // writes it). kMaxWorld >= world bounds the unrolled loops: all the 16-byte loads of a vector
-// are issued before the first add (the loops keep them in registers), through L2 only
-// (peers' buffers change between launches). With kMaxWorld == world (the all-reduce kernels,
+// are issued before the first add (the loops keep them in registers), the peers' through L2
+// only (peers' buffers change between launches), the epilogue's bias and residual with them,
+// so that the vector waits one load latency. With kMaxWorld == world (the all-reduce kernels,
 // one instantiation per world) the predicates fold away; with kMaxWorld = TPFUSE_MAX_RANKS
 // (the fused GEMM, one code path for every world) they are per-thread predicates. The adds
 // are the same either way.
@@ -19,22 +20,28 @@ template <typename T, int kMaxWorld>
 __device__ __forceinline__ Vec16<T> reduce_vector(const tpfuse_peers &peers, int world, size_t offset, size_t i,
                                                   const Epilogue<T> &epi) {
   constexpr int kVec = Vec16<T>::kLen;
-  Vec16<T> x[kMaxWorld];
+  // The epilogue's operands first (issued after the peers' loads, ptxas scheduled them after
+  // the first adds), and every vector kept as raw 16 bytes until the adds (unpacked where it
+  // is loaded, the first waited for its load before the next load issued):
+  // scripts/sass_reductions.py checks the SASS.
+  const typename Epilogue<T>::Operands operands = epi.operands(i);
+  uint4 raw[kMaxWorld];
 #pragma unroll
   for (int p = 0; p < kMaxWorld; ++p) {
-    if (p < world) x[p] = load16_peer(static_cast<const T *>(peers.data[p]) + offset + i);
+    const T *rank_p = static_cast<const T *>(peers.data[p]) + offset + i;
+    if (p < world) raw[p] = ld_global_cg(reinterpret_cast<const uint4 *>(rank_p));
   }
   float acc[kVec];
 #pragma unroll
-  for (int j = 0; j < kVec; ++j) acc[j] = Elem<T>::to_f32(x[0].v[j]);
-#pragma unroll
-  for (int p = 1; p < kMaxWorld; ++p) {
+  for (int p = 0; p < kMaxWorld; ++p) {
     if (p < world) {
+      Vec16<T> x;
+      *reinterpret_cast<uint4 *>(&x) = raw[p];
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) acc[j] += Elem<T>::to_f32(x[p].v[j]);
+      for (int j = 0; j < kVec; ++j) acc[j] = p == 0 ? Elem<T>::to_f32(x.v[j]) : acc[j] + Elem<T>::to_f32(x.v[j]);
     }
   }
-  return epi.apply_vec(acc, i);
+  return epi.apply_loaded(acc, i, operands);
 }
 
 } // namespace tpfuse

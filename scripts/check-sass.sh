@@ -13,8 +13,10 @@
 #     loop's) holding one k-slice of A and B per thread, so that STAGES - 1 slices are in
 #     flight per block, as tpfuse::plan counts,
 # on every architecture (gemm_split_kernel too), and prints the counts and each block's bytes
-# in flight. Exits non-zero on any failure or when no object is found (build first: cargo
-# build, or scripts/test.sh).
+# in flight; and, beside each build's gemm_all_reduce.o, that the reductions of all_reduce.o
+# and gemm_all_reduce.o issue every rank's loads with the epilogue's before the first use
+# (scripts/sass_reductions.py). Exits non-zero on any failure or when no object is found
+# (build first: cargo build, or scripts/test.sh).
 #
 # cuobjdump and nvdisasm come from the pinned nvidia-cuda-cuobjdump / nvidia-cuda-nvdisasm
 # wheels (13.2.86: 13.0's cuobjdump is not in the wheels), installed into .venv-tools when
@@ -166,5 +168,12 @@ for f in failures:
     print("FAIL " + f)
 sys.exit(1 if failures else 0)
 ' "$root/cuda/gemm_sm80.cuh" || status=1
+  # The same build's reductions (all-reduce and fused kernels): the loads in flight together.
+  if [ "$(basename "$obj")" = gemm_all_reduce.o ]; then
+    dir=$(dirname "$obj")
+    echo "== $dir/all_reduce.o, gemm_all_reduce.o: reductions"
+    { "$cuobjdump" -sass "$dir/all_reduce.o"; "$cuobjdump" -sass "$obj"; } | c++filt |
+      python3 "$root/scripts/sass_reductions.py" || status=1
+  fi
 done
 exit $status

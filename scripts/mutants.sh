@@ -222,8 +222,8 @@ mutant first-barrier emu_all_reduce::a_late_rank_within_the_deadline_gives_the_r
   all_reduce.cu $'copy_range(input, static_cast<T *>(peers.data[g.rank]), r);\n  if (!barrier.arrive_and_wait()) return give_up(barrier, out, residual, r);' \
   $'copy_range(input, static_cast<T *>(peers.data[g.rank]), r);'
 mutant reverse-rank-order emu_all_reduce::all_reduce_f32_every_world_path_and_epilogue "ranks summed W-1..0 (vector path)" \
-  reduce.cuh 'x[p] = load16_peer(static_cast<const T *>(peers.data[p]) + offset + i);' \
-  'x[p] = load16_peer(static_cast<const T *>(peers.data[world - 1 - p]) + offset + i);'
+  reduce.cuh 'const T *rank_p = static_cast<const T *>(peers.data[p]) + offset + i;' \
+  'const T *rank_p = static_cast<const T *>(peers.data[world - 1 - p]) + offset + i;'
 mutant no-sync-before-release emu_all_reduce::all_gather_every_world@random:1 "a barrier publishes before the whole block is done" \
   barrier.cuh $'const uint32_t value = ++epoch_;\n    __syncthreads();' 'const uint32_t value = ++epoch_;'
 mutant wait-own-rank-only emu_all_reduce::a_failed_two_shot_marks_out_and_residual_through_its_rmsnorm "a barrier that waits only for rank 0" \
@@ -249,7 +249,7 @@ mutant rmsnorm-after-failure emu_all_reduce::a_failed_two_shot_marks_out_and_res
 mutant residual-not-written emu_all_reduce::a_late_rank_within_the_deadline_gives_the_right_result "the epilogue does not write the residual back" \
   epilogue.cuh 'if (residual != nullptr) store16(residual + i, y);' ''
 mutant bias-column-per-vector emu_all_reduce::a_late_rank_within_the_deadline_gives_the_right_result "the vector epilogue takes the bias at the row's first column" \
-  epilogue.cuh 'b = load16(bias + i % hidden);' 'b = load16(bias + i / hidden % 1);'
+  epilogue.cuh 'reinterpret_cast<const uint4 *>(bias + i % hidden)' 'reinterpret_cast<const uint4 *>(bias + i / hidden % 1)'
 mutant two-shot-residual emu_all_reduce::a_late_rank_within_the_deadline_gives_the_right_result "two-shot does not gather peers' slices into residual" \
   all_reduce.cu 'if (residual != nullptr) copy_range(static_cast<const T *>(out), residual, r);' ''
 mutant partials-reversed emu_all_reduce::all_reduce_f32_every_world_path_and_epilogue "one-shot adds a row's segment partials in reverse (fused and unfused bits differ)" \
@@ -261,6 +261,19 @@ mutant partials-at-staging-start emu_all_reduce::all_reduce_bf16_every_world_pat
   all_reduce.cu 'return reinterpret_cast<float *>(staging + seg.begin(u));' 'return reinterpret_cast<float *>(staging) + u;'
 mutant no-rank-meet emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue "one-shot normalises before the rank's other blocks wrote their partials" \
   all_reduce.cu 'if (!barrier.meet_rank_blocks()) return false;' ''
+# A row of one RMSNorm segment: one-shot normalises it in one block, from registers.
+mutant whole-rows-never emu_counters::the_all_reduce_moves_what_the_plan_says_block_by_block "one-shot normalises rows of one segment as segments whose blocks meet (the same bits, more bytes and phases)" \
+  all_reduce.cu 'const bool whole_rows = gamma != nullptr && seg.per_row == 1;' 'const bool whole_rows = false;'
+mutant whole-rows-of-two-segments emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue "one-shot normalises rows of two segments from one vector a thread" \
+  all_reduce.cu 'const bool whole_rows = gamma != nullptr && seg.per_row == 1;' 'const bool whole_rows = gamma != nullptr && seg.per_row <= 2;'
+mutant whole-rows-gamma-of-vector-0 emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue "every thread multiplies by gamma's first vector" \
+  all_reduce.cu 'gamma_held = load16(gamma + threadIdx.x * Vec16<T>::kLen);' 'gamma_held = load16(gamma);'
+mutant whole-rows-unnormalised emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue "one-shot stores a row of one segment without its RMSNorm" \
+  all_reduce.cu 'if (held) store16(out + i, normalize_vector(h, gamma_held, rstd));' 'if (held) store16(out + i, h);'
+mutant held-squares-without-tree emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue "the held sum of squares skips the warp's shuffle tree" \
+  epilogue.cuh 'const float ss = warp_tree(held ? squares_of(v) : 0.f);' 'const float ss = held ? squares_of(v) : 0.f;'
+mutant reduce-last-rank-only emu_all_reduce::all_reduce_f32_every_world_path_and_epilogue "each rank's vector replaces the sum instead of adding to it" \
+  reduce.cuh 'acc[j] = p == 0 ? Elem<T>::to_f32(x.v[j]) : acc[j] + Elem<T>::to_f32(x.v[j]);' 'acc[j] = Elem<T>::to_f32(x.v[j]);'
 mutant half-warp-sum emu_all_reduce::a_late_rank_within_the_deadline_gives_the_right_result "RMSNorm's warp sum skips the first shuffle" \
   epilogue.cuh 'for (int offset = 16; offset > 0; offset >>= 1)' 'for (int offset = 8; offset > 0; offset >>= 1)'
 mutant all-gather-offset emu_all_reduce::all_gather_every_world "all-gather writes every rank's part at its own offset" \
@@ -426,8 +439,8 @@ mutant gather-tiles-read-a-peer emu_counters::all_gather_gemm_moves_each_rows_pa
   all_gather_gemm.cu 'DenseRows<T> rows{static_cast<const T *>(peers.data[g.rank]) + exchange, k};' \
   'DenseRows<T> rows{static_cast<const T *>(peers.data[(g.rank + 1) % g.world]) + exchange, k};'
 mutant double-peer-read emu_counters::all_gather_and_reduce_scatter_read_each_peer_once "the reduction loads every peer's vector twice" \
-  reduce.cuh 'x[p] = load16_peer(static_cast<const T *>(peers.data[p]) + offset + i);' \
-  $'{ x[p] = load16_peer(static_cast<const T *>(peers.data[p]) + offset + i);\n      x[p] = load16_peer(static_cast<const T *>(peers.data[p]) + offset + i); }'
+  reduce.cuh 'if (p < world) raw[p] = ld_global_cg(reinterpret_cast<const uint4 *>(rank_p));' \
+  $'if (p < world) {\n      raw[p] = ld_global_cg(reinterpret_cast<const uint4 *>(rank_p));\n      raw[p] = ld_global_cg(reinterpret_cast<const uint4 *>(rank_p));\n    }'
 mutant residual-over-the-link emu_counters::two_shot_reads_twice_the_peers_share "two-shot reads the peers' results again for the residual" \
   all_reduce.cu 'copy_range(static_cast<const T *>(out), residual, r);' 'copy_range_from_peer(result, residual, r);'
 mutant no-swizzle emu_counters::gemm_reads_each_tile_once_without_bank_conflicts "the GEMM's shared memory unswizzled (bank conflicts, same results)" \

@@ -330,24 +330,38 @@ fn the_all_reduce_model_against_published_h100_times() {
     let h100 = DeviceProfile::builtin("h100-sxm").unwrap();
     println!("| bytes | TP | algorithm | model µs | SGLang µs | model / measured |");
     println!("|---|---|---|---|---|---|");
-    let mut worst: f64 = 1.0;
+    // The worst ratio (either way) up to 32 KB (decode messages) and past it.
+    let (mut small, mut large): (f64, f64) = (1.0, 1.0);
     for (bytes, times) in SGLANG_H100 {
         for (tp, measured) in [2, 4, 8].into_iter().zip(times) {
             let n = bytes / 2;
             let row = tpfuse::plan::all_reduce_row("all_reduce", 1, n, tp, &h100, false);
             let ratio = row.model_us / measured;
-            worst = worst.max(ratio.max(1.0 / ratio));
+            let worst = if bytes <= 32 << 10 {
+                &mut small
+            } else {
+                &mut large
+            };
+            *worst = worst.max(ratio.max(1.0 / ratio));
             println!(
                 "| {bytes} | {tp} | {} | {:.1} | {measured} | {ratio:.2} |",
                 row.config, row.model_us
             );
         }
     }
-    println!("worst ratio {worst:.2}");
-    // docs/performance.md shows this table: the model is within 3x of every published point
-    // (within 1.4x at 512 B, where round_s was fitted); a change that moves it further off
-    // must update the document's claim.
-    assert!(worst < 3.0, "the model is {worst:.2}x off a published time");
+    println!("worst ratio up to 32 KB {small:.2}, past it {large:.2}");
+    // docs/performance.md shows this table: the model is within 1.6x of every published point
+    // up to 32 KB (round_s was fitted at 512 B) and within 3.5x past it, where it is too fast
+    // (16-byte peer loads do not reach the link's bandwidth); a change that moves it further
+    // off must update the document's claim.
+    assert!(
+        small < 1.6,
+        "the model is {small:.2}x off a published time up to 32 KB"
+    );
+    assert!(
+        large < 3.5,
+        "the model is {large:.2}x off a published time past 32 KB"
+    );
 }
 
 #[test]

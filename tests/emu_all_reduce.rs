@@ -316,6 +316,10 @@ fn all_reduce_every_world<T: TestElement>(seed: u64) {
             (1, 4100, &FLAT_EPILOGUES),
             (1, 256, &ROW_EPILOGUES),
             (3, 520, &ROW_EPILOGUES),
+            // Rows of exactly one segment of f16/bf16 (two of f32), and of f32: one-shot
+            // normalises each row in one block, from registers.
+            (4, 4096, &ROW_EPILOGUES),
+            (2, 2048, &ROW_EPILOGUES),
             // Rows of several RMSNorm segments (4096 elements of f16/bf16, 2048 of f32), the
             // last one short: one-shot splits them across blocks.
             (2, 4104, &ROW_EPILOGUES),

@@ -22,6 +22,8 @@
 //!   it moves, and its ldmatrix loads have no bank conflicts (the swizzled shared-memory
 //!   layout);
 //! - reduce_ranks: W·n read, n written, no peer bytes (its stream has no rank);
+//! - the all-reduce (one-shot, its epilogue, rows of one RMSNorm segment and of several;
+//!   two-shot) moves block by block what the plan's `CollectiveLaunch` says;
 //! - a late rank shows in the other ranks' wait phase of the fused kernels' phase records;
 //! - the grid follows the message: a block per 512 16-byte vectors, at most the budget (a
 //!   decode step's 8 KB: one block), and one-shot with RMSNorm splits rows across blocks
@@ -42,7 +44,8 @@ use tpfuse::ops::gemm::{
 };
 use tpfuse::ops::gemm_all_reduce::FusedPlan;
 use tpfuse::ops::{self, gemm_all_reduce_with, Algorithm, Epilogue, RmsNorm};
-use tpfuse::plan::{gemm_block_bytes, gemm_split_block_bytes};
+use tpfuse::plan::{gemm_block_bytes, gemm_split_block_bytes, CollectiveLaunch};
+use tpfuse::topology::AllReduceAlgo;
 use tpfuse::{GroupOptions, TpGroup};
 
 const FILE: &str = "emu_counters";
@@ -293,6 +296,85 @@ fn all_gather_and_reduce_scatter_read_each_peer_once() {
                 "{l}: bytes written"
             );
             assert_barriers(&l, rec, 2);
+        }
+    }
+}
+
+/// The custom all-reduce (one-shot with and without its epilogue, over rows of one RMSNorm
+/// segment and of several; two-shot with a residual) moves, block by block, what the plan's
+/// [`CollectiveLaunch::block_bytes`] says: the plan's `all_reduce` rows count these bytes.
+#[test]
+fn the_all_reduce_moves_what_the_plan_says_block_by_block() {
+    let _session = session_with(
+        FILE,
+        "the_all_reduce_moves_what_the_plan_says_block_by_block",
+        SMS,
+        60_000_000_000,
+    );
+    let gpu = gpu();
+    // (algorithm, rows, hidden, bias, residual, RMSNorm)
+    let cases = [
+        (AllReduceAlgo::OneShot, 1, 8 * 4096 + 3, false, false, false),
+        (AllReduceAlgo::OneShot, 3, 4096, true, true, true),
+        (AllReduceAlgo::OneShot, 5, 1024, false, true, true),
+        (AllReduceAlgo::OneShot, 2, 8200, false, true, true),
+        (AllReduceAlgo::TwoShot, 4, 2048, true, true, false),
+        (AllReduceAlgo::TwoShot, 3, 1000, false, false, false),
+    ];
+    for world in [2usize, 4] {
+        let groups = virtual_group(&gpu.ctx, world, GroupOptions::default());
+        for (ci, &(algo, rows, hidden, bias, residual, rmsnorm)) in cases.iter().enumerate() {
+            let n = rows * hidden;
+            let launch = |rank| CollectiveLaunch {
+                algo,
+                rows,
+                hidden,
+                world,
+                rank,
+                budget: groups[0].blocks(),
+                element_bytes: S,
+                bias,
+                residual,
+                rmsnorm,
+            };
+            let label = format!("{:?}", launch(0));
+            let seed = 0x7a00 + ci as u64;
+            let ins: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(seed, world, n));
+            let biases: Vec<CudaSlice<bf16>> =
+                upload_ranks(&groups, &inputs(seed ^ 1, world, hidden));
+            let gammas: Vec<CudaSlice<bf16>> =
+                upload_ranks(&groups, &inputs(seed ^ 2, world, hidden));
+            let mut residuals: Vec<CudaSlice<bf16>> =
+                upload_ranks(&groups, &inputs(seed ^ 3, world, n));
+            let mut outs: Vec<CudaSlice<bf16>> = poisoned_ranks(&groups, n);
+            let (kernel, algorithm) = match algo {
+                AllReduceAlgo::OneShot => ("one_shot", Algorithm::OneShot),
+                _ => ("two_shot", Algorithm::TwoShot),
+            };
+            let recs = count_round(&groups, &label, kernel, launch(0).grid(), |r| {
+                let epilogue = Epilogue {
+                    bias: bias.then_some(&biases[r] as &dyn DevicePtr<bf16>),
+                    residual: residual.then_some(&mut residuals[r] as &mut dyn DevicePtrMut<bf16>),
+                    norm: rmsnorm.then(|| RmsNorm {
+                        gamma: &gammas[r],
+                        eps: 1e-5,
+                    }),
+                };
+                ops::all_reduce_fused(&groups[r], &ins[r], epilogue, &mut outs[r], algorithm)
+                    .map(|_| ())
+            });
+            for (r, rec) in recs.iter().enumerate() {
+                let planned = launch(r).block_bytes();
+                let moved: Vec<u64> = rec
+                    .blocks
+                    .iter()
+                    .map(|c| c.global_read_bytes + c.global_write_bytes)
+                    .collect();
+                assert_eq!(
+                    moved, planned,
+                    "W={world} {label} rank {r}: bytes per block"
+                );
+            }
         }
     }
 }

@@ -383,9 +383,10 @@ fn an_all_gather_gemm_right_after_a_one_shot_rmsnorm_overlaps_nothing() {
     let (world, steps, blocks) = (2, 6, 2);
     let seed = base_seed(0xf05e_0009);
     let ranks = Ranks::with_capacity(world, blocks, LONG_TIMEOUT_NS, CAPACITY);
-    // 16 rows of 4096: 16 segments, one partial each, 8 per block.
+    // 16 rows of 8192: 32 segments, one partial each, 16 per block (a row of one segment
+    // keeps no partial: it is normalised in registers).
     let norm = Epi { norm: true, ..NONE };
-    let p = problem::<bf16>(world, (16, 4096, 16), norm, mix_seed(seed, &[1]));
+    let p = problem::<bf16>(world, (16, 8192, 16), norm, mix_seed(seed, &[1]));
     let gather: Shape = (4, 72, 64);
     let (m, n, k) = gather;
     let xs: Vec<DeviceBuffer<bf16>> = (0..world)

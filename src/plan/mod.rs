@@ -21,13 +21,15 @@
 //! assert!(qkv.floor_us <= qkv.model_us);
 //! ```
 
+mod collective;
 mod model;
 mod profile;
 mod rows;
 
+pub use collective::{all_reduce_row, CollectiveLaunch};
 pub use model::{LayerGemm, ModelShape, BUILTIN_MODELS};
 pub use profile::{DeviceProfile, Link, BUILTIN_DEVICES};
 pub use rows::{
-    all_reduce_row, fused_row, gemm_block_bytes, gemm_row, gemm_split_block_bytes, plan_model,
-    PlanRow, ELEMENT_BYTES,
+    fused_row, gemm_block_bytes, gemm_row, gemm_split_block_bytes, plan_model, PlanRow,
+    ELEMENT_BYTES,
 };

@@ -2,6 +2,7 @@
 //! (chosen by the same functions the launches use) and what that costs in bytes per SM,
 //! bytes in flight, synchronisation rounds and a modelled time.
 
+use super::collective::all_reduce_row;
 use super::model::{LayerGemm, ModelShape};
 use super::profile::{DeviceProfile, Link};
 use crate::error::Result;
@@ -17,11 +18,11 @@ use half::bf16;
 pub const ELEMENT_BYTES: u64 = 2;
 
 /// Threads per block of the collectives (`kThreads` in `cuda/common.cuh`).
-const COLLECTIVE_THREADS: usize = 512;
+pub(super) const COLLECTIVE_THREADS: usize = 512;
 
 /// The group's CTA budget for the collectives on a real (one process per GPU) group:
 /// [`crate::group::cta_budget`].
-fn collective_budget(profile: &DeviceProfile, tp: usize) -> usize {
+pub(super) fn collective_budget(profile: &DeviceProfile, tp: usize) -> usize {
     crate::group::cta_budget(profile.sms, tp, false)
 }
 
@@ -170,7 +171,7 @@ fn tile_of_block(block: usize, tiles_m: usize, tiles_n: usize) -> (usize, usize)
 
 /// Bytes per SM with `block_bytes` dealt to `sms` SMs in turn: (the most, the mean over all
 /// SMs, how many SMs got a block).
-fn per_sm(block_bytes: &[u64], sms: usize) -> (u64, f64, usize) {
+pub(super) fn per_sm(block_bytes: &[u64], sms: usize) -> (u64, f64, usize) {
     let sms = sms.max(1);
     let mut on_sm = vec![0u64; sms];
     for (b, bytes) in block_bytes.iter().enumerate() {
@@ -271,31 +272,32 @@ fn gemm_in_flight(
 /// time (its bytes at what its loads in flight sustain, by Little's law, or its blocks'
 /// chains of dependent `mma`, whichever is longer), then the rounds and the latencies waited
 /// one after another.
-struct Model {
-    launches: usize,
+pub(super) struct Model {
+    pub(super) launches: usize,
     /// Bytes the DRAM must move (a GEMM: the minimum; the re-reads of `A` by each column
     /// tile come from L2).
-    dram_bytes: f64,
+    pub(super) dram_bytes: f64,
     /// Bytes across the link, per direction.
-    peer_bytes: f64,
+    pub(super) peer_bytes: f64,
     /// Global bytes of the busiest SM (L2 hits included).
-    busiest_sm_bytes: f64,
+    pub(super) busiest_sm_bytes: f64,
     /// The share of the busiest SM's bytes that come from a peer (at the peer latency; the
     /// rest at the DRAM latency).
-    peer_share: f64,
+    pub(super) peer_share: f64,
     /// Whether the launch streams weights on every SM at once (a GEMM): its DRAM loads wait
     /// the loaded latency (`streaming_latency_s`), a collective's the idle one.
-    streams_weights: bool,
-    in_flight: f64,
-    chain_s: f64,
-    rounds: usize,
+    pub(super) streams_weights: bool,
+    pub(super) in_flight: f64,
+    pub(super) chain_s: f64,
+    pub(super) rounds: usize,
     /// Latencies the busiest block waits one after another on top of the rest (the fused
-    /// kernel: a pipeline fill per tile after its first, and one peer read).
-    serial_s: f64,
+    /// kernel: a pipeline fill per tile after its first, and one peer read; a collective:
+    /// its load phases after the first).
+    pub(super) serial_s: f64,
 }
 
 impl Model {
-    fn seconds(&self, p: &DeviceProfile) -> f64 {
+    pub(super) fn seconds(&self, p: &DeviceProfile) -> f64 {
         let dram_latency = if self.streams_weights {
             p.streaming_latency_s
         } else {
@@ -313,7 +315,7 @@ impl Model {
     }
 }
 
-fn us(seconds: f64) -> f64 {
+pub(super) fn us(seconds: f64) -> f64 {
     (seconds * 1e7).round() / 10.0
 }
 
@@ -404,7 +406,7 @@ pub fn gemm_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Option
 
 /// The algorithm the layer's all-reduce of `bytes` per rank takes on `tp` ranks of `p`
 /// (the group's rule, [`AllReduceRule`], as a group with that link would apply it).
-fn all_reduce_algo(bytes: usize, tp: usize, p: &DeviceProfile) -> AllReduceAlgo {
+pub(super) fn all_reduce_algo(bytes: usize, tp: usize, p: &DeviceProfile) -> AllReduceAlgo {
     AllReduceRule::choose_within(limits(tp, p), bytes)
 }
 
@@ -432,118 +434,6 @@ fn fused_facts(tp: usize, p: &DeviceProfile) -> FusedFacts {
         blocks: p.sms,
         blocks_per_sm,
         one_shot_below: limits(tp, p).map(|l| l.one_shot_below),
-    }
-}
-
-/// The row of an all-reduce of `[m, n]` on `tp` ranks: with `rmsnorm`, the unfused
-/// row-parallel layer's (`all_reduce_residual_rmsnorm`: the residual added and written back,
-/// RMSNorm over rows of `n`), else a plain all-reduce.
-pub fn all_reduce_row(
-    layer: &str,
-    m: usize,
-    n: usize,
-    tp: usize,
-    p: &DeviceProfile,
-    rmsnorm: bool,
-) -> PlanRow {
-    let bytes = (m * n) as u64 * ELEMENT_BYTES;
-    let algo = all_reduce_algo(bytes as usize, tp, p);
-    let w = tp as f64;
-    let share = (w - 1.0) / w;
-    // The minimum: its partial read, the peers' (W-1)/W of the sum in and its share out
-    // (2·(W-1)/W·m·n across the link), the output written; with the epilogue the residual
-    // read and written, gamma read.
-    let peer_min = 2.0 * share * bytes as f64;
-    let local_min = if rmsnorm {
-        4 * bytes + n as u64 * ELEMENT_BYTES
-    } else {
-        2 * bytes
-    } as f64;
-    let floor = (local_min / p.dram_bytes_per_s).max(peer_min / p.link_bytes_per_s) + p.round_s;
-    let vectors = (bytes as usize).div_ceil(16);
-    let grid = vectors
-        .div_ceil(COLLECTIVE_THREADS)
-        .clamp(1, collective_budget(p, tp));
-    // Global bytes per element of the message, as cuda/all_reduce.cu moves them. One-shot:
-    // stage the input (read + write), read the W stagings (W-1 a peer's), write out; the
-    // epilogue adds the residual (read + write), then RMSNorm reads out twice and gamma and
-    // writes out. Two-shot: stage all of it, reduce its 1/W (W reads, out and the published
-    // result written), gather the other (W-1)/W (a peer's read, out written); the epilogue
-    // adds the slice's residual (read + write) and the gathered rows' (written), and a
-    // separate RMSNorm launch. NCCL: modelled as a ring, 2(W-1) steps.
-    let norm = if rmsnorm { 4.0 } else { 0.0 };
-    let (launches, rounds, per_elem, peer_per_elem, config) = match algo {
-        AllReduceAlgo::OneShot => {
-            let residual = if rmsnorm { 2.0 } else { 0.0 };
-            (1, 2, 3.0 + w + residual + norm, w - 1.0, "one-shot")
-        }
-        AllReduceAlgo::TwoShot => {
-            let residual = if rmsnorm { 2.0 / w + share } else { 0.0 };
-            let launches = if rmsnorm { 2 } else { 1 };
-            (
-                launches,
-                3,
-                3.0 + 2.0 / w + 2.0 * share + residual + norm,
-                2.0 * share,
-                "two-shot",
-            )
-        }
-        AllReduceAlgo::Nccl => {
-            let launches = if rmsnorm { 2 } else { 1 };
-            (
-                launches,
-                2 * (tp - 1),
-                2.0 + 4.0 * share + norm,
-                2.0 * share,
-                "nccl",
-            )
-        }
-    };
-    let total = per_elem * bytes as f64;
-    let per_block: Vec<u64> = (0..grid)
-        .map(|b| {
-            let part = vectors * (b + 1) / grid - vectors * b / grid;
-            (total * part as f64 / vectors.max(1) as f64).round() as u64
-        })
-        .collect();
-    let (max, mean, streaming) = per_sm(&per_block, p.sms);
-    // One 16-byte vector in flight per thread (the loops of all_reduce.cu load, reduce and
-    // store one vector at a time: the outside reading of issue 24).
-    let in_flight = (COLLECTIVE_THREADS * 16) as u64;
-    let model = Model {
-        launches,
-        dram_bytes: total,
-        peer_bytes: peer_per_elem * bytes as f64,
-        busiest_sm_bytes: max as f64,
-        peer_share: peer_per_elem / per_elem,
-        streams_weights: false,
-        in_flight: in_flight as f64,
-        chain_s: 0.0,
-        rounds,
-        serial_s: 0.0,
-    };
-    PlanRow {
-        layer: layer.to_string(),
-        op: "all_reduce".into(),
-        m,
-        n,
-        k: 0,
-        tp,
-        config: config.into(),
-        split_k: 1,
-        blocks: grid,
-        sms: p.sms,
-        sms_streaming: streaming,
-        bytes_per_sm_max: max,
-        bytes_per_sm_mean: mean,
-        bytes_in_flight_per_sm: in_flight,
-        sync_rounds: rounds,
-        floor_us: us(floor),
-        model_us: us(model.seconds(p)),
-        choice: match algo {
-            AllReduceAlgo::Nccl => "NCCL (no custom kernels here), modelled as a ring".into(),
-            _ => format!("{config}: the all-reduce rule at {bytes} B"),
-        },
     }
 }
 
