@@ -6,7 +6,9 @@
 //
 //   one-shot    stage -> | -> reduce all ranks' staging, epilogue -> | -> (RMSNorm: sums of
 //               squares of the block's row segments -> the rank's blocks meet -> normalise;
-//               rows of one segment: each normalised from registers before the second |)
+//               rows of one segment: each normalised from registers before the second |;
+//               a block of one segment of a longer row keeps it and its sum of squares in
+//               registers across the second | and the meeting)
 //   two-shot    stage -> | -> reduce own slice, epilogue, publish -> | -> gather slices -> |
 //   all-gather  stage -> | -> copy every rank's staging -> |
 //   reduce-sc.  stage -> | -> reduce own slice -> |
@@ -167,6 +169,16 @@ template <typename T> __device__ __forceinline__ float *partial_of(const Segment
                                                              // kSegment are whole vectors
 }
 
+// The sum of squares of unit u's row: its segments' partials added in segment order from 0
+// (the standalone kernel's order), read after the rank's blocks met.
+template <typename T>
+__device__ __forceinline__ float row_sum_of_partials(const Segments<T> &seg, T *staging, size_t u) {
+  const size_t first = seg.row(u) * seg.per_row;
+  float sum = 0.f;
+  for (size_t s = 0; s < seg.per_row; ++s) sum += ld_global(partial_of(seg, staging, first + s));
+  return sum;
+}
+
 template <typename T>
 __device__ __forceinline__ bool normalize_units(BlockBarrier &barrier, const Segments<T> &seg, Range units,
                                                 T *staging, const T *gamma, float eps, T *out) {
@@ -179,10 +191,7 @@ __device__ __forceinline__ bool normalize_units(BlockBarrier &barrier, const Seg
   }
   if (!barrier.meet_rank_blocks()) return false;
   for (size_t u = units.begin; u < units.end; ++u) {
-    const size_t first = seg.row(u) * seg.per_row;
-    float sum = 0.f;
-    for (size_t s = 0; s < seg.per_row; ++s) sum += ld_global(partial_of(seg, staging, first + s));
-    const float rstd = rstd_of(sum, seg.hidden, eps);
+    const float rstd = rstd_of(row_sum_of_partials(seg, staging, u), seg.hidden, eps);
     normalize_segment(out, gamma, rstd, out, seg.row(u) * seg.hidden, seg.begin(u), seg.end(u));
   }
   return true;
@@ -213,6 +222,34 @@ __device__ __forceinline__ void reduce_and_normalize_rows(const tpfuse_peers &pe
   }
 }
 
+// One-shot with RMSNorm over rows of several segments, for a block whose share is one segment
+// u: thread t reduces vector t of it into `h` (`held` when the vector lies in the segment) and
+// the block adds their squares with the segment's tree into `partial`, before the closing
+// barrier; normalize_held_segment finishes after it. The same bits as normalize_units.
+template <typename T, int W>
+__device__ __forceinline__ void reduce_held_segment(const tpfuse_peers &peers, const Segments<T> &seg, size_t u,
+                                                    const Epilogue<T> &epi, bool held, Vec16<T> &h,
+                                                    float &partial) {
+  if (held) h = reduce_vector<T, W>(peers, W, 0, seg.begin(u) + threadIdx.x * Vec16<T>::kLen, epi);
+  partial = held_sum_of_squares(h, held);
+}
+
+// After the closing barrier: the segment's partial into its staging (where normalize_units
+// keeps it, and why that is safe), the rank's blocks meet, then the row's partials added in
+// segment order and the held vector normalised and stored (out written once). False when the
+// meeting failed.
+template <typename T>
+__device__ __forceinline__ bool normalize_held_segment(BlockBarrier &barrier, const Segments<T> &seg, size_t u,
+                                                       T *staging, bool held, const Vec16<T> &h, float partial,
+                                                       const Vec16<T> &gamma_held, float eps, T *out) {
+  if (threadIdx.x == 0) st_global(partial_of(seg, staging, u), partial);
+  const bool met = barrier.meet_rank_blocks(); // the other segments' partials, stored before
+  if (!met) return false;
+  const float rstd = rstd_of(row_sum_of_partials(seg, staging, u), seg.hidden, eps);
+  if (held) store16(out + seg.begin(u) + threadIdx.x * Vec16<T>::kLen, normalize_vector(h, gamma_held, rstd));
+  return true;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1)
     one_shot_kernel(const __grid_constant__ tpfuse_peers peers,
@@ -229,15 +266,27 @@ __global__ void __launch_bounds__(kThreads, 1)
   const Range r = gamma != nullptr ? seg.elements(units) : element_range<T>(units, n);
   if (barrier.poisoned()) return give_up(barrier, out, residual, r);
   const Epilogue<T> epi{bias, residual, hidden};
-  // A row in one segment: the whole-row path, its gamma loaded now, before the barriers.
+  // With RMSNorm the reduced vectors stay in registers where the block holds whole rows of one
+  // segment (whole_rows) or one segment of longer rows (one_segment); the thread's gamma
+  // vector (its column's: the same in every row of a whole-rows block) is loaded now, before
+  // the barriers.
   const bool whole_rows = gamma != nullptr && seg.per_row == 1;
-  Vec16<T> gamma_held;
-  if (whole_rows && threadIdx.x * Vec16<T>::kLen < hidden) gamma_held = load16(gamma + threadIdx.x * Vec16<T>::kLen);
+  const bool one_segment = gamma != nullptr && seg.per_row > 1 && units.end - units.begin == 1;
+  const size_t gamma_col = units.begin % seg.per_row * kSegment<T> + threadIdx.x * Vec16<T>::kLen;
+  const bool held = (whole_rows || one_segment) && units.begin < units.end &&
+                    seg.begin(units.begin) + threadIdx.x * Vec16<T>::kLen < seg.end(units.begin);
+  Vec16<T> gamma_held, h;
+  float partial = 0.f;
+  if (held) gamma_held = load16(gamma + gamma_col);
   copy_range(input, static_cast<T *>(peers.data[g.rank]), r);
   if (!barrier.arrive_and_wait()) return give_up(barrier, out, residual, r);
   if (whole_rows) {
     with_world(g.world, [&](auto w) {
       reduce_and_normalize_rows<T, decltype(w)::value>(peers, seg, units, epi, gamma_held, eps, out);
+    });
+  } else if (one_segment) {
+    with_world(g.world, [&](auto w) {
+      reduce_held_segment<T, decltype(w)::value>(peers, seg, units.begin, epi, held, h, partial);
     });
   } else {
     reduce_range(peers, g.world, 0, r, epi, out, static_cast<T *>(nullptr));
@@ -246,9 +295,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   barrier.commit();
   if (gamma == nullptr || whole_rows) return;
   // The partials go into the units' own staging (normalize_units says why that is safe).
-  if (!normalize_units(barrier, seg, units, static_cast<T *>(peers.data[g.rank]), gamma, eps, out)) {
-    give_up(barrier, out, residual, r);
-  }
+  T *partials_at = static_cast<T *>(peers.data[g.rank]);
+  const bool normalized = one_segment ? normalize_held_segment(barrier, seg, units.begin, partials_at, held, h,
+                                                               partial, gamma_held, eps, out)
+                                      : normalize_units(barrier, seg, units, partials_at, gamma, eps, out);
+  if (!normalized) give_up(barrier, out, residual, r);
 }
 
 // Slice p of the data (rank p reduces it), and block b's chunk of it, in elements.
@@ -411,10 +462,15 @@ int launch_all_reduce(int algo, const tpfuse_peers &peers, const tpfuse_group_ar
   if ((bias != nullptr || gamma != nullptr) && hidden % Vec16<T>::kLen != 0) return cudaErrorInvalidValue;
   int grid = grid_for_message((rows * hidden * sizeof(T) + 15) / 16, g.blocks);
   // One-shot with RMSNorm hands row segments to blocks: no more blocks than segments (a
-  // guard: a message's segments are never fewer than its 512-vector blocks).
-  const size_t units = rows * segments_per_row<T>(hidden);
-  if (algo == TPFUSE_ALGO_ONE_SHOT && gamma != nullptr && units < static_cast<size_t>(grid)) {
-    grid = static_cast<int>(units);
+  // guard: a message's segments are never fewer than its 512-vector blocks), and over rows of
+  // several segments a block per segment up to the budget, so that each holds its segment in
+  // registers (a short last segment makes them more than the 512-vector blocks: 6144 = 4096
+  // + 2048).
+  const size_t per_row = segments_per_row<T>(hidden);
+  const size_t units = rows * per_row;
+  if (algo == TPFUSE_ALGO_ONE_SHOT && gamma != nullptr) {
+    if (per_row > 1) grid = static_cast<int>(units < static_cast<size_t>(g.blocks) ? units : g.blocks);
+    else if (units < static_cast<size_t>(grid)) grid = static_cast<int>(units);
   }
   // eps (its bits) is part of what the ranks must agree on when there is an RMSNorm: ranks
   // with different eps would give different bits. The two-shot's RMSNorm runs in a kernel of

@@ -28,8 +28,10 @@ __device__ __forceinline__ Vec16<T> reduce_vector(const tpfuse_peers &peers, int
   uint4 raw[kMaxWorld];
 #pragma unroll
   for (int p = 0; p < kMaxWorld; ++p) {
-    const T *rank_p = static_cast<const T *>(peers.data[p]) + offset + i;
-    if (p < world) raw[p] = ld_global_cg(reinterpret_cast<const uint4 *>(rank_p));
+    if (p < world) {
+      const T *rank_p = static_cast<const T *>(peers.data[p]) + offset + i;
+      raw[p] = ld_global_cg(reinterpret_cast<const uint4 *>(rank_p));
+    }
   }
   float acc[kVec];
 #pragma unroll

@@ -216,8 +216,8 @@ if wanted baseline; then
 fi
 
 mutant closing-barrier emu_all_reduce::a_late_rank_within_the_deadline_gives_the_right_result "one-shot without its closing barrier" \
-  all_reduce.cu $'static_cast<T *>(nullptr));\n  if (!barrier.arrive_and_wait()) return give_up(barrier, out, residual, r);\n  barrier.commit();\n  if (gamma' \
-  $'static_cast<T *>(nullptr));\n  barrier.commit();\n  if (gamma'
+  all_reduce.cu $'  }\n  if (!barrier.arrive_and_wait()) return give_up(barrier, out, residual, r);\n  barrier.commit();\n  if (gamma' \
+  $'  }\n  barrier.commit();\n  if (gamma'
 mutant first-barrier emu_all_reduce::a_late_rank_within_the_deadline_gives_the_right_result "one-shot reads peers before they staged" \
   all_reduce.cu $'copy_range(input, static_cast<T *>(peers.data[g.rank]), r);\n  if (!barrier.arrive_and_wait()) return give_up(barrier, out, residual, r);' \
   $'copy_range(input, static_cast<T *>(peers.data[g.rank]), r);'
@@ -267,13 +267,26 @@ mutant whole-rows-never emu_counters::the_all_reduce_moves_what_the_plan_says_bl
 mutant whole-rows-of-two-segments emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue "one-shot normalises rows of two segments from one vector a thread" \
   all_reduce.cu 'const bool whole_rows = gamma != nullptr && seg.per_row == 1;' 'const bool whole_rows = gamma != nullptr && seg.per_row <= 2;'
 mutant whole-rows-gamma-of-vector-0 emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue "every thread multiplies by gamma's first vector" \
-  all_reduce.cu 'gamma_held = load16(gamma + threadIdx.x * Vec16<T>::kLen);' 'gamma_held = load16(gamma);'
+  all_reduce.cu 'gamma_held = load16(gamma + gamma_col);' 'gamma_held = load16(gamma);'
 mutant whole-rows-unnormalised emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue "one-shot stores a row of one segment without its RMSNorm" \
   all_reduce.cu 'if (held) store16(out + i, normalize_vector(h, gamma_held, rstd));' 'if (held) store16(out + i, h);'
 mutant held-squares-without-tree emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue "the held sum of squares skips the warp's shuffle tree" \
   epilogue.cuh 'const float ss = warp_tree(held ? squares_of(v) : 0.f);' 'const float ss = held ? squares_of(v) : 0.f;'
 mutant reduce-last-rank-only emu_all_reduce::all_reduce_f32_every_world_path_and_epilogue "each rank's vector replaces the sum instead of adding to it" \
   reduce.cuh 'acc[j] = p == 0 ? Elem<T>::to_f32(x.v[j]) : acc[j] + Elem<T>::to_f32(x.v[j]);' 'acc[j] = Elem<T>::to_f32(x.v[j]);'
+# Rows of several segments, a block of one: the segment is held in registers too.
+mutant one-segment-never emu_counters::the_all_reduce_moves_what_the_plan_says_block_by_block "a block of one segment of a longer row reads it back to normalise it (the same bits, more bytes and phases)" \
+  all_reduce.cu 'const bool one_segment = gamma != nullptr && seg.per_row > 1 && units.end - units.begin == 1;' 'const bool one_segment = false;'
+mutant one-segment-no-meet emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue "a block of one segment reads the row's partials before the other blocks stored theirs" \
+  all_reduce.cu 'const bool met = barrier.meet_rank_blocks();' 'const bool met = true;'
+mutant one-segment-gamma-of-segment-0 emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue "a block of a row's second segment multiplies by gamma's first segment" \
+  all_reduce.cu 'const size_t gamma_col = units.begin % seg.per_row * kSegment<T> + threadIdx.x * Vec16<T>::kLen;' 'const size_t gamma_col = threadIdx.x * Vec16<T>::kLen;'
+mutant one-segment-grid-of-vectors emu_counters::the_all_reduce_moves_what_the_plan_says_block_by_block "rows of 4096 + 2048 get 512-vector blocks, some of two segments (the same bits, more bytes)" \
+  all_reduce.cu '    if (per_row > 1) grid = static_cast<int>(units < static_cast<size_t>(g.blocks) ? units : g.blocks);
+    else if' '    if'
+mutant one-segment-partial-before-closing-barrier emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue@pct:1 "a block of one segment stores its partial into its staging while the peers may still read it" \
+  all_reduce.cu 'reduce_held_segment<T, decltype(w)::value>(peers, seg, units.begin, epi, held, h, partial);' \
+  $'reduce_held_segment<T, decltype(w)::value>(peers, seg, units.begin, epi, held, h, partial);\n      if (threadIdx.x == 0) st_global(partial_of(seg, static_cast<T *>(peers.data[g.rank]), units.begin), partial);'
 mutant half-warp-sum emu_all_reduce::a_late_rank_within_the_deadline_gives_the_right_result "RMSNorm's warp sum skips the first shuffle" \
   epilogue.cuh 'for (int offset = 16; offset > 0; offset >>= 1)' 'for (int offset = 8; offset > 0; offset >>= 1)'
 mutant all-gather-offset emu_all_reduce::all_gather_every_world "all-gather writes every rank's part at its own offset" \
@@ -420,8 +433,8 @@ mutant scatter-rank-0-rows emu_gemm_all_reduce::fused_equals_gemm_then_all_reduc
 mutant gather-without-waiting emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm "all-gather + GEMM reads the peers' rows without waiting for their flags" \
   all_gather_gemm.cu '    if (needed != 0) {' '    if (false) {'
 mutant norm-partials-in-result-half emu_gemm_all_reduce::an_all_gather_gemm_right_after_a_one_shot_rmsnorm_overlaps_nothing "one-shot keeps its RMSNorm partials where all-gather + GEMM pushes" \
-  all_reduce.cu 'normalize_units(barrier, seg, units, static_cast<T *>(peers.data[g.rank]), gamma' \
-  'normalize_units(barrier, seg, units, static_cast<T *>(peers.data[g.rank]) + g.capacity / sizeof(T), gamma'
+  all_reduce.cu 'T *partials_at = static_cast<T *>(peers.data[g.rank]);' \
+  'T *partials_at = static_cast<T *>(peers.data[g.rank]) + g.capacity / sizeof(T);'
 mutant gather-push-own-area-only emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm "all-gather + GEMM pushes a rank's rows into its own area only" \
   all_gather_gemm.cu 'for (int j = 1; j <= g.world; ++j) {' 'for (int j = g.world; j <= g.world; ++j) {'
 mutant gather-push-at-rank-0-rows emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm "all-gather + GEMM pushes every rank's rows to rank 0's rows" \
@@ -439,8 +452,8 @@ mutant gather-tiles-read-a-peer emu_counters::all_gather_gemm_moves_each_rows_pa
   all_gather_gemm.cu 'DenseRows<T> rows{static_cast<const T *>(peers.data[g.rank]) + exchange, k};' \
   'DenseRows<T> rows{static_cast<const T *>(peers.data[(g.rank + 1) % g.world]) + exchange, k};'
 mutant double-peer-read emu_counters::all_gather_and_reduce_scatter_read_each_peer_once "the reduction loads every peer's vector twice" \
-  reduce.cuh 'if (p < world) raw[p] = ld_global_cg(reinterpret_cast<const uint4 *>(rank_p));' \
-  $'if (p < world) {\n      raw[p] = ld_global_cg(reinterpret_cast<const uint4 *>(rank_p));\n      raw[p] = ld_global_cg(reinterpret_cast<const uint4 *>(rank_p));\n    }'
+  reduce.cuh 'raw[p] = ld_global_cg(reinterpret_cast<const uint4 *>(rank_p));' \
+  $'raw[p] = ld_global_cg(reinterpret_cast<const uint4 *>(rank_p));\n      raw[p] = ld_global_cg(reinterpret_cast<const uint4 *>(rank_p));'
 mutant residual-over-the-link emu_counters::two_shot_reads_twice_the_peers_share "two-shot reads the peers' results again for the residual" \
   all_reduce.cu 'copy_range(static_cast<const T *>(out), residual, r);' 'copy_range_from_peer(result, residual, r);'
 mutant no-swizzle emu_counters::gemm_reads_each_tile_once_without_bank_conflicts "the GEMM's shared memory unswizzled (bank conflicts, same results)" \

@@ -1,23 +1,27 @@
 """Compiler evidence for the custom reductions (cuda/reduce.cuh's reduce_vector): reads the
 SASS of all_reduce.o and gemm_all_reduce.o (cuobjdump -sass | c++filt, on stdin) and finds, in
 each kernel that reduces, the runs of 16-byte loads a thread issues before the first
-instruction that uses one of their results (the loads in flight together; branches do not end
-a run, an exit or a barrier does). Some run must hold the ranks' vectors (LDG.E.128.STRONG.GPU:
-ld.cg, through L2) with the epilogue's bias and residual vectors (two LDG.E.128): for every
-world W = 2..8 in the all-reduce kernels (one instantiation per world), and for the fused GEMM
-+ all-reduce's one predicated path, all TPFUSE_MAX_RANKS = 8. The plan counts these loads
+instruction that uses one of their results (the loads in flight together; a branch does not
+end a run, a call, an exit or a barrier does). Each place a kernel reduces must show its run:
+the ranks' vectors (LDG.E.128.STRONG.GPU: ld.cg, through L2) with the epilogue's bias and
+residual vectors (two LDG.E.128), W + 2 loads, or W + 1 where ptxas hoists one of them out of
+the loop (the bias of a whole-row block, the same column in every row: loaded earlier still). The one-shot all-reduce reduces in three places
+(reduce_range, the whole-row and the one-segment RMSNorm paths) and the two-shot in one, each
+instantiated for W = 2..8; the fused GEMM + all-reduce in one predicated path for every world
+(all TPFUSE_MAX_RANKS = 8 loads). The plan counts these loads
 (CollectiveLaunch::loads_in_flight_per_thread). Prints each kernel's runs as peer+epilogue
-loads; exits non-zero when one is missing.
+loads (xN: N places); exits non-zero when a place is missing its run.
 """
 import re
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 
-# kernel -> the worlds whose run (W peer loads + 2 epilogue loads) it must hold
+# kernel -> (the worlds whose run of W peer loads + 2 epilogue loads it must hold, how many
+# places hold it per world)
 KERNELS = {
-    "one_shot_kernel<": range(2, 9),
-    "two_shot_kernel<": range(2, 9),
-    "gemm_all_reduce_kernel<": (8,),
+    "one_shot_kernel<": (range(2, 9), 3),
+    "two_shot_kernel<": (range(2, 9), 1),
+    "gemm_all_reduce_kernel<": ((8,), 1),
 }
 STORES = ("STG", "STS", "ST.", "RED", "ATOM")
 
@@ -33,14 +37,14 @@ def registers(operand_text):
 
 
 arch, func = None, None
-runs = defaultdict(set)  # (arch, kernel) -> {(peer loads, epilogue loads)}
+runs = defaultdict(Counter)  # (arch, kernel) -> {(peer loads, epilogue loads): places}
 run, pending = [0, 0], set()
 
 
 def close():
     global run, pending
     if run[0]:
-        runs[(arch, func)].add(tuple(run))
+        runs[(arch, func)][tuple(run)] += 1
     run, pending = [0, 0], set()
 
 
@@ -70,18 +74,18 @@ for line in sys.stdin:
         pending |= set(range(dest, dest + 4))
         continue
     sources = operands if op.startswith(STORES) else (operands.split(",", 1)[1] if "," in operands else "")
-    if op.startswith(("EXIT", "RET", "BAR")) or registers(sources + guard) & pending:
+    if op.startswith(("CALL", "EXIT", "RET", "BAR")) or registers(sources + guard) & pending:
         close()
 
 failures = []
 for (arch, func), found in sorted(runs.items()):
-    worlds = next(v for k, v in KERNELS.items() if func.startswith(k))
-    missing = [w for w in worlds if (w, 2) not in found]
+    worlds, places = next(v for k, v in KERNELS.items() if func.startswith(k))
+    missing = [w for w in worlds if found[(w, 1)] + found[(w, 2)] < places]
     print("%-8s %-62s loads in flight together (peer+epilogue): %s"
-          % (arch, func, " ".join("%d+%d" % r for r in sorted(found))))
+          % (arch, func, " ".join("%d+%dx%d" % (r + (n,)) for r, n in sorted(found.items()))))
     if missing:
-        failures.append("%s %s: no run of the W ranks' loads with the bias and residual loads for W = %s"
-                        % (arch, func, ", ".join(map(str, missing))))
+        failures.append("%s %s: fewer than %d runs of the W ranks' loads with the epilogue's for W = %s"
+                        % (arch, func, places, ", ".join(map(str, missing))))
 if not runs:
     failures.append("no reduction kernel in the SASS")
 for f in failures:

@@ -320,6 +320,8 @@ fn all_reduce_every_world<T: TestElement>(seed: u64) {
             // normalises each row in one block, from registers.
             (4, 4096, &ROW_EPILOGUES),
             (2, 2048, &ROW_EPILOGUES),
+            // A row of two segments: with two blocks or more, each holds one in registers.
+            (1, 8192, &ROW_EPILOGUES),
             // Rows of several RMSNorm segments (4096 elements of f16/bf16, 2048 of f32), the
             // last one short: one-shot splits them across blocks.
             (2, 4104, &ROW_EPILOGUES),

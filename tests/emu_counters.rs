@@ -318,6 +318,9 @@ fn the_all_reduce_moves_what_the_plan_says_block_by_block() {
         (AllReduceAlgo::OneShot, 3, 4096, true, true, true),
         (AllReduceAlgo::OneShot, 5, 1024, false, true, true),
         (AllReduceAlgo::OneShot, 2, 8200, false, true, true),
+        (AllReduceAlgo::OneShot, 1, 8192, true, true, true),
+        // 4096 + 2048: a block per segment (4), where 512-vector blocks would be 3.
+        (AllReduceAlgo::OneShot, 2, 6144, false, true, true),
         (AllReduceAlgo::TwoShot, 4, 2048, true, true, false),
         (AllReduceAlgo::TwoShot, 3, 1000, false, false, false),
     ];

@@ -69,16 +69,17 @@ impl CollectiveLaunch {
     }
 
     /// The launch's blocks: one per 512 vectors of the message, 1 ..= the budget; the one-shot
-    /// with RMSNorm no more than its row segments (`launch_all_reduce`).
+    /// with RMSNorm no more than its row segments, and over rows of several segments one per
+    /// segment up to the budget (`launch_all_reduce`).
     pub fn grid(&self) -> usize {
+        let budget = self.budget.max(1);
         let vectors = (self.rows * self.hidden).div_ceil(self.vector());
-        let grid = vectors
-            .div_ceil(COLLECTIVE_THREADS)
-            .clamp(1, self.budget.max(1));
-        if self.algo == AllReduceAlgo::OneShot && self.rmsnorm {
-            grid.min(self.rows * self.per_row())
-        } else {
-            grid
+        let grid = vectors.div_ceil(COLLECTIVE_THREADS).clamp(1, budget);
+        let units = self.rows * self.per_row();
+        match (self.algo, self.rmsnorm) {
+            (AllReduceAlgo::OneShot, true) if self.per_row() > 1 => units.min(budget),
+            (AllReduceAlgo::OneShot, true) => grid.min(units),
+            _ => grid,
         }
     }
 
@@ -93,9 +94,11 @@ impl CollectiveLaunch {
     /// vectors, or with RMSNorm of row segments) staged (read, written), reduced from the W
     /// stagings through the epilogue into out; RMSNorm over rows of one segment: gamma's row
     /// once (loaded before the first barrier), each row normalised from registers and out
-    /// written once; over rows of several: each segment's sum of squares (out read), its
-    /// partial (4 bytes written), the row's partials read by every thread, the segment
-    /// normalised (out and gamma read, out written). Two-shot: the block's chunk of every
+    /// written once; over rows of several, a block of one segment: its gamma, its partial (4
+    /// bytes written), the row's partials read by every thread, the segment normalised from
+    /// registers (out written once); a block of several: each segment's sum of squares (out
+    /// read), its partial, the row's partials, the segment normalised (out and gamma read, out
+    /// written again). Two-shot: the block's chunk of every
     /// rank's slice staged, its chunk of this rank's slice reduced into out and the published
     /// result, the chunks of the other slices gathered into out (and copied into the
     /// residual).
@@ -130,12 +133,17 @@ impl CollectiveLaunch {
         };
         let len = len as u64;
         let mut bytes = 2 * len * s + self.reduce_per_element() * len * s;
+        // A segment's partial written, and the row's partials read by every thread.
+        let partials = 4 + (COLLECTIVE_THREADS * per_row * 4) as u64;
         if self.whole_rows() {
             bytes += self.hidden as u64 * s;
+        } else if self.rmsnorm && last - first == 1 {
+            // One segment, held in registers: its gamma, then the partials.
+            bytes += (end(first) - begin(first)) as u64 * s + partials;
         } else if self.rmsnorm {
             for u in first..last {
                 let segment = (end(u) - begin(u)) as u64;
-                bytes += 4 * segment * s + 4 + (COLLECTIVE_THREADS * per_row * 4) as u64;
+                bytes += 4 * segment * s + partials;
             }
         }
         bytes
@@ -182,11 +190,16 @@ impl CollectiveLaunch {
     }
 
     /// Load phases a block waits one after the other (each at least one memory latency): the
-    /// stage's loads, the reduction's; with RMSNorm over several segments a row, the sum of
-    /// squares, the partials and the normalisation (whole rows: none more, gamma is loaded
+    /// stage's loads, the reduction's; with RMSNorm over several segments a row, the partials
+    /// (a block of one segment keeps it in registers) or, where a block has several, the sum
+    /// of squares, the partials and the normalisation (whole rows: none more, gamma is loaded
     /// before and the row is in registers); the two-shot's gather.
     pub fn load_phases(&self) -> usize {
+        let one_segment_a_block = self.grid() == self.rows * self.per_row();
         match self.algo {
+            AllReduceAlgo::OneShot if self.rmsnorm && !self.whole_rows() && one_segment_a_block => {
+                3
+            }
             AllReduceAlgo::OneShot if self.rmsnorm && !self.whole_rows() => 5,
             AllReduceAlgo::OneShot => 2,
             AllReduceAlgo::TwoShot => 3,
