@@ -712,7 +712,9 @@ for src in "$cuda"/*.cu "$cuda"/emu/*.cpp; do
   [ -f "$obj" ] && continue
   unit=()
   kind=host
-  case $src in *.cu) unit=("${{kernel_extra[@]}}") kind=kernel ;; esac
+  # A kernel's locals (its registers) start as the 0xFE pattern, not the zeros of a fresh
+  # fiber stack: a kernel that reads a register it never wrote gets garbage, as a GPU may give.
+  case $src in *.cu) unit=(-ftrivial-auto-var-init=pattern "${{kernel_extra[@]}}") kind=kernel ;; esac
   pch "$kind" "${{unit[@]}}"
   while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n; done
   "{cxx}" -x c++ "${{flags[@]}}" "${{unit[@]}}" -Winvalid-pch -include "$out/pch/$kind/std_headers.hpp" -c "$src" -o "$obj" &

@@ -58,9 +58,10 @@ fi
 status=0
 for obj in "${objects[@]}"; do
   echo "== $obj"
-  "$cuobjdump" -sass "$obj" | c++filt | python3 -c '
+  "$cuobjdump" -sass "$obj" | c++filt | PYTHONPATH="$root/scripts" python3 -c '
 import re, sys
 from collections import Counter
+from sass_listing import instructions
 # The tile configurations, from their definitions: name -> (BM, BN, BK, threads, stages).
 CONFIGS = {}
 for line in open(sys.argv[1]):
@@ -71,37 +72,26 @@ for line in open(sys.argv[1]):
 if not CONFIGS:
     print("found no TileConfig line in %s" % sys.argv[1])
     sys.exit(1)
-arch, func, counts = None, None, {}
+counts = {}
 # Per function: the deepest cp.async wait, the LDGSTS of each commit group, their widths.
 depbar, groups, widths = {}, {}, {}
-for line in sys.stdin:
-    m = re.match(r"\s*arch = (sm_\w+)", line)
-    if m:
-        arch, func = m.group(1), None
-        continue
-    m = re.match(r"\s*Function : (.*)$", line)
-    if m:
-        func = m.group(1).strip()
-        key = (arch, func)
+for arch, func, _, op, operands in instructions(sys.stdin):
+    key = (arch, func)
+    if op is None:  # the header of a function
         counts.setdefault(key, {})
         depbar[key], groups[key], widths[key] = -1, [0], Counter()
         continue
-    if func is None:
-        continue
-    m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)", line)
-    if m:
-        op = m.group(1)
-        c = counts[key]
-        c[op] = c.get(op, 0) + 1
-        if op.startswith("LDGSTS"):
-            groups[key][-1] += 1
-            widths[key][op.rsplit(".", 1)[-1]] += 1
-        elif op == "LDGDEPBAR":
-            groups[key].append(0)
-        elif op == "DEPBAR.LE":
-            w = re.match(r"\s*SB0,\s*(0x[0-9a-f]+|\d+)", m.group(2))
-            if w:
-                depbar[key] = max(depbar[key], int(w.group(1), 0))
+    c = counts[key]
+    c[op] = c.get(op, 0) + 1
+    if op.startswith("LDGSTS"):
+        groups[key][-1] += 1
+        widths[key][op.rsplit(".", 1)[-1]] += 1
+    elif op == "LDGDEPBAR":
+        groups[key].append(0)
+    elif op == "DEPBAR.LE":
+        w = re.match(r"\s*SB0,\s*(0x[0-9a-f]+|\d+)", operands)
+        if w:
+            depbar[key] = max(depbar[key], int(w.group(1), 0))
 
 def total(c, pred):
     return sum(v for k, v in c.items() if pred(k))

@@ -272,6 +272,10 @@ mutant whole-rows-unnormalised emu_all_reduce::all_reduce_bf16_every_world_path_
   all_reduce.cu 'if (held) store16(out + i, normalize_vector(h, gamma_held, rstd));' 'if (held) store16(out + i, h);'
 mutant held-squares-without-tree emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue "the held sum of squares skips the warp's shuffle tree" \
   epilogue.cuh 'const float ss = warp_tree(held ? squares_of(v) : 0.f);' 'const float ss = held ? squares_of(v) : 0.f;'
+# A register read before it is written: the emulator starts a kernel's locals as a pattern
+# (build.rs), not the zeros a fresh fiber stack would give.
+mutant held-squares-of-unheld emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue "threads past the row add the squares of a vector they never loaded" \
+  epilogue.cuh 'const float ss = warp_tree(held ? squares_of(v) : 0.f);' 'const float ss = warp_tree(squares_of(v));'
 mutant reduce-last-rank-only emu_all_reduce::all_reduce_f32_every_world_path_and_epilogue "each rank's vector replaces the sum instead of adding to it" \
   reduce.cuh 'acc[j] = p == 0 ? Elem<T>::to_f32(x.v[j]) : acc[j] + Elem<T>::to_f32(x.v[j]);' 'acc[j] = Elem<T>::to_f32(x.v[j]);'
 # Rows of several segments, a block of one: the segment is held in registers too.

@@ -16,6 +16,8 @@ import re
 import sys
 from collections import Counter, defaultdict
 
+from sass_listing import instructions
+
 # kernel -> (the worlds whose run of W peer loads + 2 epilogue loads it must hold, how many
 # places hold it per world)
 KERNELS = {
@@ -36,46 +38,35 @@ def registers(operand_text):
     return regs
 
 
-arch, func = None, None
 runs = defaultdict(Counter)  # (arch, kernel) -> {(peer loads, epilogue loads): places}
 run, pending = [0, 0], set()
 
 
-def close():
+def close(key):
     global run, pending
     if run[0]:
-        runs[(arch, func)][tuple(run)] += 1
+        runs[key][tuple(run)] += 1
     run, pending = [0, 0], set()
 
 
-for line in sys.stdin:
-    m = re.match(r"\s*arch = (sm_\w+)", line)
-    if m:
-        arch, func = m.group(1), None
+for arch, name, guard, op, operands in instructions(sys.stdin):
+    kernel = next((k for k in KERNELS if k in name), None)
+    if kernel is None:
         continue
-    m = re.match(r"\s*Function : (.*)$", line)
-    if m:
-        name = m.group(1).strip()
-        kernel = next((k for k in KERNELS if k in name), None)
-        func = None if kernel is None else kernel + name.split(kernel, 1)[1].split(")", 1)[0].split(">(", 1)[0] + ">"
+    func = kernel + name.split(kernel, 1)[1].split(")", 1)[0].split(">(", 1)[0] + ">"
+    if op is None:  # a function's header
         run, pending = [0, 0], set()
         continue
-    if func is None:
-        continue
-    m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);", line)
-    if not m:
-        continue
-    guard, op, operands = m.group(1) or "", m.group(2), m.group(3)
     if op in ("LDG.E.128.STRONG.GPU", "LDG.E.128"):
         dest = int(re.match(r"\s*R(\d+)", operands).group(1))
         if registers(operands.split(",", 1)[1]) & pending:
-            close()
+            close((arch, func))
         run[0 if op.endswith("STRONG.GPU") else 1] += 1
         pending |= set(range(dest, dest + 4))
         continue
     sources = operands if op.startswith(STORES) else (operands.split(",", 1)[1] if "," in operands else "")
     if op.startswith(("CALL", "EXIT", "RET", "BAR")) or registers(sources + guard) & pending:
-        close()
+        close((arch, func))
 
 failures = []
 for (arch, func), found in sorted(runs.items()):
