@@ -88,6 +88,14 @@ template <typename T> __device__ __forceinline__ Vec16<T> load16_peer(const T *p
   return out;
 }
 
+// A vector from its raw 16 bytes (loads kept raw until they are used: unpacked where they are
+// loaded, a vector makes the warp wait for its load before the next load issues).
+template <typename T> __device__ __forceinline__ Vec16<T> vec_of(const uint4 &raw) {
+  Vec16<T> out;
+  *reinterpret_cast<uint4 *>(&out) = raw;
+  return out;
+}
+
 template <typename T> __device__ __forceinline__ void store16(T *p, const Vec16<T> &x) {
   st_global(reinterpret_cast<uint4 *>(p), *reinterpret_cast<const uint4 *>(&x));
 }

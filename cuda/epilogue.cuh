@@ -61,9 +61,7 @@ template <typename T> struct Epilogue {
 #pragma unroll
     for (int j = 0; j < kVec; ++j) y.v[j] = Elem<T>::from_f32(acc[j]);
     if (bias == nullptr && residual == nullptr) return y;
-    Vec16<T> b, r;
-    *reinterpret_cast<uint4 *>(&b) = o.b;
-    *reinterpret_cast<uint4 *>(&r) = o.r;
+    const Vec16<T> b = vec_of<T>(o.b), r = vec_of<T>(o.r);
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
       float h = Elem<T>::to_f32(y.v[j]);
@@ -93,7 +91,9 @@ template <typename T> struct Epilogue {
 // GEMM + all-reduce runs whole rows in blocks of fewer threads. A block of kThreads threads
 // is one virtual thread per thread; a smaller one (a multiple of 32 threads) runs the
 // virtual warps in turns, warp w taking virtual warps w, w + warps, ...: a virtual warp is
-// always one real warp's 32 lanes, so the shuffle tree, and so the bits, are the same.
+// always one real warp's 32 lanes, so the shuffle tree, and so the bits, are the same. The
+// turns go in rounds of up to four whose loads are issued together (kInFlight), so a
+// 128-thread block reads a segment in one load latency, not four.
 template <typename T> constexpr size_t kSegment = static_cast<size_t>(kThreads) * Vec16<T>::kLen;
 
 // Segments of a row of `hidden` elements.
@@ -132,18 +132,42 @@ __device__ __forceinline__ float warp_sums_total(const float *warp_sums) {
   return total;
 }
 
+// The virtual warps a thread of a block of kBlock threads runs (kBlock a multiple of 32
+// dividing kThreads), and how many of them issue their loads together: a block's loads of a
+// segment go out in rounds of kInFlight turns (registers: kInFlight vectors, two in
+// normalize_segment), not one turn after another.
+template <int kBlock> constexpr int kTurns = kThreads / kBlock;
+template <int kBlock> constexpr int kInFlight = kTurns<kBlock> < 4 ? kTurns<kBlock> : 4;
+
+// Element offset, from a segment's start, of the vector of turn t of the calling thread in a
+// block of kBlock threads: virtual thread threadIdx.x + t * kBlock (warp w runs virtual warps
+// w, w + kBlock / 32, ...).
+template <typename T, int kBlock> __device__ __forceinline__ size_t turn_offset(int t) {
+  return (static_cast<size_t>(threadIdx.x) + static_cast<size_t>(t) * kBlock) * Vec16<T>::kLen;
+}
+
 // The partial sum of squares of elements [begin, end) of x (one segment: at most kSegment,
-// begin vector-aligned), the same value in every thread of the block (blockDim.x a multiple
-// of 32, at most kThreads).
-template <typename T>
+// begin vector-aligned), the same value in every thread of the block, which has kBlock threads
+// (blockDim.x == kBlock). Each round of turns issues its loads before its first tree.
+template <typename T, int kBlock = kThreads>
 __device__ __forceinline__ float segment_sum_of_squares(const T *x, size_t begin, size_t end) {
-  constexpr int kWarps = kThreads / 32;
+  static_assert(kBlock % 32 == 0 && kThreads % kBlock == 0, "whole virtual warps a warp");
+  constexpr int kWarps = kThreads / 32, kRound = kInFlight<kBlock>;
   TPFUSE_SHARED(float[kWarps], warp_sums);
-  const int lane = threadIdx.x & 31;
-  for (int w = threadIdx.x / 32; w < kWarps; w += blockDim.x / 32) {
-    const size_t i = begin + (static_cast<size_t>(w) * 32 + lane) * Vec16<T>::kLen;
-    const float ss = warp_tree(i < end ? squares_of(load16(x + i)) : 0.f);
-    if (lane == 0) warp_sums[w] = ss;
+#pragma unroll
+  for (int first = 0; first < kTurns<kBlock>; first += kRound) {
+    uint4 raw[kRound];
+#pragma unroll
+    for (int t = 0; t < kRound; ++t) {
+      const size_t i = begin + turn_offset<T, kBlock>(first + t);
+      if (i < end) raw[t] = ld_global(reinterpret_cast<const uint4 *>(x + i));
+    }
+#pragma unroll
+    for (int t = 0; t < kRound; ++t) {
+      const bool in = begin + turn_offset<T, kBlock>(first + t) < end;
+      const float ss = warp_tree(in ? squares_of(vec_of<T>(raw[t])) : 0.f);
+      if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x / 32 + (first + t) * (kBlock / 32)] = ss;
+    }
   }
   return warp_sums_total(warp_sums);
 }
@@ -175,29 +199,45 @@ __device__ __forceinline__ Vec16<T> normalize_vector(const Vec16<T> &v, const Ve
   return y;
 }
 
-// y = x * rstd * gamma[col] for the elements [begin, end) of one segment of a row that
-// starts at element `row_begin` (x == out allowed: each thread reads its vector, then writes
-// it).
-template <typename T>
+// y = x * rstd * gamma[col] for the elements [begin, end) of one segment (at most kSegment)
+// of a row that starts at element `row_begin`, by a block of kBlock threads (x == out allowed: each thread
+// reads its vectors, then writes them). Each round of turns issues its loads of x and gamma
+// before its first store.
+template <typename T, int kBlock = kThreads>
 __device__ __forceinline__ void normalize_segment(const T *x, const T *gamma, float rstd, T *out, size_t row_begin,
                                                   size_t begin, size_t end) {
-  for (size_t i = begin + threadIdx.x * Vec16<T>::kLen; i < end; i += blockDim.x * Vec16<T>::kLen) {
-    store16(out + i, normalize_vector(load16(x + i), load16(gamma + (i - row_begin)), rstd));
+  constexpr int kRound = kInFlight<kBlock>;
+#pragma unroll
+  for (int first = 0; first < kTurns<kBlock>; first += kRound) {
+    uint4 xs[kRound], gs[kRound];
+#pragma unroll
+    for (int t = 0; t < kRound; ++t) {
+      const size_t i = begin + turn_offset<T, kBlock>(first + t);
+      if (i < end) {
+        xs[t] = ld_global(reinterpret_cast<const uint4 *>(x + i));
+        gs[t] = ld_global(reinterpret_cast<const uint4 *>(gamma + (i - row_begin)));
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < kRound; ++t) {
+      const size_t i = begin + turn_offset<T, kBlock>(first + t);
+      if (i < end) store16(out + i, normalize_vector(vec_of<T>(xs[t]), vec_of<T>(gs[t]), rstd));
+    }
   }
 }
 
-// The RMSNorm of one row, by one block (x == out allowed): the standalone kernel's, and the
-// fused GEMM + all-reduce's for each row it normalises.
-template <typename T>
+// The RMSNorm of one row, by one block of kBlock threads (x == out allowed): the standalone
+// kernel's, and the fused GEMM + all-reduce's for each row it normalises.
+template <typename T, int kBlock = kThreads>
 __device__ __forceinline__ void rms_norm_row(const T *x, const T *gamma, float eps, T *out, size_t hidden) {
   const size_t segments = segments_per_row<T>(hidden);
   float sum = 0.f;
   for (size_t s = 0; s < segments; ++s) {
-    sum += segment_sum_of_squares(x, s * kSegment<T>, min((s + 1) * kSegment<T>, hidden));
+    sum += segment_sum_of_squares<T, kBlock>(x, s * kSegment<T>, min((s + 1) * kSegment<T>, hidden));
   }
   const float rstd = rstd_of(sum, hidden, eps);
   for (size_t s = 0; s < segments; ++s) {
-    normalize_segment(x, gamma, rstd, out, 0, s * kSegment<T>, min((s + 1) * kSegment<T>, hidden));
+    normalize_segment<T, kBlock>(x, gamma, rstd, out, 0, s * kSegment<T>, min((s + 1) * kSegment<T>, hidden));
   }
 }
 

@@ -268,14 +268,14 @@ __device__ __forceinline__ void count_strips(const Launch<T> &L, BlockState &st,
     const int row = completed[j];
     if (row < 0) continue;
     T *h = L.out + static_cast<size_t>(row) * L.n;
-    rms_norm_row(h, L.gamma, L.eps, h, static_cast<size_t>(L.n));
+    rms_norm_row<T, Cfg::kThreads>(h, L.gamma, L.eps, h, static_cast<size_t>(L.n));
   }
 }
 
 // One-shot with RMSNorm, after the block's strip counts: rows b, b + G, ... that are not a
 // strip's first (the block completing a strip normalised that one), each once its strip's
 // flag says every tile of the strip is reduced. False when the block gave up.
-template <typename T, int BM>
+template <typename T, int BM, int kBlock>
 __device__ __forceinline__ bool normalize_dealt_rows(const Launch<T> &L, const Deadline &deadline, BlockState &st) {
   int awaited = -1; // the strip whose flag this block has acquired
 #pragma unroll 1
@@ -291,7 +291,7 @@ __device__ __forceinline__ bool normalize_dealt_rows(const Launch<T> &L, const D
       awaited = strip;
     }
     T *h = L.out + static_cast<size_t>(row) * L.n;
-    rms_norm_row(h, L.gamma, L.eps, h, static_cast<size_t>(L.n));
+    rms_norm_row<T, kBlock>(h, L.gamma, L.eps, h, static_cast<size_t>(L.n));
   }
   return true;
 }
@@ -299,7 +299,7 @@ __device__ __forceinline__ bool normalize_dealt_rows(const Launch<T> &L, const D
 // Two-shot, the end: waits for every rank's slice flag, then copies rows b, b + G, ... of out
 // from their owner's exchange area (element offset `exchange`), the peers' rows into the
 // residual too, and normalises them. False when the block gave up.
-template <typename T>
+template <typename T, int kBlock>
 __device__ __forceinline__ bool gather_rows(const tpfuse_peers &peers, const tpfuse_group_args &g,
                                             const Deadline &deadline, BlockState &st, uint64_t descriptor,
                                             size_t exchange, T *out, T *residual, const T *gamma, float eps, int m,
@@ -323,7 +323,7 @@ __device__ __forceinline__ bool gather_rows(const tpfuse_peers &peers, const tpf
     }
     if (gamma != nullptr) {
       __syncthreads(); // the row's stores, before the norm reads it whole
-      rms_norm_row(out + at, gamma, eps, out + at, static_cast<size_t>(n));
+      rms_norm_row<T, kBlock>(out + at, gamma, eps, out + at, static_cast<size_t>(n));
     }
   }
   return true;
@@ -451,11 +451,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
   // The same rule before the strip waits.
   const bool norming = L.gamma != nullptr && st.failed == 0;
   __syncthreads();
-  if (norming) normalize_dealt_rows<T, Cfg::kBlockM>(L, deadline, st);
+  if (norming) normalize_dealt_rows<T, Cfg::kBlockM, Cfg::kThreads>(L, deadline, st);
   // The same rule before the gather's waits.
   const bool gathering = two_shot && st.failed == 0;
   __syncthreads();
-  if (gathering) gather_rows(peers, g, deadline, st, descriptor, exchange, out, residual, gamma, eps, m, n);
+  if (gathering)
+    gather_rows<T, Cfg::kThreads>(peers, g, deadline, st, descriptor, exchange, out, residual, gamma, eps, m, n);
   __syncthreads(); // every warp's rows, before thread 0 times them
   st.clock.mark(fused::kPhaseTail);
 

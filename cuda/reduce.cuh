@@ -37,8 +37,7 @@ __device__ __forceinline__ Vec16<T> reduce_vector(const tpfuse_peers &peers, int
 #pragma unroll
   for (int p = 0; p < kMaxWorld; ++p) {
     if (p < world) {
-      Vec16<T> x;
-      *reinterpret_cast<uint4 *>(&x) = raw[p];
+      const Vec16<T> x = vec_of<T>(raw[p]);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) acc[j] = p == 0 ? Elem<T>::to_f32(x.v[j]) : acc[j] + Elem<T>::to_f32(x.v[j]);
     }

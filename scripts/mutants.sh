@@ -291,6 +291,12 @@ mutant one-segment-grid-of-vectors emu_counters::the_all_reduce_moves_what_the_p
 mutant one-segment-partial-before-closing-barrier emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue@pct:1 "a block of one segment stores its partial into its staging while the peers may still read it" \
   all_reduce.cu 'reduce_held_segment<T, decltype(w)::value>(peers, seg, units.begin, epi, held, h, partial);' \
   $'reduce_held_segment<T, decltype(w)::value>(peers, seg, units.begin, epi, held, h, partial);\n      if (threadIdx.x == 0) st_global(partial_of(seg, static_cast<T *>(peers.data[g.rank]), units.begin), partial);'
+# A block of fewer threads than a segment's vectors (the fused kernels' 32-256) runs its turns
+# in rounds, each issuing its loads together.
+mutant norm-squares-skip-rounds emu_gemm_all_reduce::small_blocks_normalise_long_rows_in_rounds "a small block's sum of squares runs every other round of turns" \
+  epilogue.cuh $'first += kRound) {\n    uint4 raw[kRound];' $'first += 2 * kRound) {\n    uint4 raw[kRound];'
+mutant norm-normalize-skip-rounds emu_gemm_all_reduce::small_blocks_normalise_long_rows_in_rounds "a small block normalises every other round of turns" \
+  epilogue.cuh $'first += kRound) {\n    uint4 xs[kRound], gs[kRound];' $'first += 2 * kRound) {\n    uint4 xs[kRound], gs[kRound];'
 mutant half-warp-sum emu_all_reduce::a_late_rank_within_the_deadline_gives_the_right_result "RMSNorm's warp sum skips the first shuffle" \
   epilogue.cuh 'for (int offset = 16; offset > 0; offset >>= 1)' 'for (int offset = 8; offset > 0; offset >>= 1)'
 mutant all-gather-offset emu_all_reduce::all_gather_every_world "all-gather writes every rank's part at its own offset" \

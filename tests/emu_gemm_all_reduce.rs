@@ -19,7 +19,7 @@
 
 mod common;
 use common::assert_same_bits;
-use common::emu::{launched, session, Ranks};
+use common::emu::{deadlock_ns_from_env, launched, session, session_with, Ranks};
 use common::fused::*;
 use common::gpu::{assert_close, base_seed, mix_seed, random_vec, TestElement};
 use half::{bf16, f16};
@@ -68,6 +68,28 @@ fn fused_equals_gemm_then_all_reduce_bf16() {
         "fused_equals_gemm_then_all_reduce_bf16",
     );
     every_case::<bf16>(base_seed(0xf05e_0001));
+}
+
+/// On 132 SMs (an H100's), n = 4096 without a split of k selects small-m-16x16: blocks of 32
+/// threads, which normalise a row of 4096 in four rounds of four turns (epilogue.cuh,
+/// kInFlight); the session's 32 SMs never select a block that small for a row that long.
+#[test]
+fn small_blocks_normalise_long_rows_in_rounds() {
+    let _s = session_with(
+        "emu_gemm_all_reduce",
+        "small_blocks_normalise_long_rows_in_rounds",
+        132,
+        deadlock_ns_from_env(),
+    );
+    let (m, n, k) = (2, 4096, 40);
+    // SAFETY: a pure function of its arguments.
+    let config = unsafe { abi::tpfuse_gemm_select(m, n, k, 9, 0, 132) };
+    assert_eq!(
+        config,
+        abi::TPFUSE_GEMM_CONFIG_SMALL_16X16 as i32,
+        "the shape selects 32-thread blocks"
+    );
+    case::<bf16>(2, 4, (m, n, k), RESIDUAL_NORM, base_seed(0xf05e_0010));
 }
 
 #[test]

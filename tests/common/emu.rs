@@ -61,7 +61,7 @@ pub fn memory_from_env() -> Memory {
     }
 }
 
-fn deadlock_ns_from_env() -> u64 {
+pub fn deadlock_ns_from_env() -> u64 {
     std::env::var("TPFUSE_EMU_DEADLOCK_NS")
         .ok()
         .and_then(|v| v.parse().ok())
