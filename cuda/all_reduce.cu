@@ -207,12 +207,10 @@ __device__ __forceinline__ bool normalize_units(BlockBarrier &barrier, const Seg
 // partial), rstd and element arithmetic.
 template <typename T, int W>
 __device__ __forceinline__ void reduce_and_normalize_rows(const tpfuse_peers &peers, const Segments<T> &seg,
-                                                          Range units, const Epilogue<T> &epi,
+                                                          Range units, const Epilogue<T> &epi, bool held,
                                                           const Vec16<T> &gamma_held, float eps, T *out) {
-  const size_t col = threadIdx.x * Vec16<T>::kLen;
-  const bool held = col < seg.hidden;
   for (size_t u = units.begin; u < units.end; ++u) {
-    const size_t i = u * seg.hidden + col;
+    const size_t i = u * seg.hidden + threadIdx.x * Vec16<T>::kLen;
     Vec16<T> h;
     if (held) h = reduce_vector<T, W>(peers, W, 0, i, epi);
     float sum = 0.f;
@@ -273,7 +271,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const bool whole_rows = gamma != nullptr && seg.per_row == 1;
   const bool one_segment = gamma != nullptr && seg.per_row > 1 && units.end - units.begin == 1;
   const size_t gamma_col = units.begin % seg.per_row * kSegment<T> + threadIdx.x * Vec16<T>::kLen;
-  const bool held = (whole_rows || one_segment) && units.begin < units.end &&
+  // (The grid has no more blocks than segments: every block has a unit.)
+  const bool held = (whole_rows || one_segment) &&
                     seg.begin(units.begin) + threadIdx.x * Vec16<T>::kLen < seg.end(units.begin);
   Vec16<T> gamma_held, h;
   float partial = 0.f;
@@ -282,7 +281,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (!barrier.arrive_and_wait()) return give_up(barrier, out, residual, r);
   if (whole_rows) {
     with_world(g.world, [&](auto w) {
-      reduce_and_normalize_rows<T, decltype(w)::value>(peers, seg, units, epi, gamma_held, eps, out);
+      reduce_and_normalize_rows<T, decltype(w)::value>(peers, seg, units, epi, held, gamma_held, eps, out);
     });
   } else if (one_segment) {
     with_world(g.world, [&](auto w) {

@@ -75,25 +75,21 @@ template <typename T> struct alignas(16) Vec16 {
   T v[kLen];
 };
 
-template <typename T> __device__ __forceinline__ Vec16<T> load16(const T *p) {
-  Vec16<T> out;
-  *reinterpret_cast<uint4 *>(&out) = ld_global(reinterpret_cast<const uint4 *>(p));
-  return out;
-}
-
-// 16 bytes of a peer's buffer, through L2 only.
-template <typename T> __device__ __forceinline__ Vec16<T> load16_peer(const T *p) {
-  Vec16<T> out;
-  *reinterpret_cast<uint4 *>(&out) = ld_global_cg(reinterpret_cast<const uint4 *>(p));
-  return out;
-}
-
 // A vector from its raw 16 bytes (loads kept raw until they are used: unpacked where they are
 // loaded, a vector makes the warp wait for its load before the next load issues).
 template <typename T> __device__ __forceinline__ Vec16<T> vec_of(const uint4 &raw) {
   Vec16<T> out;
   *reinterpret_cast<uint4 *>(&out) = raw;
   return out;
+}
+
+template <typename T> __device__ __forceinline__ Vec16<T> load16(const T *p) {
+  return vec_of<T>(ld_global(reinterpret_cast<const uint4 *>(p)));
+}
+
+// 16 bytes of a peer's buffer, through L2 only.
+template <typename T> __device__ __forceinline__ Vec16<T> load16_peer(const T *p) {
+  return vec_of<T>(ld_global_cg(reinterpret_cast<const uint4 *>(p)));
 }
 
 template <typename T> __device__ __forceinline__ void store16(T *p, const Vec16<T> &x) {

@@ -40,9 +40,9 @@ template <typename T> struct Epilogue {
   }
 
   // The bias and residual vectors of vector i, loaded (a reduction issues these loads with its
-  // peers' loads, so that they wait one latency together, not one after the other).
-  // Kept as raw 16 bytes until they are used: unpacked into elements in the branch that loads
-  // them, the first would wait for its load before the second load issues.
+  // peers' loads, so that they wait one latency together, not one after the other), kept raw
+  // until they are used (vec_of: unpacked in the branch that loads them, the first would wait
+  // for its load before the second load issues).
   struct Operands {
     uint4 b, r;
   };
@@ -200,9 +200,9 @@ __device__ __forceinline__ Vec16<T> normalize_vector(const Vec16<T> &v, const Ve
 }
 
 // y = x * rstd * gamma[col] for the elements [begin, end) of one segment (at most kSegment)
-// of a row that starts at element `row_begin`, by a block of kBlock threads (x == out allowed: each thread
-// reads its vectors, then writes them). Each round of turns issues its loads of x and gamma
-// before its first store.
+// of a row that starts at element `row_begin`, by a block of kBlock threads (x == out allowed:
+// each thread reads its vectors, then writes them). Each round of turns issues its loads of x
+// and gamma before its first store.
 template <typename T, int kBlock = kThreads>
 __device__ __forceinline__ void normalize_segment(const T *x, const T *gamma, float rstd, T *out, size_t row_begin,
                                                   size_t begin, size_t end) {

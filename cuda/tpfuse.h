@@ -346,11 +346,13 @@ int tpfuse_gemm(tpfuse_dtype dtype, int32_t config, const void *a, const void *b
 /* tpfuse_gemm, with a scratch for the parallel split of k: when the shape's split has S > 1
  * parts, m <= TPFUSE_GEMM_SPLIT_PARALLEL_M_MAX and scratch_bytes >= tpfuse_gemm_scratch_bytes,
  * a block runs each part of each tile and the parts are folded in order, each by the block
- * that finds it ready, normally its own (more SMs stream the weight; the same bits), with the configurations AUTO chooses where k splits (SMALL_16X64, TILE_64X64;
- * a forced SMALL_16X16 or SMALL_16X32 runs each tile's parts in its block). scratch: 16-byte aligned, zeroed before its first use, used by one stream at
- * a time (not by two branches of one CUDA graph either). Calls of any shape may share it: every
- * launch leaves its tiles' words (its first 16 KiB) back at zero; zero it again after a launch that
- * failed. NULL, or too small: each tile's block runs its parts one after another. */
+ * that finds it ready, normally its own (more SMs stream the weight; the same bits), with the
+ * configurations AUTO chooses where k splits (SMALL_16X64, TILE_64X64; a forced SMALL_16X16 or
+ * SMALL_16X32 runs each tile's parts in its block). scratch: 16-byte aligned, zeroed before its
+ * first use, used by one stream at a time (not by two branches of one CUDA graph either). Calls
+ * of any shape may share it: every launch leaves its tiles' words (its first 16 KiB) back at
+ * zero; zero it again after a launch that failed. NULL, or too small: each tile's block runs
+ * its parts one after another. */
 int tpfuse_gemm_scratch(tpfuse_dtype dtype, int32_t config, const void *a, const void *b, const void *bias,
                         const void *residual, void *c, size_t m, size_t n, size_t k, void *scratch,
                         size_t scratch_bytes, void *stream);
@@ -400,8 +402,8 @@ int tpfuse_gemm_describe_fused(int32_t config, tpfuse_gemm_config_info *info);
  * tpfuse_all_reduce does.
  * The split of k is tpfuse_gemm's (tpfuse_gemm_split_parts on the current device, S parts).
  * When S > 1, m <= TPFUSE_GEMM_SPLIT_PARALLEL_M_MAX, S * m * n * 4 <= capacity and the
- * configuration is one that tpfuse_gemm_select gives a split (SMALL_16X64, TILE_64X64), the grid's
- * units are the parts of the tiles (min(tiles * S, blocks) blocks), each part's f32 partial in
+ * configuration is one that tpfuse_gemm_select gives a split (SMALL_16X64, TILE_64X64), the
+ * grid's units are the parts of the tiles (min(tiles * S, blocks) blocks), each part's f32 partial in
  * this rank's staging half (the first S * m * n * 4 bytes: its contents are lost; no argument
  * may lie there, cudaErrorInvalidValue), folded in order as tpfuse_gemm_scratch folds them;
  * otherwise each tile's block runs its parts one after another (min(tiles, blocks) blocks).

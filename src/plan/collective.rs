@@ -98,10 +98,9 @@ impl CollectiveLaunch {
     /// bytes written), the row's partials read by every thread, the segment normalised from
     /// registers (out written once); a block of several: each segment's sum of squares (out
     /// read), its partial, the row's partials, the segment normalised (out and gamma read, out
-    /// written again). Two-shot: the block's chunk of every
-    /// rank's slice staged, its chunk of this rank's slice reduced into out and the published
-    /// result, the chunks of the other slices gathered into out (and copied into the
-    /// residual).
+    /// written again). Two-shot: the block's chunk of every rank's slice staged, its chunk of
+    /// this rank's slice reduced into out and the published result, the chunks of the other
+    /// slices gathered into out (and copied into the residual).
     pub fn block_bytes(&self) -> Vec<u64> {
         let grid = self.grid();
         let s = self.element_bytes;
