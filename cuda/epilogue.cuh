@@ -138,6 +138,7 @@ __device__ __forceinline__ float warp_sums_total(const float *warp_sums) {
 // normalize_segment), not one turn after another.
 template <int kBlock> constexpr int kTurns = kThreads / kBlock;
 template <int kBlock> constexpr int kInFlight = kTurns<kBlock> < 4 ? kTurns<kBlock> : 4;
+static_assert((kThreads & (kThreads - 1)) == 0, "whole rounds of turns for every block size dividing kThreads");
 
 // Element offset, from a segment's start, of the vector of turn t of the calling thread in a
 // block of kBlock threads: virtual thread threadIdx.x + t * kBlock (warp w runs virtual warps
