@@ -38,6 +38,7 @@
 
 #include <climits>
 
+#include "copy.cuh"
 #include "fused_flags.cuh"
 #include "gemm_split.cuh"
 #include "kernel_list.cuh"
@@ -83,13 +84,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const size_t at = exchange_bytes + static_cast<size_t>(g.rank) * part_vectors * 16; // this rank's rows, in bytes
     size_t begin, end;
     share_of(part_vectors, blockIdx.x, gridDim.x, begin, end);
-    for (size_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-      const uint4 v = ld_global(src + i);
-      for (int j = 1; j <= g.world; ++j) {
-        const int p = (g.rank + j) % g.world;
-        st_global(reinterpret_cast<uint4 *>(static_cast<char *>(peers.data[p]) + at) + i, v);
-      }
-    }
+    // Several vectors in flight per thread (copy.cuh), each stored into every rank's area.
+    copy_vectors(
+        begin + threadIdx.x, end, blockDim.x, [&](size_t i) { return ld_global(src + i); },
+        [&](size_t i, const uint4 &v) {
+          for (int j = 1; j <= g.world; ++j) {
+            const int p = (g.rank + j) % g.world;
+            st_global(reinterpret_cast<uint4 *>(static_cast<char *>(peers.data[p]) + at) + i, v);
+          }
+        });
     __syncthreads(); // every thread's stores, before the flags
     fused::publish(peers, g, blockIdx.x, fused::flag_of(st.epoch, descriptor));
   }

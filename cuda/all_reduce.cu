@@ -32,6 +32,7 @@
 #include <type_traits>
 
 #include "barrier.cuh"
+#include "copy.cuh"
 #include "reduce.cuh"
 #include "kernel_list.cuh"
 
@@ -52,26 +53,16 @@ template <typename T> __device__ __forceinline__ Range element_range(Range units
   return Range{min(units.begin * kVec, n), min(units.end * kVec, n)};
 }
 
-// Copies elements [r.begin, r.end) of src to dst (same offsets). r.begin is vector-aligned.
+// Copies elements [r.begin, r.end) of src to dst (same offsets), several vectors in flight per
+// thread (copy.cuh). r.begin is vector-aligned.
 template <typename T> __device__ __forceinline__ void copy_range(const T *src, T *dst, Range r) {
   constexpr size_t kVec = Vec16<T>::kLen;
   const size_t full_end = r.begin + (r.end - r.begin) / kVec * kVec;
-  for (size_t i = r.begin + threadIdx.x * kVec; i < full_end; i += kThreads * kVec) {
-    store16(dst + i, load16(src + i));
-  }
+  copy_vectors(
+      r.begin + threadIdx.x * kVec, full_end, kThreads * kVec,
+      [&](size_t i) { return ld_global(reinterpret_cast<const uint4 *>(src + i)); },
+      [&](size_t i, const uint4 &v) { st_global(reinterpret_cast<uint4 *>(dst + i), v); });
   for (size_t i = full_end + threadIdx.x; i < r.end; i += kThreads) st_global(dst + i, ld_global(src + i));
-}
-
-// Copies from a peer's buffer (L2 loads).
-template <typename T> __device__ __forceinline__ void copy_range_from_peer(const T *src, T *dst, Range r) {
-  constexpr size_t kVec = Vec16<T>::kLen;
-  const size_t full_end = r.begin + (r.end - r.begin) / kVec * kVec;
-  for (size_t i = r.begin + threadIdx.x * kVec; i < full_end; i += kThreads * kVec) {
-    store16(dst + i, load16_peer(src + i));
-  }
-  for (size_t i = full_end + threadIdx.x; i < r.end; i += kThreads) {
-    st_global(dst + i, ld_global_cg(src + i));
-  }
 }
 
 // The 16-byte vectors of [begin, end) (vector-aligned) of reduce_range, for a world of W
@@ -310,6 +301,53 @@ __device__ __forceinline__ Range chunk(size_t n, int p, int world, size_t b, siz
   return element_range<T>(Range{slice.begin + part.begin, slice.begin + part.end}, n);
 }
 
+// The two-shot's gather: block b's chunk of every other rank's slice, from that rank's
+// published result (element offset `result_offset` of its buffer), into out and the
+// residual. A thread's j-th vector of each of those chunks is loaded before any of them is
+// stored (W - 1 loads in flight, through L2): the chunks of a block are about equally long,
+// so a thread waits a peer latency per vector of one chunk, not per vector of every chunk.
+// The residual takes the loaded values, not a second read of out or of the link.
+template <typename T, int W>
+__device__ __forceinline__ void gather_chunks(const tpfuse_peers &peers, int rank, size_t result_offset, size_t n,
+                                              T *out, T *residual) {
+  constexpr size_t kVec = Vec16<T>::kLen;
+  Range r[W];
+  size_t longest = 0; // elements of the longest chunk
+#pragma unroll
+  for (int p = 0; p < W; ++p) {
+    r[p] = chunk<T>(n, p, W, blockIdx.x, gridDim.x);
+    if (p != rank) longest = max(longest, r[p].end - r[p].begin);
+  }
+  // Whether chunk p holds a whole vector at element i of it.
+  const auto has = [&](int p, size_t i) { return p != rank && r[p].begin + i + kVec <= r[p].end; };
+  for (size_t i = threadIdx.x * kVec; i < longest; i += kThreads * kVec) {
+    uint4 v[W];
+#pragma unroll
+    for (int p = 0; p < W; ++p) {
+      const T *result_p = static_cast<const T *>(peers.data[p]) + result_offset + r[p].begin + i;
+      if (has(p, i)) v[p] = ld_global_cg(reinterpret_cast<const uint4 *>(result_p));
+    }
+#pragma unroll
+    for (int p = 0; p < W; ++p) {
+      const size_t at = r[p].begin + i;
+      if (!has(p, i)) continue;
+      st_global(reinterpret_cast<uint4 *>(out + at), v[p]);
+      if (residual != nullptr) st_global(reinterpret_cast<uint4 *>(residual + at), v[p]);
+    }
+  }
+  // The elements past the last whole vector (only the last chunk of the data has any).
+  for (int p = 0; p < W; ++p) {
+    if (p == rank) continue;
+    const size_t tail = r[p].begin + (r[p].end - r[p].begin) / kVec * kVec;
+    const T *result_p = static_cast<const T *>(peers.data[p]) + result_offset;
+    for (size_t i = tail + threadIdx.x; i < r[p].end; i += kThreads) {
+      const T x = ld_global_cg(result_p + i);
+      st_global(out + i, x);
+      if (residual != nullptr) st_global(residual + i, x);
+    }
+  }
+}
+
 // A two-shot block gives up: its chunk of every slice of out and residual.
 template <typename T>
 __device__ __forceinline__ void give_up_chunks(const BlockBarrier &barrier, int world, T *out,
@@ -340,16 +378,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   reduce_range(peers, g.world, 0, chunk<T>(n, g.rank, g.world, blockIdx.x, gridDim.x),
                Epilogue<T>{bias, residual, hidden}, out, staging + result_offset);
   if (!barrier.arrive_and_wait()) return give_up_chunks(barrier, g.world, out, residual, n);
-  for (int p = 0; p < g.world; ++p) {
-    if (p == g.rank) continue;
-    const Range r = chunk<T>(n, p, g.world, blockIdx.x, gridDim.x);
-    const T *result = static_cast<const T *>(peers.data[p]) + result_offset;
-    copy_range_from_peer(result, out, r);
-    // The residual takes the same values from `out`, not from the link again: copy_range and
-    // copy_range_from_peer give each thread the same elements, so every thread reads back
-    // only what it has just written itself (program order; no barrier needed).
-    if (residual != nullptr) copy_range(static_cast<const T *>(out), residual, r);
-  }
+  with_world(g.world, [&](auto w) {
+    gather_chunks<T, decltype(w)::value>(peers, g.rank, result_offset, n, out, residual);
+  });
   if (!barrier.arrive_and_wait()) return give_up_chunks(barrier, g.world, out, residual, n);
   barrier.commit();
 }
@@ -370,12 +401,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   if (barrier.poisoned()) return give_up_gather();
   uint4 *staging = static_cast<uint4 *>(peers.data[g.rank]);
-  for (size_t i = r.begin + threadIdx.x; i < r.end; i += kThreads) st_global(staging + i, ld_global(input + i));
+  copy_vectors(
+      r.begin + threadIdx.x, r.end, kThreads, [&](size_t i) { return ld_global(input + i); },
+      [&](size_t i, const uint4 &v) { st_global(staging + i, v); });
   if (!barrier.arrive_and_wait()) return give_up_gather();
-  for (int p = 0; p < g.world; ++p) {
-    const uint4 *src = static_cast<const uint4 *>(peers.data[p]);
-    uint4 *dst = out + p * len_vectors;
-    for (size_t i = r.begin + threadIdx.x; i < r.end; i += kThreads) st_global(dst + i, ld_global_cg(src + i));
+  // Every rank's vector i is loaded before any is stored (W loads in flight, through L2).
+  for (size_t i = r.begin + threadIdx.x; i < r.end; i += kThreads) {
+    uint4 v[TPFUSE_MAX_RANKS];
+#pragma unroll
+    for (int p = 0; p < TPFUSE_MAX_RANKS; ++p)
+      if (p < g.world) v[p] = ld_global_cg(static_cast<const uint4 *>(peers.data[p]) + i);
+#pragma unroll
+    for (int p = 0; p < TPFUSE_MAX_RANKS; ++p) {
+      uint4 *dst = out + p * len_vectors;
+      if (p < g.world) st_global(dst + i, v[p]);
+    }
   }
   if (!barrier.arrive_and_wait()) return give_up_gather();
   barrier.commit();

@@ -111,6 +111,7 @@
 
 #include <cstring>
 
+#include "copy.cuh"
 #include "fused_flags.cuh"
 #include "gemm_split.cuh"
 #include "reduce.cuh"
@@ -316,11 +317,14 @@ __device__ __forceinline__ bool gather_rows(const tpfuse_peers &peers, const tpf
     const size_t at = static_cast<size_t>(row) * n;
     const T *h = static_cast<const T *>(peers.data[owner]) + exchange + at;
     T *peer_residual = residual != nullptr && owner != g.rank ? residual + at : nullptr;
-    for (int v = threadIdx.x * kVec; v < n; v += blockDim.x * kVec) {
-      const Vec16<T> x = load16_peer(h + v);
-      store16(out + at + v, x);
-      if (peer_residual != nullptr) store16(peer_residual + v, x);
-    }
+    // Several vectors in flight per thread (copy.cuh): a row waits about one peer latency.
+    copy_vectors(
+        threadIdx.x * kVec, n, blockDim.x * kVec,
+        [&](size_t v) { return ld_global_cg(reinterpret_cast<const uint4 *>(h + v)); },
+        [&](size_t v, const uint4 &x) {
+          st_global(reinterpret_cast<uint4 *>(out + at + v), x);
+          if (peer_residual != nullptr) st_global(reinterpret_cast<uint4 *>(peer_residual + v), x);
+        });
     if (gamma != nullptr) {
       __syncthreads(); // the row's stores, before the norm reads it whole
       rms_norm_row<T, kBlock>(out + at, gamma, eps, out + at, static_cast<size_t>(n));

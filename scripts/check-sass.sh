@@ -13,7 +13,7 @@
 #     loop's) holding one k-slice of A and B per thread, so that STAGES - 1 slices are in
 #     flight per block, as tpfuse::plan counts,
 # on every architecture (gemm_split_kernel too), and prints the counts and each block's bytes
-# in flight; and, beside each build's gemm_all_reduce.o, that the reductions of all_reduce.o
+# in flight; and, beside each build's gemm_all_reduce.o, that the reductions and copies of all_reduce.o
 # and gemm_all_reduce.o issue every rank's loads with the epilogue's before the first use
 # (scripts/sass_reductions.py). Exits non-zero on any failure or when no object is found
 # (build first: cargo build, or scripts/test.sh).
@@ -161,8 +161,8 @@ sys.exit(1 if failures else 0)
   # The same build's reductions (all-reduce and fused kernels): the loads in flight together.
   if [ "$(basename "$obj")" = gemm_all_reduce.o ]; then
     dir=$(dirname "$obj")
-    echo "== $dir/all_reduce.o, gemm_all_reduce.o: reductions"
-    { "$cuobjdump" -sass "$dir/all_reduce.o"; "$cuobjdump" -sass "$obj"; } | c++filt |
+    echo "== $dir/all_reduce.o, gemm_all_reduce.o, all_gather_gemm.o: reductions and copies"
+    { "$cuobjdump" -sass "$dir/all_reduce.o"; "$cuobjdump" -sass "$obj"; "$cuobjdump" -sass "$dir/all_gather_gemm.o"; } | c++filt |
       python3 "$root/scripts/sass_reductions.py" || status=1
   fi
 done

@@ -11,6 +11,12 @@ instantiated for W = 2..8; the fused GEMM + all-reduce in one predicated path fo
 (all TPFUSE_MAX_RANKS = 8 loads). The plan counts these loads
 (CollectiveLaunch::loads_in_flight_per_thread). Prints each kernel's runs as peer+epilogue
 loads (xN: N places); exits non-zero when a place is missing its run.
+
+The copies (cuda/copy.cuh and the gathers) are checked the same way: each kernel that copies
+must show, at least once, a run of at least the loads its copy issues together before the
+first store: kCopyInFlight = 4 local loads (the stage copies: LDG.E.128), 4 peer loads (the
+fused two-shot gather of a row), or one load per rank (the two-shot all-reduce gathers a
+vector of each other rank together: W predicated loads; the all-gather every rank, all 8).
 """
 import re
 import sys
@@ -24,6 +30,16 @@ KERNELS = {
     "one_shot_kernel<": (range(2, 9), 3),
     "two_shot_kernel<": (range(2, 9), 1),
     "gemm_all_reduce_kernel<": ((8,), 1),
+}
+# kernel -> the copy runs it must hold: (peer loads, local loads) at least, with the worlds
+# for which it must hold it (None: a run whose peer loads are the world's W).
+COPIES = {
+    "one_shot_kernel<": [(0, 4)],
+    "two_shot_kernel<": [(0, 4), (None, 0)],
+    "reduce_scatter_kernel<": [(0, 4)],
+    "all_gather_kernel": [(0, 4), (8, 0)],
+    "gemm_all_reduce_kernel<": [(4, 0)],
+    "all_gather_gemm_kernel<": [(0, 4)],
 }
 STORES = ("STG", "STS", "ST.", "RED", "ATOM")
 
@@ -44,16 +60,23 @@ run, pending = [0, 0], set()
 
 def close(key):
     global run, pending
-    if run[0]:
+    if run[0] or run[1]:
         runs[key][tuple(run)] += 1
     run, pending = [0, 0], set()
 
 
+def kernel_of(name):
+    """The KERNELS or COPIES key a function's name holds, and the function's short name."""
+    kernel = next((k for k in list(KERNELS) + list(COPIES) if k in name), None)
+    if kernel is None or not kernel.endswith("<"):
+        return kernel, kernel
+    return kernel, kernel + name.split(kernel, 1)[1].split(")", 1)[0].split(">(", 1)[0] + ">"
+
+
 for arch, name, guard, op, operands in instructions(sys.stdin):
-    kernel = next((k for k in KERNELS if k in name), None)
+    kernel, func = kernel_of(name)
     if kernel is None:
         continue
-    func = kernel + name.split(kernel, 1)[1].split(")", 1)[0].split(">(", 1)[0] + ">"
     if op is None:  # a function's header
         run, pending = [0, 0], set()
         continue
@@ -70,15 +93,28 @@ for arch, name, guard, op, operands in instructions(sys.stdin):
 
 failures = []
 for (arch, func), found in sorted(runs.items()):
-    worlds, places = next(v for k, v in KERNELS.items() if func.startswith(k))
-    missing = [w for w in worlds if found[(w, 1)] + found[(w, 2)] < places]
-    print("%-8s %-62s loads in flight together (peer+epilogue): %s"
+    print("%-8s %-62s loads in flight together (peer+local): %s"
           % (arch, func, " ".join("%d+%dx%d" % (r + (n,)) for r, n in sorted(found.items()))))
-    if missing:
-        failures.append("%s %s: fewer than %d runs of the W ranks' loads with the epilogue's for W = %s"
-                        % (arch, func, places, ", ".join(map(str, missing))))
-if not runs:
-    failures.append("no reduction kernel in the SASS")
+    reduction = next((v for k, v in KERNELS.items() if func.startswith(k)), None)
+    if reduction is not None:
+        worlds, places = reduction
+        missing = [w for w in worlds if found[(w, 1)] + found[(w, 2)] < places]
+        if missing:
+            failures.append("%s %s: fewer than %d runs of the W ranks' loads with the epilogue's for W = %s"
+                            % (arch, func, places, ", ".join(map(str, missing))))
+    for peer, local in next((v for k, v in COPIES.items() if func.startswith(k)), []):
+        if peer is None:  # a run of W peer loads for every world
+            missing = [w for w in range(2, 9) if not found[(w, local)]]
+            if missing:
+                failures.append("%s %s: no copy run of W peer loads for W = %s"
+                                % (arch, func, ", ".join(map(str, missing))))
+        elif not any(p >= peer and l >= local for p, l in found):
+            failures.append("%s %s: no copy run of at least %d peer and %d local loads"
+                            % (arch, func, peer, local))
+seen = {func for _, func in runs}
+for kernel in list(KERNELS) + list(COPIES):
+    if not any(f.startswith(kernel) for f in seen):
+        failures.append("no %s kernel in the SASS" % kernel)
 for f in failures:
     print("FAIL " + f)
 sys.exit(1 if failures else 0)

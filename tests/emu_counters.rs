@@ -214,7 +214,8 @@ fn two_shot_reads_twice_the_peers_share() {
             let (n, w) = (n as u64, world as u64);
             let slice = n / w;
             // The residual: its own slice read and written by the epilogue; the W-1 gathered
-            // slices copied from out (read and written locally, not over the link again).
+            // slices written from the values loaded for out (not read again, locally or over
+            // the link).
             let res = u64::from(with_residual);
             for (r, rec) in recs.iter().enumerate() {
                 let t = rec.total();
@@ -228,7 +229,7 @@ fn two_shot_reads_twice_the_peers_share() {
                 // Input, W slices to reduce, W-1 slices to gather.
                 assert_eq!(
                     t.global_read_bytes,
-                    (n + w * slice + (w - 1) * slice + res * w * slice) * S,
+                    (n + w * slice + (w - 1) * slice + res * slice) * S,
                     "{l}: bytes read"
                 );
                 // Staging, the slice to out and to the published result, W-1 slices to out.

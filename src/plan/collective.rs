@@ -100,7 +100,7 @@ impl CollectiveLaunch {
     /// read), its partial, the row's partials, the segment normalised (out and gamma read, out
     /// written again). Two-shot: the block's chunk of every rank's slice staged, its chunk of
     /// this rank's slice reduced into out and the published result, the chunks of the other
-    /// slices gathered into out (and copied into the residual).
+    /// slices gathered into out (and the residual, from the same loads).
     pub fn block_bytes(&self) -> Vec<u64> {
         let grid = self.grid();
         let s = self.element_bytes;
@@ -160,9 +160,7 @@ impl CollectiveLaunch {
         let own = chunk(self.rank);
         let gathered = staged - own;
         let residual = u64::from(self.residual);
-        2 * staged * s
-            + (self.reduce_per_element() + 1) * own * s
-            + (2 + 2 * residual) * gathered * s
+        2 * staged * s + (self.reduce_per_element() + 1) * own * s + (2 + residual) * gathered * s
     }
 
     /// The two-shot's RMSNorm, a launch of its own after it (`rms_norm_kernel`: a block per

@@ -569,7 +569,11 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
         AllReduceAlgo::OneShot if m == 1 => 0,
         _ => 1,
     };
-    let serial_s = (units_per_block - 1) as f64 * p.streaming_latency_s + p.peer_latency_s;
+    // Two-shot: the gather's peer read too, after the slice flags (a thread keeps its
+    // vectors of a row in flight together: cuda/copy.cuh).
+    let peer_reads = if algo == AllReduceAlgo::TwoShot { 2 } else { 1 };
+    let serial_s =
+        (units_per_block - 1) as f64 * p.streaming_latency_s + peer_reads as f64 * p.peer_latency_s;
     let minimum = ((g.n * g.k + m * g.k + 3 * m * g.n) as u64 * s) as f64;
     let floor = (minimum / p.dram_bytes_per_s).max(peer_bytes / p.link_bytes_per_s) + p.round_s;
     let model = Model {
