@@ -436,7 +436,9 @@ struct PtxasRow {
 }
 
 /// Parses `ptxas -v` output: "Compiling entry function 'K' for 'sm_X'", then the
-/// "Function properties" line (stack, spills), then "Used N registers ... smem".
+/// "Function properties" line (stack, spills), then "Used N registers ... smem", then the
+/// properties of the functions K calls out of line (counted as K's: the most stack, the sum of
+/// spills).
 fn parse_ptxas(text: &str, src: &Path) -> Vec<PtxasRow> {
     let number_before = |line: &str, unit: &str| -> u32 {
         line.split(',')
@@ -465,10 +467,13 @@ fn parse_ptxas(text: &str, src: &Path) -> Vec<PtxasRow> {
                 source: src.display().to_string(),
             });
         } else if let Some(row) = current.as_mut() {
+            // The entry's own properties, then those of the functions it calls out of line
+            // (listed after it): the most stack and every spill count for the entry, so that
+            // a callee's line never hides the entry's frame.
             if line.contains("spill stores") {
-                row.stack = number_before(line, "stack frame");
-                row.spill_stores = number_before(line, "spill stores");
-                row.spill_loads = number_before(line, "spill loads");
+                row.stack = row.stack.max(number_before(line, "stack frame"));
+                row.spill_stores += number_before(line, "spill stores");
+                row.spill_loads += number_before(line, "spill loads");
             } else if line.contains("Used") && line.contains("registers") {
                 row.registers = number_before(line, "registers");
                 row.shared = number_before(line, "smem");

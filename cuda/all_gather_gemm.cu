@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   TPFUSE_SHARED(uint32_t, complete); // bit p: every part of rank p acquired by this block
   const Deadline deadline(g);
   if (threadIdx.x == 0) complete = 0; // ordered before every read by begin's __syncthreads
-  fused::begin(Pad{peers.signals[g.rank]}, st);
+  fused::begin(peers, g, deadline, descriptor, st);
   const size_t exchange_bytes = fused::exchange_offset(g, st.epoch);
   const size_t exchange = exchange_bytes / sizeof(T);
   const int rows_per_rank = m / g.world;

@@ -25,6 +25,8 @@
 //       gives every resident block its own instance, poisoned when the block starts.
 //   TPFUSE_DYNAMIC_SHARED(name);
 //       `extern __shared__ __align__(128) unsigned char name[];`
+//   TPFUSE_NOINLINE
+//       `__noinline__` (a function called out of line, as a slow path).
 #pragma once
 
 #include <utility>
@@ -86,6 +88,7 @@ private:
 #define TPFUSE_DYNAMIC_SHARED(name) unsigned char *const name = ::tpfuse_emu::dynamic_shared()
 #define TPFUSE_LAUNCH_COOPERATIVE(kernel, grid, block, smem, stream)                            \
   ::tpfuse_emu::Launcher(kernel, #kernel, __PRETTY_FUNCTION__, grid, block, smem, stream, true)
+#define TPFUSE_NOINLINE __attribute__((noinline))
 #else
 #define TPFUSE_LAUNCH(kernel, grid, block, smem, stream) kernel<<<grid, block, smem, stream>>>
 #define TPFUSE_LAUNCH_COOPERATIVE(kernel, grid, block, smem, stream)                            \
@@ -94,4 +97,5 @@ private:
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, kernel, threads, smem)
 #define TPFUSE_SHARED(type, name) __shared__ ::tpfuse::shared_type<type> name
 #define TPFUSE_DYNAMIC_SHARED(name) extern __shared__ __align__(128) unsigned char name[]
+#define TPFUSE_NOINLINE __noinline__
 #endif

@@ -85,6 +85,14 @@ struct Pad {
   __device__ uint64_t *slice_flag(int src) const {
     return reinterpret_cast<uint64_t *>(reinterpret_cast<char *>(base) + TPFUSE_SIGNAL_SLICE_FLAGS_OFFSET) + src;
   }
+  __device__ uint64_t *started(int src) const {
+    return reinterpret_cast<uint64_t *>(reinterpret_cast<char *>(base) + TPFUSE_SIGNAL_STARTED_OFFSET) + src;
+  }
+  // Half `half` of the packet area (gemm_all_reduce.cu, "Packets").
+  __device__ uint64_t *packets(int half) const {
+    return reinterpret_cast<uint64_t *>(reinterpret_cast<char *>(base) + TPFUSE_SIGNAL_PACKETS_OFFSET +
+                                        static_cast<size_t>(half) * TPFUSE_PACKET_HALF_BYTES);
+  }
 };
 
 // The deadline of one launch, for all its waits: %globaltimer past start + timeout_ns (a

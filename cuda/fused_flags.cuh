@@ -22,21 +22,27 @@
 // uses the same E. Nothing is reset, and a replayed CUDA graph works.
 //
 // Every fused kernel has each rank consume something of every peer in every launch (its
-// tiles, its input). So a producer is at most one launch ahead of a consumer (to start E+2 it
-// must have finished E+1, which needed the consumer's flags of E+1), and a consumer in launch
-// E accepts exactly the epochs E and E+1 (mod 2^40): a flag of any older launch, however old
-// (a slot unused for a long time keeps its flag), is not ready. A flag of E with another
-// descriptor is TPFUSE_ERROR_PEER_MISMATCH (the ranks launched different things) instead of
-// wrong data. A flag of E+1 means the producer finished launch E, which needed our flags of
-// E, checked against its descriptor (a mismatch would have poisoned it before it made E+1
-// flags): it is accepted as is. 2^40 launches, at 10^4 a second, are three years.
+// tiles, its input; by flags or by packets). So a producer is at most one launch ahead of a
+// consumer (to start E+2 it must have finished E+1, which needed the consumer's flags or
+// packets of E+1), and a consumer in launch E accepts exactly the epochs E and E+1 (mod
+// 2^40): a flag of any older launch, however old (a slot unused for a long time keeps its
+// flag), is not ready. A flag of E with another descriptor is TPFUSE_ERROR_PEER_MISMATCH (the
+// ranks launched different things) instead of wrong data; so is a peer's started flag of E
+// with another descriptor, which a stalled wait checks (a rank by packets and one by flags
+// wait for things the other never sends). A flag of E+1 means the producer finished launch
+// E, which needed our flags of E, checked against its descriptor (a mismatch would have
+// poisoned it before it made E+1 flags): it is accepted as is. 2^40 launches, at 10^4 a
+// second, are three years. The started flags (begin) use the same window.
 //
 // Exchange areas. Launch E writes the half (E & 1) of the result half of the symmetric
 // buffers (offset capacity + (E & 1) * capacity / 2): its own rank's (GEMM + all-reduce, the
 // peers read it; the two-shot also writes its reduced rows there and the peers gather them)
-// or every rank's (all-gather + GEMM pushes its part into each, and each reads only its own). When a rank starts launch E+2, which rewrites those areas, it has finished
-// launch E+1, so it has seen flags of E+1 from every peer, so every peer had finished launch E
-// (stream order), its reads of every area included. No closing barrier is needed. The other
+// or every rank's (all-gather + GEMM pushes its part into each, and each reads only its own);
+// the one-shot GEMM + all-reduce by packets writes the half (E & 1) of every rank's packet
+// area instead (packets.cuh). Before a block of launch E writes any of them, every rank has
+// started launch E - 1 (begin's started flags, acquired), so every rank had finished launch
+// E - 2 (stream order), its reads (and packet clears) of every area of E's parity included.
+// No closing barrier is needed. The other
 // custom kernels (all_reduce.cu) write no other rank's memory; they touch their result half
 // only between their first barrier (when every peer is in that launch, hence done with the
 // fused one before) and their closing barrier, and after the closing barrier only their own
@@ -100,13 +106,67 @@ __device__ __forceinline__ uint64_t flag_of(uint64_t epoch, uint64_t descriptor)
   return (epoch & kEpochMask) << kDescriptorBits | descriptor;
 }
 
+// Whether flag value v is of launch `epoch` or the one after it (a consumer in launch E
+// accepts E and E+1: see "Epochs").
+__device__ __forceinline__ bool of_launch_or_next(uint64_t v, uint64_t epoch) {
+  return (((v >> kDescriptorBits) - epoch) & kEpochMask) <= 1;
+}
+
+// Whether rank src has started launch `epoch` with another descriptor (its started flag in
+// this rank's pad): the ranks launched different things. A wait that stalls checks it, so that
+// ranks that launched different kinds (one waits for flags, the other for packets) find out
+// at once rather than at the deadline.
+__device__ __forceinline__ bool started_otherwise(const Pad &own, int src, uint64_t epoch, uint64_t descriptor) {
+  const uint64_t v = ld_relaxed_sys(own.started(src));
+  return (v >> kDescriptorBits) == (epoch & kEpochMask) && (v & kDescriptorMask) != descriptor;
+}
+
 // The start of a block: E and whether the group was poisoned, read once by thread 0, then
 // the whole block. fused_epoch changes only when every block of this launch has read it.
-__device__ __forceinline__ void begin(const Pad &own, BlockState &st) {
+//
+// Started flags. Block 0's thread p stores flag_of(E, descriptor) into started[rank] of rank
+// p's pad (st.release.sys), and every block waits, thread q for rank q, until started[q] of this
+// rank's pad holds E - 1 or later (ld.acquire.sys, then the __syncthreads below) before the
+// block writes anything a peer reads: rank q started launch E - 1, so it finished launch E - 2
+// (stream order), every read and clear of the areas of E's parity (exchange halves, packet
+// halves) included, and the release carries them. So a rank never rewrites an area a peer may
+// still read, whatever the launches in between consumed (the packets are relaxed stores: their
+// reading orders nothing). Later means E or E + 1: a rank is at most one launch ahead of any
+// block of another (to start E + 2, q finished E + 1, which needed this rank's contributions
+// to E + 1, so this rank finished E); E + 1 happens where q needs only some of this rank's
+// blocks (the reduce-scatter: those of q's rows), and a block of the others may start after q
+// finished E. q's started[] of E - 1 was stored before q waited for anything in E - 1, so the
+// wait needs nothing that waits for it; it was stored at least one launch ago, so it has
+// usually arrived, and its first load is issued with the epoch's.
+__device__ __forceinline__ bool started_since(uint64_t v, uint64_t epoch) {
+  return (((v >> kDescriptorBits) - epoch) & kEpochMask) <= 2;
+}
+
+__device__ __forceinline__ void begin(const tpfuse_peers &peers, const tpfuse_group_args &g,
+                                      const Deadline &deadline, uint64_t descriptor, BlockState &st) {
   st.clock.begin();
+  const Pad own{peers.signals[g.rank]};
+  const bool waiter = static_cast<int>(threadIdx.x) < g.world;
+  uint64_t seen = 0;
+  if (waiter) seen = ld_acquire_sys(own.started(threadIdx.x));
   if (threadIdx.x == 0) {
     st.epoch = *own.fused_epoch() + 1;
     st.failed = ld_relaxed_sys(own.error()) != 0 ? 1 : 0;
+  }
+  __syncthreads();
+  // No barrier inside (the waiters may part: one that reads st.failed after another waiter
+  // gave up skips), and one after it for every thread.
+  if (st.failed == 0 && waiter) {
+    if (blockIdx.x == 0) st_release_sys(Pad{peers.signals[threadIdx.x]}.started(g.rank), flag_of(st.epoch, descriptor));
+    for (uint32_t spins = 1; !started_since(seen, st.epoch - 1); ++spins) {
+      if ((spins & 1023u) == 0 && (ld_relaxed_sys(own.error()) != 0 || deadline.expired())) {
+        if (ld_relaxed_sys(own.error()) == 0)
+          report_failure(peers, g, TPFUSE_ERROR_PEER_TIMEOUT | static_cast<uint32_t>(threadIdx.x));
+        atomicAdd(&st.failed, 1);
+        break;
+      }
+      seen = ld_acquire_sys(own.started(threadIdx.x));
+    }
   }
   __syncthreads();
 }
@@ -143,22 +203,23 @@ __device__ __forceinline__ void await_flag(const tpfuse_peers &peers, const tpfu
   }
   // The flag's launch, relative to this one: 0 (this launch), 1 (the next), else older.
   const auto ahead = [&](uint64_t v) { return ((v >> kDescriptorBits) - st.epoch) & kEpochMask; };
-  const auto ready = [&](uint64_t v) { return ahead(v) <= 1; };
-  bool arrived = true;
-  for (uint32_t spins = 0; !ready(ld_relaxed_sys(flag)); ++spins) {
+  bool arrived = true, mismatch = false;
+  for (uint32_t spins = 0; !of_launch_or_next(ld_relaxed_sys(flag), st.epoch); ++spins) {
     if ((spins & 1023u) != 1023u) continue;
-    if (ld_relaxed_sys(own.error()) != 0 || deadline.expired(consequent ? 2 : 1)) {
+    mismatch = started_otherwise(own, src, st.epoch, descriptor);
+    if (mismatch || ld_relaxed_sys(own.error()) != 0 || deadline.expired(consequent ? 2 : 1)) {
       arrived = false;
       break;
     }
   }
   if (arrived) {
     const uint64_t v = ld_acquire_sys(flag); // the acquire: orders the unit's loads after it
-    if (ahead(v) == 0 && (v & kDescriptorMask) != descriptor) {
-      report_failure(peers, g, TPFUSE_ERROR_PEER_MISMATCH | static_cast<uint32_t>(src) | static_cast<uint32_t>(g.rank) << 16);
-      atomicAdd(&st.failed, 1);
-    }
-  } else {
+    mismatch = ahead(v) == 0 && (v & kDescriptorMask) != descriptor;
+  }
+  if (mismatch) {
+    report_failure(peers, g, TPFUSE_ERROR_PEER_MISMATCH | static_cast<uint32_t>(src) | static_cast<uint32_t>(g.rank) << 16);
+    atomicAdd(&st.failed, 1);
+  } else if (!arrived) {
     const uint32_t word = src == g.rank ? TPFUSE_ERROR_GRID_TIMEOUT | static_cast<uint32_t>(g.rank)
                                         : TPFUSE_ERROR_PEER_TIMEOUT | static_cast<uint32_t>(src);
     if (ld_relaxed_sys(own.error()) == 0) report_failure(peers, g, word);

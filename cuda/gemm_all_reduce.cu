@@ -24,6 +24,15 @@
 //                 one-shot all-reduce's arithmetic, so its bits), the tiles' vectors dealt
 //                 over its threads as one sequence (reduce_tiles).
 //
+// Packets. Where every rank's partial fits half the packet area the group offers (world * m *
+// n * 4 <= tpfuse_group_args.packet_bytes; the all-reduce, one-shot), the tiles travel as
+// packets instead (packets.cuh): the GEMM's epilogue stores each tile's partial, two elements
+// and a tag a 64-bit word, into every rank's packet half (PacketEpilogue), no flag is
+// published, and the reduction's loads of every rank's packets are the wait (a vector's four
+// packets from each rank, loaded until they carry the launch's tag, then cleared). The sums
+// and the epilogue are the flags' (sum_ranks), so the bits. The strip counts, the RMSNorm and
+// the end follow as below.
+//
 // So a block waits once, not once per tile: measured on an H200, a block that published,
 // awaited and reduced each tile between its GEMM tiles spent about 3.7 us per tile on them,
 // one after another (docs/performance.md, "Second H200 run"). The reduce-scatter consumes
@@ -50,7 +59,8 @@
 // API), so that every SM streams weights for several blocks (the Rust plan decides it).
 //
 // No deadlock: block b waits only for block b of the other ranks, whose flag it publishes
-// before it waits for anything. So no cycle can form, provided block b of every rank runs
+// before it waits for anything (by packets: for the blocks that produce its tiles' packets,
+// which they store before they wait for anything; with the split, any block of every rank). So no cycle can form, provided block b of every rank runs
 // (with the split in parallel, a tile's flag comes from whichever block folds its last part:
 // then every block of every rank must run, which the same cooperative launch gives).
 // Every rank's grid is a cooperative launch (backend.cuh): all its G blocks are resident at
@@ -114,6 +124,7 @@
 #include "copy.cuh"
 #include "fused_flags.cuh"
 #include "gemm_split.cuh"
+#include "packets.cuh"
 #include "reduce.cuh"
 #include "kernel_list.cuh"
 
@@ -158,6 +169,7 @@ template <typename T> struct Launch {
   int row_begin, row_end;
   uint64_t descriptor; // the flags' descriptor bits (fused::descriptor_of)
   int slice_tiles;     // two-shot: the tiles of the rank's slice (else 0)
+  bool packets;        // the partials travel as packets (packets.cuh), not by flags
 };
 
 using fused::BlockState;
@@ -191,20 +203,18 @@ template <typename T, typename Cfg> __device__ __forceinline__ int tiles_to_redu
   return count;
 }
 
-// out (and residual) of this rank's rows of every tile of the block: the W ranks' partials in
-// the exchange areas (element offset `exchange`, laid out [m, n]), added in rank order,
-// through the epilogue. The vectors of all the block's tiles form one sequence dealt over its
-// threads: a thread's next vector may lie in the next tile, so a narrow tile (one row at
+// out (and residual) of this rank's rows of every tile of the block, vector by vector:
+// reduce_at(i) reduces elements i .. i + 7 (the W ranks' partials added in rank order, through
+// the epilogue) and stores them, or says the block gives up. The vectors of all the block's
+// tiles form one sequence dealt over its threads: a thread's next vector may lie in the next tile, so a narrow tile (one row at
 // m = 1: BN / 8 vectors) still gives every thread work, and no tile waits for another's loads.
 // Each vector's W loads are issued before the first add (reduce_vector). One code path for
 // every world (reduce_vector's predicated form): an instantiation per world, inlined side by
 // side, pushed the kernel past 255 registers into spills. Indices in 32 bits but the element
 // offset (a block's vectors are at most TPFUSE_MAX_FUSED_TILES tiles of 128 x 128 / 8).
-template <typename T, typename Cfg> __device__ __forceinline__ void reduce_tiles(const Launch<T> &L, size_t exchange) {
+template <typename T, typename Cfg, typename ReduceAt>
+__device__ __forceinline__ void for_each_vector(const Launch<T> &L, ReduceAt reduce_at) {
   constexpr int kVec = Vec16<T>::kLen;
-  const Epilogue<T> epi{L.bias, L.residual, static_cast<size_t>(L.n)};
-  // Element i of out (and of the residual) is element i + row_begin·n of the exchange areas.
-  const size_t shifted = exchange + static_cast<size_t>(L.row_begin) * L.n;
   const int tiles = L.tiles_m * L.tiles_n;
   int tile = blockIdx.x;
   TileSpan span = span_of<T, Cfg>(L, tile);
@@ -220,8 +230,31 @@ template <typename T, typename Cfg> __device__ __forceinline__ void reduce_tiles
     const int v = u - before;
     const size_t i = static_cast<size_t>(span.first - L.row_begin + v / span.runs) * L.n + span.n0 +
                      (v % span.runs) * kVec;
-    store16(L.out + i, reduce_vector<T, TPFUSE_MAX_RANKS>(L.peers, L.g.world, shifted, i, epi));
+    if (!reduce_at(i)) return;
   }
+}
+
+// By flags: the exchange areas (element offset `exchange`, laid out [m, n]).
+template <typename T, typename Cfg> __device__ __forceinline__ void reduce_tiles(const Launch<T> &L, size_t exchange) {
+  const Epilogue<T> epi{L.bias, L.residual, static_cast<size_t>(L.n)};
+  // Element i of out (and of the residual) is element i + row_begin·n of the exchange areas.
+  const size_t shifted = exchange + static_cast<size_t>(L.row_begin) * L.n;
+  for_each_vector<T, Cfg>(L, [&](size_t i) {
+    store16(L.out + i, reduce_vector<T, TPFUSE_MAX_RANKS>(L.peers, L.g.world, shifted, i, epi));
+    return true;
+  });
+}
+
+// By packets (the all-reduce: row_begin is 0): each vector's wait is in its loads; a thread
+// stops at the first it cannot complete.
+template <typename T, typename Cfg>
+__device__ __forceinline__ void reduce_packet_tiles(const Launch<T> &L, const Deadline &deadline, BlockState &st) {
+  const Epilogue<T> epi{L.bias, L.residual, static_cast<size_t>(L.n)};
+  const size_t part = static_cast<size_t>(L.m) * static_cast<size_t>(L.n) / 2;
+  const uint32_t tag = packets::tag_of(st.epoch, L.descriptor);
+  for_each_vector<T, Cfg>(L, [&](size_t i) {
+    return packets::reduce_packet_vector<T>(L.peers, L.g, deadline, st, part, tag, L.descriptor, epi, L.out, i);
+  });
 }
 
 // Two-shot, after the block reduced its `reduced` tiles of the slice (at least one): counts
@@ -333,6 +366,60 @@ __device__ __forceinline__ bool gather_rows(const tpfuse_peers &peers, const tpf
   return true;
 }
 
+// The block's share of the GEMM: its tiles b, b + G, ... back to back, or with the split of k
+// in parallel the parts of the tiles (units b, b + G, ...), each tile's partial (rounded to T)
+// stored through `epi` (the exchange area, or packets). By flags, the block then publishes its
+// flag to every rank (slot b), or, with the split, the block that folds a tile's last part
+// publishes the tile (slot = tile).
+template <typename T, typename Cfg, typename Epi>
+__device__ __forceinline__ void produce(const Launch<T> &L, BlockState &st, unsigned char *smem, int parts,
+                                        bool split_parallel, const Epi &epi, bool flags) {
+  const tpfuse_peers &peers = L.peers;
+  const tpfuse_group_args &g = L.g;
+  const int tiles = L.tiles_m * L.tiles_n;
+  const uint64_t flag_value = fused::flag_of(st.epoch, L.descriptor);
+  if (split_parallel) {
+    if constexpr (gemm::kParallelSplit<Cfg>) {
+      // The parts' f32 chains in this rank's staging half ([parts][m][n]); only this rank's
+      // blocks touch it during the launch (fused_flags.cuh, "Exchange areas").
+      float *partials = static_cast<float *>(peers.data[g.rank]);
+      const size_t mn = static_cast<size_t>(L.m) * static_cast<size_t>(L.n);
+      const Pad own{peers.signals[g.rank]};
+#pragma unroll 1
+      for (int unit = blockIdx.x; unit < tiles * parts; unit += gridDim.x) {
+        const int tile = unit % tiles, part = unit / tiles;
+        int tm, tn;
+        tile_of_block(tile, L.tiles_m, L.tiles_n, tm, tn);
+        gemm_tile<T, Cfg>(DenseRows<T>{L.x, L.k}, L.w, L.m, L.n, L.k, tm, tn,
+                          gemm::PartialEpilogue{partials + part * mn, L.n}, smem, KSplit{parts, part, part + 1});
+        st.clock.tile_computed();
+        // The parts are folded in order through `epi` (gemm_split.cuh's protocol and bits); the
+        // block that folds the last one publishes the tile, after fold_parts' __syncthreads
+        // (every thread's stores of the tile, before the flags' releases). The __syncthreads of
+        // stored_part also order the epilogue's reads of smem before the next unit's writes.
+        // (st.last is free until the reduction's counts.)
+        uint32_t *word = own.part_count(tile);
+        if (gemm::stored_part(word, part, parts, st.last) &&
+            gemm::fold_parts<Cfg>(partials, word, part, parts, L.m, L.n, tm, tn, epi, st.last) && flags)
+          fused::publish(peers, g, tile, flag_value);
+        st.clock.mark(fused::kPhasePublish);
+      }
+    }
+    return;
+  }
+#pragma unroll 1
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    int tm, tn;
+    tile_of_block(tile, L.tiles_m, L.tiles_n, tm, tn);
+    gemm_tile<T, Cfg>(DenseRows<T>{L.x, L.k}, L.w, L.m, L.n, L.k, tm, tn, epi, smem, KSplit{parts, 0, parts});
+    __syncthreads(); // the tile's stores and the epilogue's reads of smem, before the next
+                     // tile's writes to it and (after the last) the flags
+    st.clock.tile_computed();
+  }
+  if (flags) fused::publish(peers, g, blockIdx.x, flag_value);
+  st.clock.mark(fused::kPhasePublish);
+}
+
 template <typename T, typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const __grid_constant__ tpfuse_peers peers,
                                                                           const __grid_constant__ tpfuse_group_args g,
@@ -341,11 +428,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
                                                                           float eps, T *out, int m, int n, int k,
                                                                           int tiles_m, int tiles_n, int row_begin,
                                                                           int row_end, int two_shot, int parts,
-                                                                          int split_parallel) {
+                                                                          int split_parallel, int packets) {
   TPFUSE_DYNAMIC_SHARED(smem);
   TPFUSE_SHARED(BlockState, st);
   const Deadline deadline(g);
-  fused::begin(Pad{peers.signals[g.rank]}, st);
+  fused::begin(peers, g, deadline, descriptor, st);
   const size_t exchange_bytes = fused::exchange_offset(g, st.epoch);
   T *mine = reinterpret_cast<T *>(static_cast<char *>(peers.data[g.rank]) + exchange_bytes);
   // Two-shot reduces its slice into its own area and the slice's residual rows; the norm
@@ -370,64 +457,34 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
                     row_begin,
                     row_end,
                     descriptor,
-                    slice_tiles};
-  const StagingEpilogue<T> staging{mine, n};
+                    slice_tiles,
+                    packets != 0};
   const size_t exchange = exchange_bytes / sizeof(T);
-  const uint64_t flag_value = fused::flag_of(st.epoch, descriptor);
 
-  // Produce: the block's tiles back to back, then one flag to every rank (slot b: "block b's
-  // tiles are stored"). Consume: one wait for every rank's flag of slot b, then the tiles'
-  // reduction. A parallel split produces the parts of the tiles instead, and the block that
-  // folds a tile's last part publishes the tile (slot = tile), so the consumers wait for every
-  // rank's flag of each of their tiles. (Nothing writes st.failed between begin()'s
-  // __syncthreads and the waits.)
+  // Produce: the block's tiles back to back, then (by flags) one flag to every rank (slot b:
+  // "block b's tiles are stored"). Consume: one wait for every rank's flag of slot b, then the
+  // tiles' reduction; by packets, the reduction's loads wait. A parallel split produces the
+  // parts of the tiles instead, and the block that folds a tile's last part publishes the tile
+  // (slot = tile), so the consumers wait for every rank's flag of each of their tiles. (Nothing
+  // writes st.failed between begin()'s __syncthreads and the waits.)
   const int tiles = tiles_m * tiles_n;
   const bool producing = st.failed == 0;
-  if (producing && split_parallel) {
-    if constexpr (gemm::kParallelSplit<Cfg>) {
-      // The parts' f32 chains in this rank's staging half ([parts][m][n]); only this rank's
-      // blocks touch it during the launch (fused_flags.cuh, "Exchange areas").
-      float *partials = static_cast<float *>(peers.data[g.rank]);
-      const size_t mn = static_cast<size_t>(m) * static_cast<size_t>(n);
-      const Pad own{peers.signals[g.rank]};
-#pragma unroll 1
-      for (int unit = blockIdx.x; unit < tiles * parts; unit += gridDim.x) {
-        const int tile = unit % tiles, part = unit / tiles;
-        int tm, tn;
-        tile_of_block(tile, tiles_m, tiles_n, tm, tn);
-        gemm_tile<T, Cfg>(DenseRows<T>{x, k}, w, m, n, k, tm, tn, gemm::PartialEpilogue{partials + part * mn, n}, smem,
-                          KSplit{parts, part, part + 1});
-        st.clock.tile_computed();
-        // The parts are folded in order into the exchange area (gemm_split.cuh's protocol and
-        // bits); the block that folds the last one publishes the tile, after fold_parts'
-        // __syncthreads (every thread's stores of the tile, before the flags' releases). The
-        // __syncthreads of stored_part also order the epilogue's reads of smem before the next
-        // unit's writes. (st.last is free until the reduction's counts.)
-        uint32_t *word = own.part_count(tile);
-        if (gemm::stored_part(word, part, parts, st.last) &&
-            gemm::fold_parts<Cfg>(partials, word, part, parts, m, n, tm, tn, staging, st.last))
-          fused::publish(peers, g, tile, flag_value);
-        st.clock.mark(fused::kPhasePublish);
-      }
-    }
+  if (producing && packets) {
+    const packets::PacketEpilogue<T> pushing{&peers, g.world, g.rank, n, st.epoch,
+                                             static_cast<size_t>(m) * static_cast<size_t>(n) / 2,
+                                             packets::tag_of(st.epoch, descriptor)};
+    produce<T, Cfg>(L, st, smem, parts, split_parallel != 0, pushing, false);
   } else if (producing) {
-#pragma unroll 1
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-      int tm, tn;
-      tile_of_block(tile, tiles_m, tiles_n, tm, tn);
-      gemm_tile<T, Cfg>(DenseRows<T>{x, k}, w, m, n, k, tm, tn, staging, smem, KSplit{parts, 0, parts});
-      __syncthreads(); // the tile's stores and the epilogue's reads of smem, before the next
-                       // tile's writes to it and (after the last) the flags
-      st.clock.tile_computed();
-    }
-    fused::publish(peers, g, blockIdx.x, flag_value);
-    st.clock.mark(fused::kPhasePublish);
+    produce<T, Cfg>(L, st, smem, parts, split_parallel != 0, StagingEpilogue<T>{mine, n}, true);
   }
   // The reduce-scatter's and the two-shot's blocks reduce only the tiles of the rank's slice:
   // a block with none waits for nothing.
   const int reducing = producing ? tiles_to_reduce<T, Cfg>(L) : 0;
   if (reducing > 0) {
-    if (static_cast<int>(threadIdx.x) < g.world) {
+    if (packets) {
+      // The waits are the reduction's loads: the phase records count both as the wait.
+      reduce_packet_tiles<T, Cfg>(L, deadline, st);
+    } else if (static_cast<int>(threadIdx.x) < g.world) {
       if (gemm::kParallelSplit<Cfg> && split_parallel) {
 #pragma unroll 1
         for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x)
@@ -439,7 +496,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
     const bool arrived = fused::passed(st);
     st.clock.mark(fused::kPhaseWait);
     if (arrived) {
-      reduce_tiles<T, Cfg>(L, exchange);
+      if (!packets) reduce_tiles<T, Cfg>(L, exchange);
       if (L.slice_tiles > 0) {
         count_slice_tiles(L, st, reducing);
       } else if (L.gamma != nullptr) {
@@ -517,6 +574,10 @@ int launch_config(Reduction reduction, const tpfuse_peers &peers, const tpfuse_g
       if (p != 0 && p < scratch_end && scratch < p + a.elements * sizeof(T)) return cudaErrorInvalidValue;
     }
   }
+  // Packets (packets.cuh) for the all-reduce where every rank's partial fits a half of the
+  // packet area the group offers: 4 bytes a packet element, from every rank.
+  const bool packets = !reduction.scatter && g.packet_bytes != 0 &&
+                       static_cast<uint64_t>(g.world) * m * n * 4 <= g.packet_bytes;
   const long long units = tiles_m * tiles_n * (split_parallel ? parts : 1);
   const int grid = static_cast<int>(units < blocks ? units : blocks);
   auto gemm_all_reduce = gemm_all_reduce_kernel<T, Cfg>; // the name the emulator suite reports
@@ -534,14 +595,15 @@ int launch_config(Reduction reduction, const tpfuse_peers &peers, const tpfuse_g
       launch_descriptor({reduction.kind, sizeof(T), static_cast<uint64_t>(m), static_cast<uint64_t>(n),
                          static_cast<uint64_t>(k), static_cast<uint64_t>(config), static_cast<uint64_t>(grid),
                          bias != nullptr, residual != nullptr, gamma != nullptr, eps_bits,
-                         static_cast<uint64_t>(parts), split_parallel ? 1u : 0u}));
+                         static_cast<uint64_t>(parts), split_parallel ? 1u : 0u, packets ? 1u : 0u}));
   const int slice = m / g.world;
   const int row_begin = reduction.scatter ? g.rank * slice : 0;
   const int row_end = reduction.scatter ? row_begin + slice : m;
   // Cooperative: the two-shot's blocks wait for their own rank's slice (see above).
   return launch_result(TPFUSE_LAUNCH_COOPERATIVE(gemm_all_reduce, grid, Cfg::kThreads, Cfg::kSmemBytes, stream)(
       peers, g, descriptor, x, w, bias, residual, gamma, eps, out, m, n, k, static_cast<int>(tiles_m),
-      static_cast<int>(tiles_n), row_begin, row_end, reduction.two_shot ? 1 : 0, parts, split_parallel ? 1 : 0));
+      static_cast<int>(tiles_n), row_begin, row_end, reduction.two_shot ? 1 : 0, parts, split_parallel ? 1 : 0,
+      packets ? 1 : 0));
 }
 
 template <typename T>
@@ -586,8 +648,10 @@ int checked_launch(Reduction reduction, tpfuse_dtype dtype, int32_t config, cons
     return cudaErrorInvalidValue;
   if (reduction.scatter && m % static_cast<size_t>(group->world) != 0) return cudaErrorInvalidValue;
   if (x == nullptr || w == nullptr || out == nullptr) return cudaErrorInvalidValue;
-  // The two exchange areas: halves of the result half, each 16-byte aligned.
+  // The two exchange areas: halves of the result half, each 16-byte aligned; the packet
+  // area's halves are what the pad holds.
   if (group->capacity % 32 != 0 || m * n * dtype_size(dtype) > group->capacity / 2) return cudaErrorInvalidValue;
+  if (group->packet_bytes > TPFUSE_PACKET_HALF_BYTES) return cudaErrorInvalidValue;
   for (const void *p : {x, w, bias, gamma, static_cast<const void *>(residual), static_cast<const void *>(out)})
     if (!is_aligned16(p)) return cudaErrorMisalignedAddress;
   cudaStream_t s = static_cast<cudaStream_t>(stream);

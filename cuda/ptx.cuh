@@ -86,6 +86,39 @@ __device__ __forceinline__ void st_release_sys(uint64_t *p, uint64_t v) {
 #endif
 }
 
+// Two naturally aligned 64-bit words of a 16-byte aligned pair, relaxed at system scope in one
+// vector instruction: the fused GEMM + all-reduce's packets (gemm_all_reduce.cu, "Packets").
+// A vector access is one memory operation per element, in an unspecified order (PTX ISA,
+// "Memory Consistency Model: Vector Data-types"): each word is seen whole, the two
+// independently. Emulated: the two words in element order, counted as 16 bytes of data.
+struct Words2 {
+  uint64_t lo, hi;
+};
+
+__device__ __forceinline__ Words2 ld_relaxed_sys_v2(const uint64_t *p) {
+#ifdef TPFUSE_EMULATOR
+  ::tpfuse_emu::check_aligned(p, 16);
+  ::tpfuse_emu::count_load(p, 16);
+  const uint64_t lo = ::tpfuse_emu::strong_load(p, ::tpfuse_emu::Order::Relaxed, ::tpfuse_emu::Scope::Sys);
+  return Words2{lo, ::tpfuse_emu::strong_load(p + 1, ::tpfuse_emu::Order::Relaxed, ::tpfuse_emu::Scope::Sys)};
+#else
+  Words2 v;
+  asm volatile("ld.relaxed.sys.global.v2.u64 {%0, %1}, [%2];" : "=l"(v.lo), "=l"(v.hi) : "l"(p) : "memory");
+  return v;
+#endif
+}
+
+__device__ __forceinline__ void st_relaxed_sys_v2(uint64_t *p, Words2 v) {
+#ifdef TPFUSE_EMULATOR
+  ::tpfuse_emu::check_aligned(p, 16);
+  ::tpfuse_emu::count_store(p, 16);
+  ::tpfuse_emu::strong_store(p, v.lo, ::tpfuse_emu::Order::Relaxed, ::tpfuse_emu::Scope::Sys);
+  ::tpfuse_emu::strong_store(p + 1, v.hi, ::tpfuse_emu::Order::Relaxed, ::tpfuse_emu::Scope::Sys);
+#else
+  asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(v.lo), "l"(v.hi) : "memory");
+#endif
+}
+
 // %globaltimer (PTX ISA: "Special Registers: %globaltimer"): nanoseconds. Emulated: virtual
 // time (docs/emulator.md).
 __device__ __forceinline__ uint64_t global_timer_ns() {

@@ -123,6 +123,14 @@ int tpfuse_fp_contraction_probe(const float *abc, float *out, void *stream);
  *                                                         parallel: tile t's parts stored and
  *                                                         folded (gemm_split.cuh; back to 0
  *                                                         once the tile's parts are folded)
+ *       uint64 started[TPFUSE_MAX_RANKS] (256-aligned)    started[src]: the last fused launch
+ *                                                         rank src started (a flag as
+ *                                                         tile_flags')
+ *       uint64 packets[2][TPFUSE_PACKET_HALF_BYTES / 8]   (256-aligned) the one-shot GEMM +
+ *                                                         all-reduce's packets at decode sizes,
+ *                                                         half (epoch & 1): [src][m * n / 2],
+ *                                                         each 2 elements and a tag, 0 when
+ *                                                         consumed (gemm_all_reduce.cu)
  *   (cuda/fused_flags.cuh explains the fused words)
  * The kernels never reset flags: every barrier waits for a larger value (epochs), so the
  * same launch can be replayed from a CUDA graph.
@@ -172,7 +180,12 @@ int tpfuse_fp_contraction_probe(const float *abc, float *out, void *stream);
 #define TPFUSE_SIGNAL_STRIP_FLAGS_OFFSET (TPFUSE_SIGNAL_TILE_FLAGS_OFFSET + 8 * TPFUSE_MAX_FUSED_TILES * TPFUSE_MAX_RANKS)
 #define TPFUSE_SIGNAL_PHASES_OFFSET (TPFUSE_SIGNAL_STRIP_FLAGS_OFFSET + 8 * TPFUSE_MAX_FUSED_TILES)
 #define TPFUSE_SIGNAL_PART_COUNTS_OFFSET (TPFUSE_SIGNAL_PHASES_OFFSET + 8 * TPFUSE_PHASE_FIELDS * TPFUSE_MAX_PHASE_BLOCKS)
-#define TPFUSE_SIGNAL_PAD_BYTES (TPFUSE_SIGNAL_PART_COUNTS_OFFSET + 4 * TPFUSE_MAX_FUSED_TILES)
+#define TPFUSE_SIGNAL_STARTED_OFFSET \
+  ((TPFUSE_SIGNAL_PART_COUNTS_OFFSET + 4 * TPFUSE_MAX_FUSED_TILES + 255) / 256 * 256)
+#define TPFUSE_SIGNAL_PACKETS_OFFSET (TPFUSE_SIGNAL_STARTED_OFFSET + 256)
+/* Bytes of each half of the packet area: the most tpfuse_group_args.packet_bytes offers. */
+#define TPFUSE_PACKET_HALF_BYTES (1024 * 1024)
+#define TPFUSE_SIGNAL_PAD_BYTES (TPFUSE_SIGNAL_PACKETS_OFFSET + 2 * TPFUSE_PACKET_HALF_BYTES)
 
 
 /* Error word values. TIMEOUT | p: rank p did not arrive before the deadline. MISMATCH | p |
@@ -217,6 +230,10 @@ typedef struct tpfuse_group_args {
   /* This rank's error word in mapped host memory (device address), or NULL: a failed launch
    * stores its error word there, where the host reads it without synchronising. */
   uint32_t *host_error;
+  /* Bytes of each half of the packet area the one-shot GEMM + all-reduce may use (0 ..=
+   * TPFUSE_PACKET_HALF_BYTES; 0: never): it exchanges its partial tiles as packets when
+   * world * m * n * 4 <= packet_bytes (tpfuse_gemm_all_reduce). Equal on every rank. */
+  uint64_t packet_bytes;
 } tpfuse_group_args;
 
 /*
@@ -408,6 +425,11 @@ int tpfuse_gemm_describe_fused(int32_t config, tpfuse_gemm_config_info *info);
  * may lie there, cudaErrorInvalidValue), folded in order as tpfuse_gemm_scratch folds them;
  * otherwise each tile's block runs its parts one after another (min(tiles, blocks) blocks).
  * The same bits either way.
+ * Where world * m * n * 4 <= group->packet_bytes (<= TPFUSE_PACKET_HALF_BYTES, else
+ * cudaErrorInvalidValue), the ranks' partial tiles travel as packets through the signal pads'
+ * packet areas (two elements and a tag in 64 bits, stored into every rank's pad, awaited in
+ * the reduction's own loads): one crossing of the link and no flag; otherwise by flags
+ * through the exchange areas. The same bits either way.
  */
 int tpfuse_gemm_all_reduce(tpfuse_dtype dtype, int32_t config, const tpfuse_peers *peers,
                            const tpfuse_group_args *group, int32_t blocks, const void *x, const void *w,

@@ -387,10 +387,10 @@ mutant split-counts-by-tiles emu_counters::one_scratch_serves_splits_of_every_sh
 mutant epilogue-no-bias emu_gemm::gemm_auto_picks_a_config_that_gives_the_same_bits "the GEMM epilogue reads bias at column 0" \
   gemm_epilogue.cuh 'const Vec16<T> b = load16(bias + col);' 'const Vec16<T> b = load16(bias);'
 mutant flag-before-tile emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16@random:1 "the fused kernel publishes a block's flag before computing its tiles" \
-  gemm_all_reduce.cu $'  } else if (producing) {\n#pragma unroll 1' $'  } else if (producing) {\n    fused::publish(peers, g, blockIdx.x, flag_value);\n#pragma unroll 1'
+  gemm_all_reduce.cu $'    return;\n  }\n#pragma unroll 1' $'    return;\n  }\n  if (flags) fused::publish(peers, g, blockIdx.x, flag_value);\n#pragma unroll 1'
 mutant fused-split-flag-before-fold emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16@random:1 "the fused parallel split publishes a tile before folding its parts" \
-  gemm_all_reduce.cu 'gemm::fold_parts<Cfg>(partials, word, part, parts, m, n, tm, tn, staging, st.last))' \
-  '(fused::publish(peers, g, tile, flag_value), gemm::fold_parts<Cfg>(partials, word, part, parts, m, n, tm, tn, staging, st.last)))'
+  gemm_all_reduce.cu 'gemm::fold_parts<Cfg>(partials, word, part, parts, L.m, L.n, tm, tn, epi, st.last) && flags)' \
+  '(fused::publish(peers, g, tile, flag_value), gemm::fold_parts<Cfg>(partials, word, part, parts, L.m, L.n, tm, tn, epi, st.last)) && flags)'
 mutant fused-split-fold-no-sync emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16+weak "the fused parallel split publishes a tile before the whole block stored its sum" \
   gemm_split.cuh $'    __syncthreads(); // every thread\'s fold (and read of run_end), before thread 0\'s release\n' ''
 mutant fused-split-await-first-tile-only emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16@random:1 "with the parts in parallel, a block waits only for its first tile's flags" \
@@ -438,9 +438,31 @@ mutant strip-first-row-skipped emu_gemm_all_reduce::fused_equals_gemm_then_all_r
 mutant fused-failure-unmarked emu_fused_failures::a_missing_rank_is_named_by_the_two_shot_too "the fused kernel's last block leaves a failed launch's outputs" \
   fused_flags.cuh '  return st.last && st.failed;' '  return false;'
 mutant fused-no-descriptor-check emu_fused_failures::ranks_that_launch_different_shapes_get_a_mismatch "the fused kernel accepts a tile flag of another launch's shape" \
-  fused_flags.cuh '(v & kDescriptorMask) != descriptor' 'false'
+  fused_flags.cuh 'mismatch = ahead(v) == 0 && (v & kDescriptorMask) != descriptor;' 'mismatch = false;'
 mutant epoch-window-half-range emu_fused_failures::a_flag_of_a_long_past_launch_is_not_ready "the fused kernel takes any flag in the half range after this launch as ready" \
-  fused_flags.cuh 'return ahead(v) <= 1;' 'return ahead(v) < (kEpochMask >> 1);'
+  fused_flags.cuh 'return (((v >> kDescriptorBits) - epoch) & kEpochMask) <= 1;' 'return (((v >> kDescriptorBits) - epoch) & kEpochMask) < (kEpochMask >> 1);'
+# Packets (cuda/packets.cuh): the one-shot GEMM + all-reduce's exchange at decode sizes.
+# Not here: the packet half by parity (one half for every launch survived the back-to-back
+# test under pct:1: a consumer's block must fall behind a peer's whole next launch), and the
+# started flags' ordering of the clears (docs/emulator.md, weak memory's limits).
+mutant packets-tag-unchecked emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16@random:1 "a packet is taken before its tag says it is there" \
+  packets.cuh 'return static_cast<uint32_t>(x >> 32) == tag; }' 'return true; }'
+mutant packets-not-cleared gpu_gemm_all_reduce::a_graph_of_the_fused_op_replays_100_times "the consumer leaves its packets (a later launch of the same parity finds them)" \
+  packets.cuh $'      st_global(at, zero);\n      st_global(at + 1, zero);' ''
+mutant packets-half-cleared gpu_gemm_all_reduce::a_graph_of_the_fused_op_replays_100_times "the consumer clears two of a vector's four packets" \
+  packets.cuh $'      st_global(at + 1, zero);\n' ''
+mutant packets-words-swapped emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "a packet pair's words stored in each other's place" \
+  packets.cuh 'first{t | raw.x, t | raw.y}' 'first{t | raw.y, t | raw.x}'
+mutant packets-source-0 emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "every rank stores its packets as rank 0's" \
+  packets.cuh 'source(Pad{peers->signals[p]}, epoch, rank, part)' 'source(Pad{peers->signals[p]}, epoch, 0, part)'
+mutant packets-own-pad-skipped emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "a rank stores its packets into every pad but its own" \
+  packets.cuh 'for (int j = 1; j <= world; ++j) {' 'for (int j = 1; j < world; ++j) {'
+mutant packets-never emu_counters::fused_gemm_all_reduce_reads_the_peers_once_or_twice_by_slices "the one-shot exchanges by flags where the plan says packets (the same bits)" \
+  gemm_all_reduce.cu 'const bool packets = !reduction.scatter && g.packet_bytes != 0 &&' 'const bool packets = false && g.packet_bytes != 0 &&'
+mutant started-window-one-ahead emu_gemm_all_reduce::reduce_scatters_and_all_reduces_back_to_back_complete@pct:1 "a block takes only a peer's started flag of the launch before or this one, not the next (a reduce-scatter's peer may be there)" \
+  fused_flags.cuh 'return (((v >> kDescriptorBits) - epoch) & kEpochMask) <= 2;' 'return (((v >> kDescriptorBits) - epoch) & kEpochMask) <= 1;'
+mutant started-as-rank-0 emu_gemm_all_reduce::launches_in_a_row_each_get_their_own_inputs "block 0 announces every rank's start as rank 0's" \
+  fused_flags.cuh 'Pad{peers.signals[threadIdx.x]}.started(g.rank)' 'Pad{peers.signals[threadIdx.x]}.started(0)'
 mutant two-shot-gather-from-rank-0 emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "two-shot gathers every row from rank 0's area" \
   gemm_all_reduce.cu 'const int owner = row / slice;' 'const int owner = 0;'
 mutant two-shot-slice-flag-early emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "two-shot publishes its slice once the first block counted its tiles" \

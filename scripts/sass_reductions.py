@@ -17,6 +17,9 @@ must show, at least once, a run of at least the loads its copy issues together b
 first store: kCopyInFlight = 4 local loads (the stage copies: LDG.E.128), 4 peer loads (the
 fused two-shot gather of a row), or one load per rank (the two-shot all-reduce gathers a
 vector of each other rank together: W predicated loads; the all-gather every rank, all 8).
+
+The fused kernel's packets (cuda/packets.cuh: ld.relaxed.sys.v2.u64, LDG.E.128.STRONG.SYS)
+are counted apart: it must show a run of at least 8, a wave of four ranks' 32 bytes.
 """
 import re
 import sys
@@ -41,6 +44,8 @@ COPIES = {
     "gemm_all_reduce_kernel<": [(4, 0)],
     "all_gather_gemm_kernel<": [(0, 4)],
 }
+# kernel -> the packet loads (LDG.E.128.STRONG.SYS) one run must hold at least.
+PACKETS = {"gemm_all_reduce_kernel<": 8}
 STORES = ("STG", "STS", "ST.", "RED", "ATOM")
 
 
@@ -55,14 +60,16 @@ def registers(operand_text):
 
 
 runs = defaultdict(Counter)  # (arch, kernel) -> {(peer loads, epilogue loads): places}
-run, pending = [0, 0], set()
+packet_runs = defaultdict(int)  # (arch, kernel) -> the longest run of packet loads
+run, pending = [0, 0, 0], set()
 
 
 def close(key):
     global run, pending
     if run[0] or run[1]:
-        runs[key][tuple(run)] += 1
-    run, pending = [0, 0], set()
+        runs[key][(run[0], run[1])] += 1
+    packet_runs[key] = max(packet_runs[key], run[2])
+    run, pending = [0, 0, 0], set()
 
 
 def kernel_of(name):
@@ -78,13 +85,14 @@ for arch, name, guard, op, operands in instructions(sys.stdin):
     if kernel is None:
         continue
     if op is None:  # a function's header
-        run, pending = [0, 0], set()
+        run, pending = [0, 0, 0], set()
         continue
-    if op in ("LDG.E.128.STRONG.GPU", "LDG.E.128"):
+    # (LDG.E.128.CONSTANT: a local load ptxas proved read-only, ld.global.nc: the bias.)
+    if op in ("LDG.E.128.STRONG.GPU", "LDG.E.128", "LDG.E.128.CONSTANT", "LDG.E.128.STRONG.SYS"):
         dest = int(re.match(r"\s*R(\d+)", operands).group(1))
         if registers(operands.split(",", 1)[1]) & pending:
             close((arch, func))
-        run[0 if op.endswith("STRONG.GPU") else 1] += 1
+        run[{"LDG.E.128.STRONG.GPU": 0, "LDG.E.128.STRONG.SYS": 2}.get(op, 1)] += 1
         pending |= set(range(dest, dest + 4))
         continue
     sources = operands if op.startswith(STORES) else (operands.split(",", 1)[1] if "," in operands else "")
@@ -93,8 +101,9 @@ for arch, name, guard, op, operands in instructions(sys.stdin):
 
 failures = []
 for (arch, func), found in sorted(runs.items()):
-    print("%-8s %-62s loads in flight together (peer+local): %s"
-          % (arch, func, " ".join("%d+%dx%d" % (r + (n,)) for r, n in sorted(found.items()))))
+    print("%-8s %-62s loads in flight together (peer+local): %s%s"
+          % (arch, func, " ".join("%d+%dx%d" % (r + (n,)) for r, n in sorted(found.items())),
+             "; packets %d" % packet_runs[(arch, func)] if packet_runs[(arch, func)] else ""))
     reduction = next((v for k, v in KERNELS.items() if func.startswith(k)), None)
     if reduction is not None:
         worlds, places = reduction
@@ -111,6 +120,10 @@ for (arch, func), found in sorted(runs.items()):
         elif not any(p >= peer and l >= local for p, l in found):
             failures.append("%s %s: no copy run of at least %d peer and %d local loads"
                             % (arch, func, peer, local))
+    need = next((v for k, v in PACKETS.items() if func.startswith(k)), 0)
+    if packet_runs[(arch, func)] < need:
+        failures.append("%s %s: the longest run of packet loads is %d, not %d"
+                        % (arch, func, packet_runs[(arch, func)], need))
 seen = {func for _, func in runs}
 for kernel in list(KERNELS) + list(COPIES):
     if not any(f.startswith(kernel) for f in seen):

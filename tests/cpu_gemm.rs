@@ -481,6 +481,7 @@ fn the_fused_reduction_follows_the_algorithm_and_the_size() {
         blocks: 132,
         blocks_per_sm: [1; 5],
         one_shot_below: Some(256 << 10),
+        packet_bytes: 0,
     };
     let algo = |m, a| fused_all_reduce_algo::<bf16>(shape(m, 8192, 1024), &facts, a);
     // 8 rows of 16 KiB = 128 KiB: one-shot; 16 rows = 256 KiB: two-shot; 17: uneven, one-shot.

@@ -6,7 +6,7 @@
 //! called here; the other two are covered by tests/gpu_group.rs.
 
 use std::time::Duration;
-use tpfuse::group::{cta_budget, MAX_BLOCKS, MAX_WORLD};
+use tpfuse::group::{cta_budget, MAX_BLOCKS, MAX_WORLD, PACKET_HALF_BYTES};
 use tpfuse::symmetric::{round_capacity, CAPACITY_ALIGN, MAX_RANKS, SIGNAL_PAD_BYTES};
 use tpfuse::{Error, GroupOptions, TpGroup};
 
@@ -116,6 +116,7 @@ fn invalid_options_name_the_field() {
         timeout: Duration::from_nanos(1),
         blocks: None,
         fused_blocks_per_sm: Some(1),
+        fused_packets: false,
     };
     o.validate().unwrap();
 }
@@ -138,7 +139,10 @@ fn the_abi_limits_are_the_headers() {
     // flags[64][8] + counters[64] (u32 each) + 256 bytes for the error word and the rank's
     // grid barrier + descriptors[64][8] + 256 bytes for the fused kernel's epoch and end
     // count + strip_counts[4096] (u32) + tile_flags[4096][8] (u64) + strip_flags[4096] (u64)
-    // + the fused blocks' phase records [1024][9] (u64) + part_counts[4096] (u32).
+    // + the fused blocks' phase records [1024][9] (u64) + part_counts[4096] (u32), then, at
+    // the next multiple of 256 (already one), 256 bytes of started flags and the packet area's
+    // two halves.
+    assert_eq!(PACKET_HALF_BYTES, 1 << 20);
     assert_eq!(
         SIGNAL_PAD_BYTES,
         4 * 64 * 8
@@ -151,6 +155,8 @@ fn the_abi_limits_are_the_headers() {
             + 8 * 4096
             + 8 * 1024 * 9
             + 4 * 4096
+            + 256
+            + 2 * PACKET_HALF_BYTES
     );
 }
 

@@ -369,8 +369,11 @@ fn the_fused_row_pays_a_fill_per_later_tile_and_one_round_and_peer_read_per_bloc
     // The fused kernel computes a block's tiles back to back, then publishes once, waits once
     // and reduces them all (cuda/gemm_all_reduce.cu): the busiest block's tiles after its
     // first each add a pipeline fill (each tile's ring starts empty; the first fill is any
-    // GEMM's), the block one round and one peer read. On an H200 every block has one tile
-    // (the grid holds as many blocks as the SMs do); on a device of 16 SMs, several.
+    // GEMM's), the block one round and one peer read (the two-shot two: its gather); by packets
+    // (m = 1 here: 8 ranks' rows of 8192 fit the packet half) none, the partials come with the
+    // round. On an H200
+    // every block has one tile (the grid holds as many blocks as the SMs do); on a device of
+    // 16 SMs, several.
     let h200 = DeviceProfile::builtin("h200").unwrap();
     let mut small = h200.clone();
     small.sms = 16;
@@ -396,6 +399,13 @@ fn the_fused_row_pays_a_fill_per_later_tile_and_one_round_and_peer_read_per_bloc
             let per_block = tiles.div_ceil(fused.blocks);
             several += usize::from(per_block > 1);
             let label = format!("{} SMs, m {m}: {fused:?}", p.sms);
+            let packets = fused.choice.contains("packets");
+            assert_eq!(packets, m == 1, "{label}: packets where 8·m·n·4 fit 1 MiB");
+            // The reduction's peer read, none by packets; the two-shot's gather reads again.
+            let peer_reads = match (packets, fused.config.ends_with("two-shot")) {
+                (true, _) => 0,
+                (false, two_shot) => 1 + usize::from(two_shot),
+            };
             // The block flags' round, and past m = 1 the strip's or the slices'.
             assert_eq!(fused.sync_rounds, if m == 1 { 1 } else { 2 }, "{label}");
             // 10 µs more streaming latency: 10 µs more per tile after the first; 10 µs more
@@ -407,7 +417,7 @@ fn the_fused_row_pays_a_fill_per_later_tile_and_one_round_and_peer_read_per_bloc
             let base = tpfuse::plan::fused_row(&o_proj, m, 8, &slow).unwrap();
             for (what, times) in [
                 ("streaming_latency_s", per_block - 1),
-                ("peer_latency_s", 1),
+                ("peer_latency_s", peer_reads),
             ] {
                 let mut far = slow.clone();
                 match what {

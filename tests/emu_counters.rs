@@ -795,30 +795,55 @@ fn fused_gemm_all_reduce_reads_the_peers_once_or_twice_by_slices() {
         (4, 16, 264, 24),
         (8, 24, 136, 16),
     ] {
-        let groups = virtual_group(&gpu.ctx, world, GroupOptions::default());
-        let shape = GemmShape { m, n, k };
-        let xs: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0x9e, world, m * k));
-        let ws: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0xae, world, n * k));
-        let mut outs: Vec<CudaSlice<bf16>> = poisoned_ranks(&groups, m * n);
-        let (w, mn) = (world as u64, (m * n) as u64);
-        for (algo, peer) in [
-            (Algorithm::OneShot, (w - 1) * mn * S),
-            (Algorithm::TwoShot, 2 * (w - 1) * mn / w * S),
-        ] {
-            let label = format!("GEMM + all-reduce {algo:?} W={world} (m, n, k)=({m}, {n}, {k})");
-            let ((), recs) = counters::count(|| {
-                round(&groups, &label, |r| {
-                    let epilogue = Epilogue::default();
-                    let (x, wt, out) = (&xs[r], &ws[r], &mut outs[r]);
-                    gemm_all_reduce_with(&groups[r], x, wt, epilogue, out, shape, algo).map(|_| ())
+        for fused_packets in [false, true] {
+            let options = GroupOptions {
+                fused_packets,
+                ..GroupOptions::default()
+            };
+            let groups = virtual_group(&gpu.ctx, world, options);
+            let shape = GemmShape { m, n, k };
+            let xs: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0x9e, world, m * k));
+            let ws: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0xae, world, n * k));
+            let mut outs: Vec<CudaSlice<bf16>> = poisoned_ranks(&groups, m * n);
+            let (w, mn) = (world as u64, (m * n) as u64);
+            // (peer bytes read, written): by flags the peers' partials read across; by packets
+            // (one-shot, these shapes fit) each rank's partial pushed to the W - 1 others as
+            // packets (4 bytes an element), nothing read across.
+            for (algo, peer) in [
+                (
+                    Algorithm::OneShot,
+                    if fused_packets {
+                        (0, (w - 1) * mn * 4)
+                    } else {
+                        ((w - 1) * mn * S, 0)
+                    },
+                ),
+                (Algorithm::TwoShot, (2 * (w - 1) * mn / w * S, 0)),
+            ] {
+                let label = format!(
+                    "GEMM + all-reduce {algo:?} W={world} (m, n, k)=({m}, {n}, {k}) packets \
+                     {fused_packets}"
+                );
+                let mut plans = Vec::new();
+                let ((), recs) = counters::count(|| {
+                    plans = round(&groups, &label, |r| {
+                        let epilogue = Epilogue::default();
+                        let (x, wt, out) = (&xs[r], &ws[r], &mut outs[r]);
+                        gemm_all_reduce_with(&groups[r], x, wt, epilogue, out, shape, algo)
+                    });
                 });
-            });
-            assert_eq!(recs.len(), world, "{label}: launches");
-            for rec in &recs {
-                let l = format!("{label} rank {:?}", rec.rank);
-                let t = rec.total();
-                assert_eq!(t.peer_read_bytes, peer, "{l}: peer bytes read");
-                assert_eq!(t.peer_write_bytes, 0, "{l}: peer bytes written");
+                assert_eq!(
+                    plans[0].packets,
+                    fused_packets && algo == Algorithm::OneShot,
+                    "{label}: the plan's exchange"
+                );
+                assert_eq!(recs.len(), world, "{label}: launches");
+                for rec in &recs {
+                    let l = format!("{label} rank {:?}", rec.rank);
+                    let t = rec.total();
+                    assert_eq!(t.peer_read_bytes, peer.0, "{l}: peer bytes read");
+                    assert_eq!(t.peer_write_bytes, peer.1, "{l}: peer bytes written");
+                }
             }
         }
     }
@@ -1020,7 +1045,12 @@ fn the_fused_split_runs_its_parts_as_the_grids_units() {
     );
     let gpu = gpu();
     let world = 2;
-    let groups = virtual_group(&gpu.ctx, world, GroupOptions::default());
+    // By flags: the peers' partials read across (packets: emu_gemm_all_reduce).
+    let options = GroupOptions {
+        fused_packets: false,
+        ..GroupOptions::default()
+    };
+    let groups = virtual_group(&gpu.ctx, world, options);
     let (m, n, k) = (1usize, 264usize, 520usize);
     let shape = GemmShape { m, n, k };
     let label = format!("GEMM + all-reduce W={world} (m, n, k)=({m}, {n}, {k})");

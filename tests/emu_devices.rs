@@ -83,6 +83,7 @@ fn launch(
         timeout_ns: 10_000_000_000,
         backstop_cycles: 80_000_000_000,
         host_error: std::ptr::null_mut(),
+        packet_bytes: 0,
     };
     let n = input.len();
     let (ip, _g1) = input.device_ptr(stream);

@@ -47,6 +47,8 @@ fn a_flag_of_a_long_past_launch_is_not_ready() {
     );
     let world = 3;
     let mut ranks = Ranks::with_capacity(world, 2, LONG_TIMEOUT_NS, CAPACITY);
+    // By flags (packets carry no epoch window: their consumers clear them).
+    ranks.packet_bytes = 0;
     age_pads(&mut ranks, (1 << 33) + 5, (1 << 39) + 7);
     let seed = base_seed(0xf05e_0006);
     for step in 0..3 {
@@ -422,26 +424,38 @@ fn ranks_that_launch_different_shapes_get_a_mismatch() {
         "emu_fused_failures",
         "ranks_that_launch_different_shapes_get_a_mismatch",
     );
-    // Another m; the same shape one-shot on rank 0 and two-shot on rank 1.
-    for (m1, path1) in [(17, Path::Fused), (16, Path::TwoShot)] {
-        let ranks = Ranks::with_capacity(2, 2, 1_000_000_000, CAPACITY);
+    // Another m, by packets (packets of other tags) and by flags (flags of other
+    // descriptors); the same shape one-shot by packets on rank 0 and two-shot on rank 1
+    // (flags); the same shape one-shot, rank 1 offering no packet area (flags against
+    // packets).
+    for (m1, path1, packets0, packets1) in [
+        (17, Path::Fused, true, true),
+        (17, Path::Fused, false, false),
+        (16, Path::TwoShot, true, true),
+        (16, Path::Fused, true, false),
+    ] {
+        let mut ranks = Ranks::with_capacity(2, 2, 1_000_000_000, CAPACITY);
+        let packet_bytes = ranks.packet_bytes;
         let p0 = problem::<bf16>(2, (16, 72, 40), BIAS_RESIDUAL, base_seed(0xf05e_0005));
         let p1 = problem::<bf16>(2, (m1, 72, 40), BIAS_RESIDUAL, base_seed(0xf05e_0005));
         let (r0, r1) = (residuals(2, &p0), residuals(2, &p1));
+        ranks.packet_bytes = if packets0 { packet_bytes } else { 0 };
         let b0 = enqueue(&ranks, 0, &p0, Path::Fused, &r0[0]);
+        ranks.packet_bytes = if packets1 { packet_bytes } else { 0 };
         let b1 = enqueue(&ranks, 1, &p1, path1, &r1[1]);
+        let case = format!("rank 1 with m {m1} {path1:?} (packets {packets0}, {packets1})");
         let start = emulator::now_ns();
         ranks.synchronize();
         assert!(
             emulator::now_ns() - start < ranks.timeout_ns / 100,
-            "rank 1 with m {m1} {path1:?}: the mismatch was noticed at once"
+            "{case}: the mismatch was noticed at once"
         );
         for (r, b) in [b0, b1].iter().enumerate() {
             let word = ranks.error_word(r);
             assert_eq!(
                 word & 0xff00,
                 abi::TPFUSE_ERROR_PEER_MISMATCH,
-                "rank 1 with m {m1} {path1:?}, rank {r}: error word {word:#x}"
+                "{case}, rank {r}: error word {word:#x}"
             );
             assert!(
                 b.out.to_vec().iter().all(|x| x.is_failed_output()),

@@ -2,8 +2,8 @@
 //! (feature `emulator`), through the C ABI, on virtual ranks W = 2, 3, 4, 8 (one emulated
 //! stream each, the ranks' kernels running at once and waiting on each other's tile flags).
 //!
-//! The contract (one-shot, and two-shot where m is a multiple of W): bitwise equal, on every
-//! rank, to the unfused sequence — `tpfuse_gemm` of each
+//! The contract (one-shot by packets and by flags, and two-shot where m is a multiple of W):
+//! bitwise equal, on every rank, to the unfused sequence — `tpfuse_gemm` of each
 //! rank's partial into a workspace, then the one-shot `tpfuse_all_reduce` with the same
 //! epilogue — for every epilogue (none, bias, residual, RMSNorm and their combinations), m in
 //! {1, 3, 16, 17, 64, 130}, n and k with tails past the tiles and the k-slices, every tile
@@ -225,6 +225,108 @@ fn gemm_reduce_scatter_equals_gemm_then_reduce_scatter() {
     for (i, &(world, blocks, shape)) in REDUCE_SCATTER_CASES.iter().enumerate() {
         reduce_scatter_case::<bf16>(world, blocks, shape, mix_seed(seed, &[i as u64, 1]));
         reduce_scatter_case::<f16>(world, blocks, shape, mix_seed(seed, &[i as u64, 2]));
+    }
+}
+
+/// Reduce-scatters and one-shot all-reduces (by packets) back to back on every rank, nothing
+/// synchronised between them. In a reduce-scatter a rank needs only the peers' blocks that
+/// hold rows of its slice, so it may finish launch E and start E + 1 while a peer's block of
+/// other rows has not started E yet: that block must take the rank's started flag of E + 1
+/// (cuda/fused_flags.cuh, "Started flags"), not wait for one of E - 1 or E to the deadline.
+/// Small 16-row tiles (slices of 16 rows: tiles of one rank's rows only) and 6 blocks a rank.
+/// Every launch completes and every output is close to f64.
+#[test]
+fn reduce_scatters_and_all_reduces_back_to_back_complete() {
+    let _s = session(
+        "emu_gemm_all_reduce",
+        "reduce_scatters_and_all_reduces_back_to_back_complete",
+    );
+    let (world, blocks, (m, n, k)) = (2, 6, (32usize, 136usize, 40usize));
+    let config = abi::TPFUSE_GEMM_CONFIG_SMALL_16X64 as i32;
+    let seed = base_seed(0xf05e_0011);
+    let ranks = Ranks::with_capacity(world, blocks, LONG_TIMEOUT_NS, CAPACITY);
+    let steps = "ssaasaa";
+    let problems: Vec<Problem<bf16>> = (0..steps.len())
+        .map(|step| problem::<bf16>(world, (m, n, k), NONE, mix_seed(seed, &[step as u64])))
+        .collect();
+    let mut kept = Vec::new();
+    for (step, kind) in steps.chars().enumerate() {
+        let p = &problems[step];
+        for r in 0..world {
+            let x = DeviceBuffer::from_slice(&p.x[r]);
+            let w = DeviceBuffer::from_slice(&p.w[r]);
+            let rows = if kind == 's' { m / world } else { m };
+            let out = poisoned::<bf16>(rows * n);
+            let (peers, args, stream) = (ranks.peers(), ranks.args(r), ranks.stream(r));
+            let null = std::ptr::null();
+            // SAFETY: every buffer holds what the shapes need and is kept until the synchronize.
+            let code = unsafe {
+                if kind == 's' {
+                    abi::tpfuse_gemm_reduce_scatter(
+                        abi::TPFUSE_DTYPE_BF16 as i32,
+                        config,
+                        &peers,
+                        &args,
+                        blocks,
+                        x.ptr().cast(),
+                        w.ptr().cast(),
+                        out.ptr().cast(),
+                        m,
+                        n,
+                        k,
+                        stream,
+                    )
+                } else {
+                    abi::tpfuse_gemm_all_reduce(
+                        abi::TPFUSE_DTYPE_BF16 as i32,
+                        config,
+                        &peers,
+                        &args,
+                        blocks,
+                        x.ptr().cast(),
+                        w.ptr().cast(),
+                        null,
+                        std::ptr::null_mut(),
+                        null,
+                        EPS,
+                        out.ptr().cast(),
+                        m,
+                        n,
+                        k,
+                        stream,
+                    )
+                }
+            };
+            launched(&format!("step {step} ({kind}) rank {r}"), code);
+            kept.push((step, kind, r, x, w, out));
+        }
+    }
+    ranks.synchronize();
+    for r in 0..world {
+        assert_eq!(ranks.error_word(r), 0, "rank {r}: a launch failed");
+    }
+    for (step, kind, r, _, _, out) in &kept {
+        let p = &problems[*step];
+        // Each rank's partial rounded to bf16, as the kernels round it.
+        let partials: Vec<Vec<f64>> = (0..world)
+            .map(|q| {
+                gemm_f64(&p.x[q], &p.w[q], None, None, m, n, k)
+                    .into_iter()
+                    .map(|v| bf16::from_f64(v).to_f64())
+                    .collect()
+            })
+            .collect();
+        let rows = if *kind == 's' { m / world } else { m };
+        let first = if *kind == 's' { r * rows * n } else { 0 };
+        let sum: Vec<f64> = (first..first + rows * n)
+            .map(|e| partials.iter().map(|q| q[e]).sum())
+            .collect();
+        assert_close(
+            &format!("step {step} ({kind}) rank {r}: out vs f64"),
+            &out.to_vec(),
+            &sum,
+            bf16::TOLERANCE,
+        );
     }
 }
 

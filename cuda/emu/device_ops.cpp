@@ -21,11 +21,21 @@ unsigned char *shared_at(uint32_t addr, size_t bytes) {
   return b.dynamic_smem.data() + addr;
 }
 
+// Whether thread f polled address p recently (one of its Fiber::kPolled newest addresses).
+bool polled_recently(const Fiber &f, const void *p) {
+  for (int i = 0; i < Fiber::kPolled; ++i)
+    if (f.polled[i] == p) return true;
+  return false;
+}
+
 // A poll that returns what this thread saw last time at the same address is no progress. A
-// thread remembers its two most recent addresses (a barrier's wait polls two: its flag and
-// the error word).
+// thread remembers its Fiber::kPolled most recent addresses: a barrier's wait polls two (its
+// flag and the error word), a wait for a vector's packets six (its four packets, the error
+// word and the peer's started flag: gemm_all_reduce.cu's packets). With fewer, such a wait
+// would count as progress at every poll, and a schedule that runs the waiting thread first
+// would starve the others (a GPU runs every resident block).
 void note_poll(Fiber &f, const void *p, uint64_t v) {
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < Fiber::kPolled; ++i) {
     if (f.polled[i] == p) {
       if (f.polled_value[i] != v) device().progress = true;
       f.polled_value[i] = v;
@@ -33,8 +43,10 @@ void note_poll(Fiber &f, const void *p, uint64_t v) {
     }
   }
   device().progress = true;
-  f.polled[1] = f.polled[0];
-  f.polled_value[1] = f.polled_value[0];
+  for (int i = Fiber::kPolled - 1; i > 0; --i) {
+    f.polled[i] = f.polled[i - 1];
+    f.polled_value[i] = f.polled_value[i - 1];
+  }
   f.polled[0] = p;
   f.polled_value[0] = v;
 }
@@ -141,7 +153,7 @@ namespace {
 // A flag's load (32 or 64 bits), polled: others run first, so the value read is the freshest.
 template <typename U> U poll_flag(const U *p, Order o, Scope s) {
   Fiber &f = current_fiber();
-  if (f.polled[0] != p && f.polled[1] != p) device().progress = true;  // a new wait begins
+  if (!polled_recently(f, p)) device().progress = true;  // a new wait begins
   yield_to_scheduler();
   const U v = __atomic_load_n(p, o == Order::Relaxed ? __ATOMIC_RELAXED : __ATOMIC_ACQUIRE);
   note_poll(f, p, v);

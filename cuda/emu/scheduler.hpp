@@ -49,8 +49,10 @@ struct Fiber {
   Block *block = nullptr;
   uint3 tid{0, 0, 0};
   FiberState state = FiberState::Ready;
-  const void *polled[2] = {nullptr, nullptr};  // the two most recent addresses polled
-  uint64_t polled_value[2] = {0, 0};
+  // The most recent addresses polled, newest first, and what each returned (note_poll).
+  static constexpr int kPolled = 8;
+  const void *polled[kPolled] = {};
+  uint64_t polled_value[kPolled] = {};
   std::vector<Copy> open_group;
   std::vector<std::vector<Copy>> committed;  // oldest first (few: a vector allocates nothing empty)
   void *asan_fake_stack = nullptr;

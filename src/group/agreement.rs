@@ -24,6 +24,8 @@ pub(super) struct RankRecord {
     blocks: u32,
     /// `options.fused_blocks_per_sm`, 0 for none.
     fused_blocks_per_sm: u32,
+    /// `options.fused_packets`, 0 or 1.
+    fused_packets: u32,
     capacity: u64,
     timeout_ns: u64,
     bus_id: String,
@@ -37,6 +39,7 @@ const BUS_ID: std::ops::Range<usize> = 32..64;
 const BOOT_ID: std::ops::Range<usize> = 64..128;
 const HOSTNAME: std::ops::Range<usize> = 128..224;
 const FUSED_BLOCKS_PER_SM: usize = 224;
+const FUSED_PACKETS: usize = 228;
 
 fn put_str(buf: &mut [u8], range: std::ops::Range<usize>, s: &str) {
     let field = &mut buf[range];
@@ -73,6 +76,7 @@ impl RankRecord {
             ordinal: ctx.ordinal() as u32,
             blocks: options.blocks.unwrap_or(0) as u32,
             fused_blocks_per_sm: options.fused_blocks_per_sm.unwrap_or(0) as u32,
+            fused_packets: u32::from(options.fused_packets),
             capacity: options.capacity_bytes as u64,
             timeout_ns: options.timeout_ns(),
             bus_id: get_str(&bus, 0..bus.len()),
@@ -94,6 +98,7 @@ impl RankRecord {
         put_str(&mut b, HOSTNAME, &self.hostname);
         b[FUSED_BLOCKS_PER_SM..FUSED_BLOCKS_PER_SM + 4]
             .copy_from_slice(&self.fused_blocks_per_sm.to_le_bytes());
+        b[FUSED_PACKETS..FUSED_PACKETS + 4].copy_from_slice(&self.fused_packets.to_le_bytes());
         b
     }
 
@@ -120,6 +125,7 @@ impl RankRecord {
             boot_id: get_str(b, BOOT_ID),
             hostname: get_str(b, HOSTNAME),
             fused_blocks_per_sm: u32_at(FUSED_BLOCKS_PER_SM),
+            fused_packets: u32_at(FUSED_PACKETS),
         })
     }
 
@@ -182,6 +188,13 @@ pub(super) fn agree(records: &[RankRecord]) -> Result<Agreement> {
                 "fused_blocks_per_sm",
                 show(first.fused_blocks_per_sm),
                 show(rec.fused_blocks_per_sm),
+            ));
+        }
+        if rec.fused_packets != first.fused_packets {
+            return Err(mismatch(
+                "fused_packets",
+                (first.fused_packets != 0).to_string(),
+                (rec.fused_packets != 0).to_string(),
             ));
         }
     }
@@ -331,6 +344,7 @@ mod tests {
             ordinal: 3,
             blocks: 0,
             fused_blocks_per_sm: 0,
+            fused_packets: 1,
             capacity: 8 << 20,
             timeout_ns: 10_000_000_000,
             bus_id: "00000000:18:00.0".to_string(),
@@ -344,6 +358,7 @@ mod tests {
         let mut r = record("node-1", "0b1f7c1e-8f7e-4c55-9a3a-1f2e3d4c5b6a");
         r.blocks = 17;
         r.fused_blocks_per_sm = 2;
+        r.fused_packets = 0;
         let b = r.encode();
         assert_eq!(b.len(), RANK_RECORD_BYTES);
         assert_eq!(RankRecord::decode(0, &b).unwrap(), r);
@@ -410,13 +425,20 @@ mod tests {
         r[1].blocks = 4;
         let e = agree(&r).unwrap_err().to_string();
         assert!(e.contains("options.blocks") && e.contains("Some(4)"), "{e}");
-        let mut r = base;
+        let mut r = base.clone();
         r[2].fused_blocks_per_sm = 1;
         let e = agree(&r).unwrap_err().to_string();
         assert!(
             e.contains("options.fused_blocks_per_sm")
                 && e.contains("None")
                 && e.contains("Some(1)"),
+            "{e}"
+        );
+        let mut r = base;
+        r[1].fused_packets = 0;
+        let e = agree(&r).unwrap_err().to_string();
+        assert!(
+            e.contains("options.fused_packets") && e.contains("true") && e.contains("false"),
             "{e}"
         );
     }

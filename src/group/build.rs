@@ -252,6 +252,7 @@ impl TpGroup {
                 blocks,
                 fused_blocks: (sms / world).max(1),
                 timeout: options.timeout,
+                packet_bytes: options.packet_bytes(),
                 poison: poison.clone(),
                 clock_khz: peak_clock_khz(ctx),
                 device_facts: facts,
@@ -363,6 +364,7 @@ impl TpGroup {
                     blocks,
                     fused_blocks: fewest_sms,
                     timeout: options.timeout,
+                    packet_bytes: options.packet_bytes(),
                     poison: poison.clone(),
                     clock_khz: peak_clock_khz(&ctx),
                     device_facts: device_facts(&ctx, &options)?,
@@ -446,6 +448,7 @@ impl TpGroup {
             blocks: agreed.blocks,
             fused_blocks: agreed.fewest_sms,
             timeout: options.timeout,
+            packet_bytes: options.packet_bytes(),
             poison: Arc::new(Poison::default()),
             comm: Some(comm),
         })

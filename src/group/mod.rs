@@ -120,7 +120,18 @@ pub struct GroupOptions {
     /// collective) can hold it until the deadline (`Error::PeerTimeout`). `Some(1)` leaves
     /// room beside it (one block an SM, as tpfuse ran it before).
     pub fused_blocks_per_sm: Option<usize>,
+    /// Whether the fused GEMM + all-reduce (one-shot) may exchange its partial tiles as
+    /// packets, each 4 bytes of data with a 4-byte tag stored into every rank's signal pad, so
+    /// that a peer's partial crosses the link once with its readiness (no flag, then a read
+    /// across the link): where `world · m · n · 4` bytes fit [`PACKET_HALF_BYTES`]. The bits
+    /// are the same either way. Default: `true`.
+    pub fused_packets: bool,
 }
+
+/// Bytes of each half of a rank's packet area (`TPFUSE_PACKET_HALF_BYTES`): the fused
+/// GEMM + all-reduce exchanges packets where `world · m · n · 4` fit it (1 MiB: m ≤ 4 rows
+/// of 8192 at 8 ranks, m ≤ 32 rows of 4096 at 2). Each rank's signal pad holds two halves.
+pub const PACKET_HALF_BYTES: usize = kernels::TPFUSE_PACKET_HALF_BYTES as usize;
 
 impl Default for GroupOptions {
     fn default() -> Self {
@@ -129,6 +140,7 @@ impl Default for GroupOptions {
             timeout: Duration::from_secs(10),
             blocks: None,
             fused_blocks_per_sm: None,
+            fused_packets: true,
         }
     }
 }
@@ -181,6 +193,15 @@ impl GroupOptions {
         Ok(())
     }
 
+    /// The bytes of each half of the packet area the kernels may use.
+    fn packet_bytes(&self) -> usize {
+        if self.fused_packets {
+            PACKET_HALF_BYTES
+        } else {
+            0
+        }
+    }
+
     fn timeout_ns(&self) -> u64 {
         u64::try_from(self.timeout.as_nanos()).unwrap_or(u64::MAX)
     }
@@ -191,7 +212,7 @@ impl GroupOptions {
 ///
 /// - Virtual ranks (`virtual_ranks = true`): `sms / world`, at least 1, at most
 ///   [`MAX_BLOCKS`]. The kernels of all W ranks must be resident together, and each block
-///   (512 threads, about 100 registers a thread, `__launch_bounds__(512, 1)`) fills one SM.
+///   (512 threads, up to 128 registers a thread, `__launch_bounds__(512, 1)`) fills one SM.
 /// - Real groups: `sms / 2`, at least 1, at most [`MAX_BLOCKS`] (half the GPU, leaving room
 ///   for the work the collective overlaps with). Every rank must use the same value: block
 ///   `b` of each rank meets block `b` of its peers.
@@ -274,6 +295,8 @@ pub struct TpGroup {
     /// The rank's device, for the fused kernels' plans.
     device_facts: DeviceFacts,
     timeout: Duration,
+    /// The packet area's half the fused GEMM + all-reduce may use (0: none).
+    packet_bytes: usize,
     poison: Arc<Poison>,
     /// This rank's host-mapped error word; `None` without symmetric memory.
     host_error: Option<HostErrorWord>,
@@ -394,6 +417,12 @@ impl TpGroup {
         self.unavailable.as_deref()
     }
 
+    /// Bytes of each half of the packet area the fused GEMM + all-reduce may use
+    /// ([`GroupOptions::fused_packets`]: [`PACKET_HALF_BYTES`], or 0).
+    pub fn packet_bytes(&self) -> usize {
+        self.packet_bytes
+    }
+
     /// The arguments of a custom kernel launch: the peer table and this rank's group
     /// arguments. [`Error::GroupPoisoned`] once the group is poisoned;
     /// [`Error::InvalidArgument`] when the group has no symmetric memory.
@@ -422,6 +451,7 @@ impl TpGroup {
                 .host_error
                 .as_ref()
                 .map_or(std::ptr::null_mut(), HostErrorWord::device_ptr),
+            packet_bytes: self.packet_bytes as u64,
         };
         Ok((ws.table(), args))
     }

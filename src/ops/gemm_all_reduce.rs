@@ -71,6 +71,10 @@ pub struct FusedFacts {
     /// custom all-reduce may not run): under [`Algorithm::Auto`] the fused GEMM + all-reduce
     /// reduces in two shots from there.
     pub one_shot_below: Option<usize>,
+    /// Bytes of each half of the packet area the group offers the one-shot GEMM + all-reduce
+    /// ([`GroupOptions::fused_packets`](crate::group::GroupOptions::fused_packets): 0 or
+    /// [`PACKET_HALF_BYTES`](crate::group::PACKET_HALF_BYTES)).
+    pub packet_bytes: usize,
 }
 
 /// What a fused launch will run.
@@ -99,6 +103,36 @@ pub struct FusedPlan {
     /// every tile) or [`AllReduceAlgo::TwoShot`] (each rank its slice of rows, then every rank
     /// gathers the slices); `None` for the other fused ops.
     pub all_reduce: Option<AllReduceAlgo>,
+    /// One-shot GEMM + all-reduce where every rank's partial fits half the group's packet
+    /// area (`world · m · n · 4` bytes ≤ [`FusedFacts::packet_bytes`]): each rank stores its
+    /// partial tiles as packets (2 elements and a tag in 8 bytes) into every rank's memory, and
+    /// the reduction waits in its own loads (one crossing of the link, no flag), the same
+    /// bits. Otherwise the tiles meet by flags.
+    pub packets: bool,
+}
+
+impl FusedPlan {
+    /// This plan reducing by `algo`: [`FusedPlan::all_reduce`], and [`FusedPlan::packets`]
+    /// as `cuda/gemm_all_reduce.cu` decides it (launch_config).
+    pub(crate) fn reducing(
+        self,
+        algo: AllReduceAlgo,
+        shape: GemmShape,
+        facts: &FusedFacts,
+    ) -> FusedPlan {
+        let packet_bytes = facts
+            .world
+            .saturating_mul(shape.m)
+            .saturating_mul(shape.n)
+            .saturating_mul(4);
+        FusedPlan {
+            all_reduce: Some(algo),
+            packets: algo == AllReduceAlgo::OneShot
+                && facts.packet_bytes != 0
+                && packet_bytes <= facts.packet_bytes,
+            ..self
+        }
+    }
 }
 
 /// Why a shape cannot take the fused path on a group, or `None` when it can: a message
@@ -190,6 +224,7 @@ pub(crate) fn planned(
         parts,
         parts_in_parallel,
         all_reduce: None,
+        packets: false,
     })
 }
 
@@ -347,6 +382,7 @@ pub fn facts_of(group: &TpGroup) -> FusedFacts {
         blocks: group.fused_blocks(),
         blocks_per_sm: device.fused_blocks_per_sm,
         one_shot_below: limits.map(|l| l.one_shot_below),
+        packet_bytes: group.packet_bytes(),
     }
 }
 
@@ -410,10 +446,7 @@ pub fn gemm_all_reduce_with<T: GemmElement + NcclType>(
     }
     let algo = fused_all_reduce_algo::<T>(shape, &facts, algorithm)?;
     if shape.m == 0 {
-        return plan::<T>(&buffers, shape, &facts).map(|p| FusedPlan {
-            all_reduce: Some(algo),
-            ..p
-        });
+        return plan::<T>(&buffers, shape, &facts).map(|p| p.reducing(algo, shape, &facts));
     }
     let (x_ptr, _x) = x.device_ptr(stream);
     let (w_ptr, _w) = weight.device_ptr(stream);
@@ -434,10 +467,7 @@ pub fn gemm_all_reduce_with<T: GemmElement + NcclType>(
     if let (Some(info), Some((ptr, _))) = (buffers.gamma.as_mut(), gamma.as_ref()) {
         info.addr = *ptr;
     }
-    let plan = FusedPlan {
-        all_reduce: Some(algo),
-        ..plan::<T>(&buffers, shape, &facts)?
-    };
+    let plan = plan::<T>(&buffers, shape, &facts)?.reducing(algo, shape, &facts);
     let (peers, args) = group.kernel_args()?;
     bind(stream)?;
     let addr = |b: Option<BufferInfo>| b.map_or(std::ptr::null(), |b| b.addr as *const c_void);

@@ -434,6 +434,7 @@ fn fused_facts(tp: usize, p: &DeviceProfile) -> FusedFacts {
         blocks: p.sms,
         blocks_per_sm,
         one_shot_below: limits(tp, p).map(|l| l.one_shot_below),
+        packet_bytes: crate::group::PACKET_HALF_BYTES,
     }
 }
 
@@ -493,6 +494,7 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
     let w = tp as u64;
     let bytes = (m * g.n) as u64 * s;
     let algo = fused_all_reduce_algo::<bf16>(shape, &facts, Algorithm::Auto).ok()?;
+    let packets = plan.reducing(algo, shape, &facts).packets;
     // Per unit (block u mod G): a tile's GEMM, its A rows and B rows, its partial stored; or,
     // with the parts in parallel, a part of a tile (the tile's rows over the part's k, its f32
     // chains stored, then folded into the running sum, the last fold storing the tile's
@@ -514,6 +516,18 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
         let (rows, cols, tn) = tile_extent(config, shape, tile);
         let out = rows * cols * s;
         let reduce = match algo {
+            // By packets (twice the partial's bytes): the W ranks' read, then cleared; the
+            // residual read and written, out written. The tile's producer (the block of its
+            // last part) stores W ranks' packets where the exchange took one partial.
+            AllReduceAlgo::OneShot if packets => {
+                let producer = if plan.parts_in_parallel {
+                    (parts - 1) * tiles + tile
+                } else {
+                    tile
+                };
+                per_block[producer % grid] += (2 * w - 1) * out;
+                (4 * w + 3) * out
+            }
             AllReduceAlgo::OneShot => (w + 3) * out,
             _ => (w + 3) * out / w,
         };
@@ -549,6 +563,7 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
         true,
     );
     let peer_bytes = match algo {
+        AllReduceAlgo::OneShot if packets => 2.0 * (w - 1) as f64 * bytes as f64,
         AllReduceAlgo::OneShot => (w - 1) as f64 * bytes as f64,
         _ => 2.0 * (w - 1) as f64 / w as f64 * bytes as f64,
     };
@@ -557,7 +572,8 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
     // parallel: the block folding a tile's last part publishes the tile), waits once for every
     // rank's (per tile), then reduces all its tiles with their loads dealt over its threads
     // (cuda/gemm_all_reduce.cu): one round, one peer read (the reduction's loads issued once
-    // the GEMM is done: exposed), and a pipeline fill for each unit after the first (each
+    // the GEMM is done: exposed; by packets none, the partials come with the round), and a
+    // pipeline fill for each unit after the first (each
     // unit's ring starts empty; the first fill is every GEMM's, which the streaming term
     // leaves out for the GEMM alone too); then, one-shot, the strip's flag for the dealt rows
     // (a strip of more than one row), two-shot the slices'. (The kernel measured on an H200,
@@ -570,8 +586,13 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
         _ => 1,
     };
     // Two-shot: the gather's peer read too, after the slice flags (a thread keeps its
-    // vectors of a row in flight together: cuda/copy.cuh).
-    let peer_reads = if algo == AllReduceAlgo::TwoShot { 2 } else { 1 };
+    // vectors of a row in flight together: cuda/copy.cuh). Packets: none, the partials
+    // arrive with the round (cuda/packets.cuh).
+    let peer_reads = match algo {
+        AllReduceAlgo::TwoShot => 2,
+        _ if packets => 0,
+        _ => 1,
+    };
     let serial_s =
         (units_per_block - 1) as f64 * p.streaming_latency_s + peer_reads as f64 * p.peer_latency_s;
     let minimum = ((g.n * g.k + m * g.k + 3 * m * g.n) as u64 * s) as f64;
@@ -611,7 +632,11 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
         sync_rounds: rounds,
         floor_us: us(floor),
         model_us: us(model.seconds(p)),
-        choice: format!("fused{}", split_choice(parts, plan.parts_in_parallel)),
+        choice: format!(
+            "fused{}{}",
+            if packets { ", packets" } else { "" },
+            split_choice(parts, plan.parts_in_parallel)
+        ),
     })
 }
 

@@ -7,8 +7,10 @@
 //! - one data allocation of `2 * capacity` bytes: staging at offset 0 (each rank's input is
 //!   copied there by its own kernel), results at offset `capacity` (two-shot's reduced
 //!   slices);
-//! - one signal pad of [`SIGNAL_PAD_BYTES`] (per-block barrier flags, per-block epochs and
-//!   the error word), zeroed once at creation and never reset: the barriers count up.
+//! - one signal pad of [`SIGNAL_PAD_BYTES`] (per-block barrier flags, per-block epochs, the
+//!   error word, the fused kernels' flags and their packet area: about 2.4 MiB), zeroed once
+//!   at creation and never reset: the barriers count up, and the packets are cleared by the
+//!   kernel that reads them.
 //!
 //! Three ways fill the table, and the kernels cannot tell them apart:
 //!

@@ -144,6 +144,9 @@ pub struct Ranks {
     pub streams: Vec<Stream>,
     /// Bytes of staging (and of result) per rank.
     pub capacity: usize,
+    /// Bytes of each half of the packet area the fused GEMM + all-reduce may use (all of it
+    /// unless a test sets less; 0: flags only).
+    pub packet_bytes: u64,
 }
 
 impl Ranks {
@@ -180,6 +183,7 @@ impl Ranks {
                 })
                 .collect(),
             capacity,
+            packet_bytes: abi::TPFUSE_PACKET_HALF_BYTES as u64,
         }
     }
 
@@ -226,6 +230,7 @@ impl Ranks {
             // 4 x the timeout at the emulated 1.98 GHz clock, rounded up.
             backstop_cycles: self.timeout_ns.saturating_mul(8),
             host_error: self.host_errors[rank].ptr(),
+            packet_bytes: self.packet_bytes,
         }
     }
 

@@ -294,17 +294,24 @@ pub fn case<T: TestElement>(
         T::NAME
     );
     let p = problem::<T>(world, shape, epi, seed);
-    let ranks = Ranks::with_capacity(world, blocks, LONG_TIMEOUT_NS, CAPACITY);
+    let mut ranks = Ranks::with_capacity(world, blocks, LONG_TIMEOUT_NS, CAPACITY);
+    // The one-shot by packets (these shapes fit the packet area), then by flags.
     let (fused, fused_residuals) = run(&ranks, &p, Path::Fused);
+    let packet_bytes = std::mem::replace(&mut ranks.packet_bytes, 0);
+    let (by_flags, by_flags_residuals) = run(&ranks, &p, Path::Fused);
+    ranks.packet_bytes = packet_bytes;
     let (unfused, unfused_residuals) = run(&ranks, &p, Path::Unfused);
-    let mut paths = vec![(Path::Fused, fused, fused_residuals)];
+    let mut paths = vec![
+        ("one-shot, packets", fused, fused_residuals),
+        ("one-shot, flags", by_flags, by_flags_residuals),
+    ];
     if p.m % world == 0 {
         let (two_shot, two_shot_residuals) = run(&ranks, &p, Path::TwoShot);
-        paths.push((Path::TwoShot, two_shot, two_shot_residuals));
+        paths.push(("two-shot", two_shot, two_shot_residuals));
     }
     for (path, outs, residuals) in &paths {
         for r in 0..world {
-            let at = format!("{label} rank {r} {path:?}");
+            let at = format!("{label} rank {r} {path}");
             assert_same_bits(
                 &format!("{at}: out, fused vs unfused"),
                 &outs[r].out.to_vec(),
