@@ -150,26 +150,15 @@ fn reduce_scatter_case<T: TestElement>(world: usize, blocks: i32, shape: Shape, 
             let w = DeviceBuffer::from_slice(&p.w[r]);
             let partial = poisoned::<T>(m * n);
             let (peers, args, stream) = (ranks.peers(), ranks.args(r), ranks.stream(r));
-            // SAFETY: every buffer holds what the shapes need and is kept until the synchronize.
-            let code = unsafe {
-                if fused {
-                    abi::tpfuse_gemm_reduce_scatter(
-                        T::DTYPE,
-                        auto_config(m, n, k),
-                        &peers,
-                        &args,
-                        blocks,
-                        x.ptr().cast(),
-                        w.ptr().cast(),
-                        out.ptr().cast(),
-                        m,
-                        n,
-                        k,
-                        stream,
-                    )
-                } else {
-                    let what = format!("{label}: gemm rank {r}");
-                    enqueue_gemm(&x, &w, &partial, shape, stream, &what);
+            let config = auto_config(m, n, k);
+            let code = if fused {
+                enqueue_gemm_reduce_scatter(&ranks, r, (&x, &w, out), shape, config, blocks)
+            } else {
+                let what = format!("{label}: gemm rank {r}");
+                enqueue_gemm(&x, &w, &partial, shape, stream, &what);
+                // SAFETY: every buffer holds what the shapes need and is kept until the
+                // synchronize.
+                unsafe {
                     abi::tpfuse_reduce_scatter(
                         T::DTYPE,
                         &peers,
@@ -253,59 +242,31 @@ fn reduce_scatters_and_all_reduces_back_to_back_complete() {
     for (step, kind) in steps.chars().enumerate() {
         let p = &problems[step];
         for r in 0..world {
-            let x = DeviceBuffer::from_slice(&p.x[r]);
-            let w = DeviceBuffer::from_slice(&p.w[r]);
-            let rows = if kind == 's' { m / world } else { m };
-            let out = poisoned::<bf16>(rows * n);
-            let (peers, args, stream) = (ranks.peers(), ranks.args(r), ranks.stream(r));
-            let null = std::ptr::null();
-            // SAFETY: every buffer holds what the shapes need and is kept until the synchronize.
-            let code = unsafe {
-                if kind == 's' {
-                    abi::tpfuse_gemm_reduce_scatter(
-                        abi::TPFUSE_DTYPE_BF16 as i32,
-                        config,
-                        &peers,
-                        &args,
-                        blocks,
-                        x.ptr().cast(),
-                        w.ptr().cast(),
-                        out.ptr().cast(),
-                        m,
-                        n,
-                        k,
-                        stream,
-                    )
-                } else {
-                    abi::tpfuse_gemm_all_reduce(
-                        abi::TPFUSE_DTYPE_BF16 as i32,
-                        config,
-                        &peers,
-                        &args,
-                        blocks,
-                        x.ptr().cast(),
-                        w.ptr().cast(),
-                        null,
-                        std::ptr::null_mut(),
-                        null,
-                        EPS,
-                        out.ptr().cast(),
-                        m,
-                        n,
-                        k,
-                        stream,
-                    )
-                }
+            // What the launch writes and reads, kept until the synchronize.
+            let launch = if kind == 's' {
+                let x = DeviceBuffer::from_slice(&p.x[r]);
+                let w = DeviceBuffer::from_slice(&p.w[r]);
+                let out = poisoned::<bf16>(m / world * n);
+                let buffers = (&x, &w, &out);
+                let code =
+                    enqueue_gemm_reduce_scatter(&ranks, r, buffers, (m, n, k), config, blocks);
+                launched(&format!("step {step} ({kind}) rank {r}"), code);
+                Ok((out, [x, w]))
+            } else {
+                Err(enqueue(&ranks, r, p, Path::Fused, &None))
             };
-            launched(&format!("step {step} ({kind}) rank {r}"), code);
-            kept.push((step, kind, r, x, w, out));
+            kept.push((step, kind, r, launch));
         }
     }
     ranks.synchronize();
     for r in 0..world {
         assert_eq!(ranks.error_word(r), 0, "rank {r}: a launch failed");
     }
-    for (step, kind, r, _, _, out) in &kept {
+    for (step, kind, r, launch) in &kept {
+        let out = match launch {
+            Ok((out, _)) => out,
+            Err(fused) => &fused.out,
+        };
         let p = &problems[*step];
         // Each rank's partial rounded to bf16, as the kernels round it.
         let partials: Vec<Vec<f64>> = (0..world)

@@ -353,6 +353,37 @@ pub fn case<T: TestElement>(
 /// (m, n, k).
 pub type Shape = (usize, usize, usize);
 
+/// Rank `r`'s tpfuse_gemm_reduce_scatter of `x` [m, k] and `w` [n, k] in tile configuration
+/// `config` into `out` (its m / W rows of n); the code it returned.
+pub fn enqueue_gemm_reduce_scatter<T: TestElement>(
+    ranks: &Ranks,
+    r: usize,
+    (x, w, out): (&DeviceBuffer<T>, &DeviceBuffer<T>, &DeviceBuffer<T>),
+    (m, n, k): Shape,
+    config: i32,
+    blocks: i32,
+) -> i32 {
+    let (peers, args) = (ranks.peers(), ranks.args(r));
+    // SAFETY: the caller's buffers hold what the shapes need and are kept until the
+    // synchronize.
+    unsafe {
+        abi::tpfuse_gemm_reduce_scatter(
+            T::DTYPE,
+            config,
+            &peers,
+            &args,
+            blocks,
+            x.ptr().cast(),
+            w.ptr().cast(),
+            out.ptr().cast(),
+            m,
+            n,
+            k,
+            ranks.stream(r),
+        )
+    }
+}
+
 /// Rank `r`'s tpfuse_all_gather_gemm of its rows `x` [m / W, k] and weight `w` [n, k] (+ bias)
 /// into `out` [m, n]; the code it returned.
 #[allow(clippy::too_many_arguments)]
