@@ -436,9 +436,12 @@ struct PtxasRow {
 }
 
 /// Parses `ptxas -v` output: "Compiling entry function 'K' for 'sm_X'", then the
-/// "Function properties" line (stack, spills), then "Used N registers ... smem", then the
-/// properties of the functions K calls out of line (counted as K's: the most stack, the sum of
-/// spills).
+/// "Function properties for K" line (stack, spills), then "Used N registers ... smem" (and,
+/// where K calls functions out of line, "N bytes cumulative stack size"). ptxas lists an
+/// out-of-line function's own properties once, after whichever entry it compiled first (or
+/// before any): those count for every entry of the file on the architecture compiled around
+/// them (all of them when none is), the most stack and the sum of spills, so that a callee's
+/// frame or spills never go unseen.
 fn parse_ptxas(text: &str, src: &Path) -> Vec<PtxasRow> {
     let number_before = |line: &str, unit: &str| -> u32 {
         line.split(',')
@@ -446,19 +449,23 @@ fn parse_ptxas(text: &str, src: &Path) -> Vec<PtxasRow> {
             .and_then(|part| part.split_whitespace().find_map(|w| w.parse().ok()))
             .unwrap_or(0)
     };
-    let mut rows = Vec::new();
+    let mut rows: Vec<PtxasRow> = Vec::new();
+    // (arch or None, stack, spill stores, spill loads) of the out-of-line functions.
+    let mut callees: Vec<(Option<String>, u32, u32, u32)> = Vec::new();
     let mut current: Option<PtxasRow> = None;
+    let mut mangled = String::new();
+    let mut properties_of_entry = false;
     for line in text.lines() {
         if let Some(rest) = line.split("Compiling entry function '").nth(1) {
             if let Some(row) = current.take() {
                 rows.push(row);
             }
             let mut parts = rest.split('\'');
-            let kernel = parts.next().unwrap_or_default().to_string();
+            mangled = parts.next().unwrap_or_default().to_string();
             let arch = parts.nth(1).unwrap_or_default().to_string();
             current = Some(PtxasRow {
                 arch,
-                kernel,
+                kernel: mangled.clone(),
                 registers: 0,
                 spill_stores: 0,
                 spill_loads: 0,
@@ -466,21 +473,41 @@ fn parse_ptxas(text: &str, src: &Path) -> Vec<PtxasRow> {
                 shared: 0,
                 source: src.display().to_string(),
             });
+        } else if let Some(name) = line.split("Function properties for ").nth(1) {
+            properties_of_entry = current.is_some() && name.trim() == mangled;
+        } else if line.contains("spill stores") {
+            let (stack, stores, loads) = (
+                number_before(line, "stack frame"),
+                number_before(line, "spill stores"),
+                number_before(line, "spill loads"),
+            );
+            match current.as_mut() {
+                Some(row) if properties_of_entry => {
+                    row.stack = row.stack.max(stack);
+                    row.spill_stores += stores;
+                    row.spill_loads += loads;
+                }
+                row => callees.push((row.map(|r| r.arch.clone()), stack, stores, loads)),
+            }
         } else if let Some(row) = current.as_mut() {
-            // The entry's own properties, then those of the functions it calls out of line
-            // (listed after it): the most stack and every spill count for the entry, so that
-            // a callee's line never hides the entry's frame.
-            if line.contains("spill stores") {
-                row.stack = row.stack.max(number_before(line, "stack frame"));
-                row.spill_stores += number_before(line, "spill stores");
-                row.spill_loads += number_before(line, "spill loads");
-            } else if line.contains("Used") && line.contains("registers") {
+            if line.contains("Used") && line.contains("registers") {
                 row.registers = number_before(line, "registers");
                 row.shared = number_before(line, "smem");
+                row.stack = row.stack.max(number_before(line, "cumulative stack size"));
             }
         }
     }
     rows.extend(current);
+    for (arch, stack, stores, loads) in callees {
+        for row in rows
+            .iter_mut()
+            .filter(|r| arch.as_ref().map_or(true, |a| *a == r.arch))
+        {
+            row.stack = row.stack.max(stack);
+            row.spill_stores += stores;
+            row.spill_loads += loads;
+        }
+    }
     rows
 }
 

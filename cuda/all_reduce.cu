@@ -303,47 +303,54 @@ __device__ __forceinline__ Range chunk(size_t n, int p, int world, size_t b, siz
 
 // The two-shot's gather: block b's chunk of every other rank's slice, from that rank's
 // published result (element offset `result_offset` of its buffer), into out and the
-// residual. A thread's j-th vector of each of those chunks is loaded before any of them is
-// stored (W - 1 loads in flight, through L2): the chunks of a block are about equally long,
-// so a thread waits a peer latency per vector of one chunk, not per vector of every chunk.
-// The residual takes the loaded values, not a second read of out or of the link.
+// residual. A thread's j-th vector of the chunks of a wave of up to four ranks is loaded before
+// any of them is stored (the chunks of a block are about equally long, so a thread waits a peer
+// latency per vector of one chunk and wave: two at W = 8, where it waited seven one rank after
+// another). Four, not W: eight ranks' chunk bounds and vectors held at once took the kernel
+// past the 128 registers its 512 threads allow (a stack frame on sm_100a). The residual takes
+// the loaded values, not a second read of out or of the link.
 template <typename T, int W>
 __device__ __forceinline__ void gather_chunks(const tpfuse_peers &peers, int rank, size_t result_offset, size_t n,
                                               T *out, T *residual) {
   constexpr size_t kVec = Vec16<T>::kLen;
-  Range r[W];
-  size_t longest = 0; // elements of the longest chunk
+  constexpr int kWave = W < 4 ? W : 4;
 #pragma unroll
-  for (int p = 0; p < W; ++p) {
-    r[p] = chunk<T>(n, p, W, blockIdx.x, gridDim.x);
-    if (p != rank) longest = max(longest, r[p].end - r[p].begin);
-  }
-  // Whether chunk p holds a whole vector at element i of it.
-  const auto has = [&](int p, size_t i) { return p != rank && r[p].begin + i + kVec <= r[p].end; };
-  for (size_t i = threadIdx.x * kVec; i < longest; i += kThreads * kVec) {
-    uint4 v[W];
+  for (int first = 0; first < W; first += kWave) {
+    Range r[kWave]; // the wave's chunks (empty past the last rank)
+    size_t longest = 0; // elements of the wave's longest chunk
 #pragma unroll
-    for (int p = 0; p < W; ++p) {
-      const T *result_p = static_cast<const T *>(peers.data[p]) + result_offset + r[p].begin + i;
-      if (has(p, i)) v[p] = ld_global_cg(reinterpret_cast<const uint4 *>(result_p));
+    for (int j = 0; j < kWave; ++j) {
+      const int p = first + j;
+      r[j] = p < W ? chunk<T>(n, p, W, blockIdx.x, gridDim.x) : Range{0, 0};
+      if (p != rank) longest = max(longest, r[j].end - r[j].begin);
     }
+    // Whether rank first + j's chunk holds a whole vector at element i of it.
+    const auto has = [&](int j, size_t i) { return first + j != rank && r[j].begin + i + kVec <= r[j].end; };
+    for (size_t i = threadIdx.x * kVec; i < longest; i += kThreads * kVec) {
+      uint4 v[kWave];
 #pragma unroll
-    for (int p = 0; p < W; ++p) {
-      const size_t at = r[p].begin + i;
-      if (!has(p, i)) continue;
-      st_global(reinterpret_cast<uint4 *>(out + at), v[p]);
-      if (residual != nullptr) st_global(reinterpret_cast<uint4 *>(residual + at), v[p]);
+      for (int j = 0; j < kWave; ++j) {
+        const T *result_p = static_cast<const T *>(peers.data[first + j]) + result_offset + r[j].begin + i;
+        if (has(j, i)) v[j] = ld_global_cg(reinterpret_cast<const uint4 *>(result_p));
+      }
+#pragma unroll
+      for (int j = 0; j < kWave; ++j) {
+        const size_t at = r[j].begin + i;
+        if (!has(j, i)) continue;
+        st_global(reinterpret_cast<uint4 *>(out + at), v[j]);
+        if (residual != nullptr) st_global(reinterpret_cast<uint4 *>(residual + at), v[j]);
+      }
     }
-  }
-  // The elements past the last whole vector (only the last chunk of the data has any).
-  for (int p = 0; p < W; ++p) {
-    if (p == rank) continue;
-    const size_t tail = r[p].begin + (r[p].end - r[p].begin) / kVec * kVec;
-    const T *result_p = static_cast<const T *>(peers.data[p]) + result_offset;
-    for (size_t i = tail + threadIdx.x; i < r[p].end; i += kThreads) {
-      const T x = ld_global_cg(result_p + i);
-      st_global(out + i, x);
-      if (residual != nullptr) st_global(residual + i, x);
+    // The elements past the last whole vector (only the last chunk of the data has any).
+    for (int j = 0; j < kWave; ++j) {
+      if (first + j == rank) continue;
+      const size_t tail = r[j].begin + (r[j].end - r[j].begin) / kVec * kVec;
+      const T *result_p = static_cast<const T *>(peers.data[first + j < W ? first + j : 0]) + result_offset;
+      for (size_t i = tail + threadIdx.x; i < r[j].end; i += kThreads) {
+        const T x = ld_global_cg(result_p + i);
+        st_global(out + i, x);
+        if (residual != nullptr) st_global(residual + i, x);
+      }
     }
   }
 }

@@ -134,8 +134,8 @@ __device__ __forceinline__ bool started_otherwise(const Pad &own, int src, uint6
 // reading orders nothing). Later means E or E + 1: a rank is at most one launch ahead of any
 // block of another (to start E + 2, q finished E + 1, which needed this rank's contributions
 // to E + 1, so this rank finished E); E + 1 happens where q needs only some of this rank's
-// blocks (the reduce-scatter: those of q's rows), and a block of the others may start after q
-// finished E. q's started[] of E - 1 was stored before q waited for anything in E - 1, so the
+// blocks (the reduce-scatter and the two-shot: those of q's rows), and a block of the others
+// may start after q finished E. q's started[] of E - 1 was stored before q waited for anything in E - 1, so the
 // wait needs nothing that waits for it; it was stored at least one launch ago, so it has
 // usually arrived, and its first load is issued with the epoch's.
 __device__ __forceinline__ bool started_since(uint64_t v, uint64_t epoch) {
@@ -156,7 +156,7 @@ __device__ __forceinline__ void begin(const tpfuse_peers &peers, const tpfuse_gr
   __syncthreads();
   // No barrier inside (the waiters may part: one that reads st.failed after another waiter
   // gave up skips), and one after it for every thread.
-  if (st.failed == 0 && waiter) {
+  if (waiter && st.failed == 0) {
     if (blockIdx.x == 0) st_release_sys(Pad{peers.signals[threadIdx.x]}.started(g.rank), flag_of(st.epoch, descriptor));
     for (uint32_t spins = 1; !started_since(seen, st.epoch - 1); ++spins) {
       if ((spins & 1023u) == 0 && (ld_relaxed_sys(own.error()) != 0 || deadline.expired())) {

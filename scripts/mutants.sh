@@ -251,15 +251,15 @@ mutant residual-not-written emu_all_reduce::a_late_rank_within_the_deadline_give
 mutant bias-column-per-vector emu_all_reduce::a_late_rank_within_the_deadline_gives_the_right_result "the vector epilogue takes the bias at the row's first column" \
   epilogue.cuh 'reinterpret_cast<const uint4 *>(bias + i % hidden)' 'reinterpret_cast<const uint4 *>(bias + i / hidden % 1)'
 mutant two-shot-residual emu_all_reduce::a_late_rank_within_the_deadline_gives_the_right_result "two-shot does not gather peers' slices into residual" \
-  all_reduce.cu 'if (residual != nullptr) st_global(reinterpret_cast<uint4 *>(residual + at), v[p]);' ''
+  all_reduce.cu 'if (residual != nullptr) st_global(reinterpret_cast<uint4 *>(residual + at), v[j]);' ''
 mutant copy-last-of-round-skipped emu_all_reduce::all_reduce_f32_every_world_path_and_epilogue "a copy stores all but the last vector of each round of loads" \
   copy.cuh 'if (i + j * stride < end) store(i + j * stride, v[j]);' 'if (i + j * stride + stride < end) store(i + j * stride, v[j]);'
 mutant copy-rounds-overlap emu_counters::the_all_reduce_moves_what_the_plan_says_block_by_block "a copy steps one vector, not a round, copying each vector up to four times (same values)" \
   copy.cuh 'for (size_t i = first; i < end; i += kCopyInFlight * stride) {' 'for (size_t i = first; i < end; i += stride) {'
 mutant gather-chunks-own-rank emu_counters::two_shot_reads_twice_the_peers_share "two-shot gathers its own slice too (same values, more bytes)" \
-  all_reduce.cu 'return p != rank && r[p].begin + i + kVec <= r[p].end;' 'return r[p].begin + i + kVec <= r[p].end;'
+  all_reduce.cu 'return first + j != rank && r[j].begin + i + kVec <= r[j].end;' 'return r[j].begin + i + kVec <= r[j].end;'
 mutant gather-chunks-tail-dropped emu_all_reduce::all_reduce_f32_every_world_path_and_epilogue "two-shot does not gather the elements past the last whole vector" \
-  all_reduce.cu 'for (size_t i = tail + threadIdx.x; i < r[p].end; i += kThreads) {' 'for (size_t i = tail + threadIdx.x; i < tail; i += kThreads) {'
+  all_reduce.cu 'for (size_t i = tail + threadIdx.x; i < r[j].end; i += kThreads) {' 'for (size_t i = tail + threadIdx.x; i < tail; i += kThreads) {'
 mutant all-gather-from-rank-0 emu_all_reduce::all_gather_every_world "all-gather loads every rank's part from rank 0" \
   all_reduce.cu 'if (p < g.world) v[p] = ld_global_cg(static_cast<const uint4 *>(peers.data[p]) + i);' \
   'if (p < g.world) v[p] = ld_global_cg(static_cast<const uint4 *>(peers.data[0]) + i);'
@@ -498,8 +498,8 @@ mutant double-peer-read emu_counters::all_gather_and_reduce_scatter_read_each_pe
   reduce.cuh 'raw[p] = ld_global_cg(reinterpret_cast<const uint4 *>(rank_p));' \
   $'raw[p] = ld_global_cg(reinterpret_cast<const uint4 *>(rank_p));\n      raw[p] = ld_global_cg(reinterpret_cast<const uint4 *>(rank_p));'
 mutant residual-over-the-link emu_counters::two_shot_reads_twice_the_peers_share "two-shot reads the peers' results again for the residual" \
-  all_reduce.cu 'if (residual != nullptr) st_global(reinterpret_cast<uint4 *>(residual + at), v[p]);' \
-  'if (residual != nullptr) st_global(reinterpret_cast<uint4 *>(residual + at), ld_global_cg(reinterpret_cast<const uint4 *>(static_cast<const T *>(peers.data[p]) + result_offset + at)));'
+  all_reduce.cu 'if (residual != nullptr) st_global(reinterpret_cast<uint4 *>(residual + at), v[j]);' \
+  'if (residual != nullptr) st_global(reinterpret_cast<uint4 *>(residual + at), ld_global_cg(reinterpret_cast<const uint4 *>(static_cast<const T *>(peers.data[first + j]) + result_offset + at)));'
 mutant no-swizzle emu_counters::gemm_reads_each_tile_once_without_bank_conflicts "the GEMM's shared memory unswizzled (bank conflicts, same results)" \
   gemm_sm80.cuh 'return kChunks == 8 ? (row & 7) : ((row >> 1) & 3);' 'return 0;'
 mutant extra-barrier emu_counters::a_decode_message_launches_only_the_blocks_it_needs "one-shot passes a third barrier" \

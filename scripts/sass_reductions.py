@@ -16,7 +16,9 @@ The copies (cuda/copy.cuh and the gathers) are checked the same way: each kernel
 must show, at least once, a run of at least the loads its copy issues together before the
 first store: kCopyInFlight = 4 local loads (the stage copies: LDG.E.128), 4 peer loads (the
 fused two-shot gather of a row), or one load per rank (the two-shot all-reduce gathers a
-vector of each other rank together: W predicated loads; the all-gather every rank, all 8).
+vector of the other ranks together, in waves of four: min(W, 4) loads; the all-gather every
+rank, all 8). A read-only load (LDG.E.128.CONSTANT, the bias) counts toward a reduction's
+epilogue loads only, never toward a copy's.
 
 The fused kernel's packets (cuda/packets.cuh: ld.relaxed.sys.v2.u64, LDG.E.128.STRONG.SYS)
 are counted apart: it must show a run of at least 8, a wave of four ranks' 32 bytes.
@@ -35,7 +37,7 @@ KERNELS = {
     "gemm_all_reduce_kernel<": ((8,), 1),
 }
 # kernel -> the copy runs it must hold: (peer loads, local loads) at least, with the worlds
-# for which it must hold it (None: a run whose peer loads are the world's W).
+# for which it must hold it (None: a run of min(W, 4) peer loads for every world W).
 COPIES = {
     "one_shot_kernel<": [(0, 4)],
     "two_shot_kernel<": [(0, 4), (None, 0)],
@@ -61,15 +63,15 @@ def registers(operand_text):
 
 runs = defaultdict(Counter)  # (arch, kernel) -> {(peer loads, epilogue loads): places}
 packet_runs = defaultdict(int)  # (arch, kernel) -> the longest run of packet loads
-run, pending = [0, 0, 0], set()
+run, pending = [0, 0, 0, 0], set()  # peer, local, packet, read-only (CONSTANT) loads
 
 
 def close(key):
     global run, pending
-    if run[0] or run[1]:
-        runs[key][(run[0], run[1])] += 1
+    if run[0] or run[1] or run[3]:
+        runs[key][(run[0], run[1], run[3])] += 1
     packet_runs[key] = max(packet_runs[key], run[2])
-    run, pending = [0, 0, 0], set()
+    run, pending = [0, 0, 0, 0], set()
 
 
 def kernel_of(name):
@@ -85,14 +87,16 @@ for arch, name, guard, op, operands in instructions(sys.stdin):
     if kernel is None:
         continue
     if op is None:  # a function's header
-        run, pending = [0, 0, 0], set()
+        run, pending = [0, 0, 0, 0], set()
         continue
-    # (LDG.E.128.CONSTANT: a local load ptxas proved read-only, ld.global.nc: the bias.)
-    if op in ("LDG.E.128.STRONG.GPU", "LDG.E.128", "LDG.E.128.CONSTANT", "LDG.E.128.STRONG.SYS"):
+    # (LDG.E.128.CONSTANT: a local load ptxas proved read-only, ld.global.nc: the bias. It
+    # counts as an epilogue load of a reduction, never as a copy's.)
+    kinds = {"LDG.E.128.STRONG.GPU": 0, "LDG.E.128": 1, "LDG.E.128.STRONG.SYS": 2, "LDG.E.128.CONSTANT": 3}
+    if op in kinds:
         dest = int(re.match(r"\s*R(\d+)", operands).group(1))
         if registers(operands.split(",", 1)[1]) & pending:
             close((arch, func))
-        run[{"LDG.E.128.STRONG.GPU": 0, "LDG.E.128.STRONG.SYS": 2}.get(op, 1)] += 1
+        run[kinds[op]] += 1
         pending |= set(range(dest, dest + 4))
         continue
     sources = operands if op.startswith(STORES) else (operands.split(",", 1)[1] if "," in operands else "")
@@ -101,23 +105,28 @@ for arch, name, guard, op, operands in instructions(sys.stdin):
 
 failures = []
 for (arch, func), found in sorted(runs.items()):
-    print("%-8s %-62s loads in flight together (peer+local): %s%s"
-          % (arch, func, " ".join("%d+%dx%d" % (r + (n,)) for r, n in sorted(found.items())),
+    print("%-8s %-62s loads in flight together (peer+local[+read-only]): %s%s"
+          % (arch, func, " ".join("%d+%d%sx%d" % (p, l, "+%d" % c if c else "", n)
+                                  for (p, l, c), n in sorted(found.items())),
              "; packets %d" % packet_runs[(arch, func)] if packet_runs[(arch, func)] else ""))
     reduction = next((v for k, v in KERNELS.items() if func.startswith(k)), None)
     if reduction is not None:
         worlds, places = reduction
-        missing = [w for w in worlds if found[(w, 1)] + found[(w, 2)] < places]
+        epilogue = Counter()  # W -> places with W peer loads and one or two epilogue loads
+        for (p, l, c), n in found.items():
+            if l + c in (1, 2):
+                epilogue[p] += n
+        missing = [w for w in worlds if epilogue[w] < places]
         if missing:
             failures.append("%s %s: fewer than %d runs of the W ranks' loads with the epilogue's for W = %s"
                             % (arch, func, places, ", ".join(map(str, missing))))
     for peer, local in next((v for k, v in COPIES.items() if func.startswith(k)), []):
-        if peer is None:  # a run of W peer loads for every world
-            missing = [w for w in range(2, 9) if not found[(w, local)]]
+        if peer is None:  # a run of min(W, 4) peer loads for every world
+            missing = [w for w in range(2, 9) if not found[(min(w, 4), local, 0)]]
             if missing:
-                failures.append("%s %s: no copy run of W peer loads for W = %s"
+                failures.append("%s %s: no copy run of min(W, 4) peer loads for W = %s"
                                 % (arch, func, ", ".join(map(str, missing))))
-        elif not any(p >= peer and l >= local for p, l in found):
+        elif not any(p >= peer and l >= local for p, l, _ in found):
             failures.append("%s %s: no copy run of at least %d peer and %d local loads"
                             % (arch, func, peer, local))
     need = next((v for k, v in PACKETS.items() if func.startswith(k)), 0)

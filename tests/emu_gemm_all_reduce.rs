@@ -222,7 +222,8 @@ fn gemm_reduce_scatter_equals_gemm_then_reduce_scatter() {
 /// hold rows of its slice, so it may finish launch E and start E + 1 while a peer's block of
 /// other rows has not started E yet: that block must take the rank's started flag of E + 1
 /// (cuda/fused_flags.cuh, "Started flags"), not wait for one of E - 1 or E to the deadline.
-/// Small 16-row tiles (slices of 16 rows: tiles of one rank's rows only) and 6 blocks a rank.
+/// The reduce-scatters on small 16-row tiles (slices of 16 rows: tiles of one rank's rows
+/// only) and 6 blocks a rank; the all-reduces on the configuration tpfuse_gemm_select gives.
 /// Every launch completes and every output is close to f64.
 #[test]
 fn reduce_scatters_and_all_reduces_back_to_back_complete() {
