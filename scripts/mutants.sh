@@ -402,7 +402,7 @@ mutant fused-split-first-part-only emu_gemm_all_reduce::fused_equals_gemm_then_a
 mutant fused-split-never-parallel emu_counters::the_fused_split_runs_its_parts_as_the_grids_units "the fused kernel runs a tile's parts in its block where the plan runs them in parallel" \
   gemm_all_reduce.cu 'gemm::kParallelSplit<Cfg> && parts > 1 && m <=' 'false && parts > 1 && m <='
 mutant flag-after-first-tile emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16@random:1 "the fused kernel publishes a block's flag after its first tile" \
-  gemm_all_reduce.cu $'      st.clock.tile_computed();\n    }' $'      st.clock.tile_computed();\n      fused::publish(peers, g, blockIdx.x, flag_value);\n    }'
+  gemm_all_reduce.cu $'    st.clock.tile_computed();\n  }\n  if (flags)' $'    st.clock.tile_computed();\n    fused::publish(peers, g, blockIdx.x, flag_value);\n  }\n  if (flags)'
 mutant reduce-without-waiting emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16@random:1 "the fused kernel reduces its tiles without waiting for the other ranks' flags" \
   gemm_all_reduce.cu 'fused::await(peers, g, deadline, st, blockIdx.x, threadIdx.x, descriptor);' ';'
 mutant reduce-first-tile-only emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "the fused kernel reduces only the first of a block's tiles" \
@@ -412,7 +412,7 @@ mutant reduce-vectors-by-tile-width emu_gemm_all_reduce::fused_equals_gemm_then_
 mutant fused-blocks-per-sm-one emu_counters::the_fused_grid_fills_the_sms_it_is_given "the fused kernel's occupancy query reports one block an SM" \
   gemm_all_reduce.cu '  if (err == 0) *blocks = n;' '  if (err == 0) *blocks = 1;'
 mutant no-sync-before-flag emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16+weak "the fused kernel publishes a block's flag before the whole block stored its tiles" \
-  gemm_all_reduce.cu $'      __syncthreads(); // the tile\'s stores and the epilogue\'s reads of smem, before the next\n' ''
+  gemm_all_reduce.cu $'    __syncthreads(); // the tile\'s stores and the epilogue\'s reads of smem, before the next\n' ''
 mutant epoch-not-advanced emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "the fused kernel's launches all use epoch 1" \
   fused_flags.cuh '*own.fused_epoch() = st.epoch;' ''
 mutant norm-before-row-complete emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "the first block to reduce a tile of a strip normalises it" \
