@@ -83,6 +83,14 @@ template <typename T> __device__ __forceinline__ Vec16<T> vec_of(const uint4 &ra
   return out;
 }
 
+// A vector's f32 values, each rounded once to T.
+template <typename T> __device__ __forceinline__ Vec16<T> rounded(const float (&acc)[Vec16<T>::kLen]) {
+  Vec16<T> out;
+#pragma unroll
+  for (int j = 0; j < Vec16<T>::kLen; ++j) out.v[j] = Elem<T>::from_f32(acc[j]);
+  return out;
+}
+
 template <typename T> __device__ __forceinline__ Vec16<T> load16(const T *p) {
   return vec_of<T>(ld_global(reinterpret_cast<const uint4 *>(p)));
 }

@@ -57,9 +57,7 @@ template <typename T> struct Epilogue {
   __device__ __forceinline__ Vec16<T> apply_loaded(const float (&acc)[Vec16<T>::kLen], size_t i,
                                                    const Operands &o) const {
     constexpr int kVec = Vec16<T>::kLen;
-    Vec16<T> y;
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) y.v[j] = Elem<T>::from_f32(acc[j]);
+    Vec16<T> y = rounded<T>(acc);
     if (bias == nullptr && residual == nullptr) return y;
     const Vec16<T> b = vec_of<T>(o.b), r = vec_of<T>(o.r);
 #pragma unroll

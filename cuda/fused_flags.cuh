@@ -142,6 +142,20 @@ __device__ __forceinline__ bool started_since(uint64_t v, uint64_t epoch) {
   return (((v >> kDescriptorBits) - epoch) & kEpochMask) <= 2;
 }
 
+// A wait for rank src that ends without what it waited for: a mismatch is reported as one; a
+// timeout only where nothing is in the error word yet (TPFUSE_ERROR_GRID_TIMEOUT for this
+// rank's own blocks: they were not all resident); st.failed counts it either way.
+__device__ __forceinline__ void give_up_wait(const tpfuse_peers &peers, const tpfuse_group_args &g, BlockState &st,
+                                             int src, bool mismatch) {
+  if (mismatch) {
+    report_failure(peers, g, TPFUSE_ERROR_PEER_MISMATCH | static_cast<uint32_t>(src) | static_cast<uint32_t>(g.rank) << 16);
+  } else if (ld_relaxed_sys(Pad{peers.signals[g.rank]}.error()) == 0) {
+    report_failure(peers, g, src == g.rank ? TPFUSE_ERROR_GRID_TIMEOUT | static_cast<uint32_t>(g.rank)
+                                           : TPFUSE_ERROR_PEER_TIMEOUT | static_cast<uint32_t>(src));
+  }
+  atomicAdd(&st.failed, 1);
+}
+
 __device__ __forceinline__ void begin(const tpfuse_peers &peers, const tpfuse_group_args &g,
                                       const Deadline &deadline, uint64_t descriptor, BlockState &st) {
   st.clock.begin();
@@ -160,9 +174,7 @@ __device__ __forceinline__ void begin(const tpfuse_peers &peers, const tpfuse_gr
     if (blockIdx.x == 0) st_release_sys(Pad{peers.signals[threadIdx.x]}.started(g.rank), flag_of(st.epoch, descriptor));
     for (uint32_t spins = 1; !started_since(seen, st.epoch - 1); ++spins) {
       if ((spins & 1023u) == 0 && (ld_relaxed_sys(own.error()) != 0 || deadline.expired())) {
-        if (ld_relaxed_sys(own.error()) == 0)
-          report_failure(peers, g, TPFUSE_ERROR_PEER_TIMEOUT | static_cast<uint32_t>(threadIdx.x));
-        atomicAdd(&st.failed, 1);
+        give_up_wait(peers, g, st, threadIdx.x, false);
         break;
       }
       seen = ld_acquire_sys(own.started(threadIdx.x));
@@ -216,15 +228,7 @@ __device__ __forceinline__ void await_flag(const tpfuse_peers &peers, const tpfu
     const uint64_t v = ld_acquire_sys(flag); // the acquire: orders the unit's loads after it
     mismatch = ahead(v) == 0 && (v & kDescriptorMask) != descriptor;
   }
-  if (mismatch) {
-    report_failure(peers, g, TPFUSE_ERROR_PEER_MISMATCH | static_cast<uint32_t>(src) | static_cast<uint32_t>(g.rank) << 16);
-    atomicAdd(&st.failed, 1);
-  } else if (!arrived) {
-    const uint32_t word = src == g.rank ? TPFUSE_ERROR_GRID_TIMEOUT | static_cast<uint32_t>(g.rank)
-                                        : TPFUSE_ERROR_PEER_TIMEOUT | static_cast<uint32_t>(src);
-    if (ld_relaxed_sys(own.error()) == 0) report_failure(peers, g, word);
-    atomicAdd(&st.failed, 1);
-  }
+  if (mismatch || !arrived) give_up_wait(peers, g, st, src, mismatch);
 }
 
 __device__ __forceinline__ void await(const tpfuse_peers &peers, const tpfuse_group_args &g, const Deadline &deadline,

@@ -149,10 +149,7 @@ template <typename T> struct StagingEpilogue {
   int n;
 
   __device__ __forceinline__ void store8(int row, int col, const float (&acc)[8]) const {
-    Vec16<T> out;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) out.v[j] = Elem<T>::from_f32(acc[j]);
-    store16(exchange + static_cast<size_t>(row) * static_cast<size_t>(n) + static_cast<size_t>(col), out);
+    store16(exchange + static_cast<size_t>(row) * static_cast<size_t>(n) + static_cast<size_t>(col), rounded<T>(acc));
   }
 };
 
@@ -169,7 +166,6 @@ template <typename T> struct Launch {
   int row_begin, row_end;
   uint64_t descriptor; // the flags' descriptor bits (fused::descriptor_of)
   int slice_tiles;     // two-shot: the tiles of the rank's slice (else 0)
-  bool packets;        // the partials travel as packets (packets.cuh), not by flags
 };
 
 using fused::BlockState;
@@ -457,8 +453,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
                     row_begin,
                     row_end,
                     descriptor,
-                    slice_tiles,
-                    packets != 0};
+                    slice_tiles};
   const size_t exchange = exchange_bytes / sizeof(T);
 
   // Produce: the block's tiles back to back, then (by flags) one flag to every rank (slot b:

@@ -70,9 +70,7 @@ template <typename T> struct PacketEpilogue {
   uint32_t tag;
 
   __device__ __forceinline__ void store8(int row, int col, const float (&acc)[8]) const {
-    Vec16<T> out;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) out.v[j] = Elem<T>::from_f32(acc[j]);
+    const Vec16<T> out = rounded<T>(acc);
     const uint4 raw = *reinterpret_cast<const uint4 *>(&out);
     const uint64_t t = static_cast<uint64_t>(tag) << 32;
     const Words2 first{t | raw.x, t | raw.y}, second{t | raw.z, t | raw.w};
@@ -90,6 +88,12 @@ template <typename T> struct PacketEpilogue {
 // Whether packet x holds `tag`; whether it holds another launch's (nonzero, another tag).
 __device__ __forceinline__ bool tagged(uint64_t x, uint32_t tag) { return static_cast<uint32_t>(x >> 32) == tag; }
 __device__ __forceinline__ bool foreign(uint64_t x, uint32_t tag) { return (x >> 32) != 0 && !tagged(x, tag); }
+
+// Whether all four packets of a vector hold `tag` (evaluated whole: no branch between the
+// loads of a wave and their use, which let ptxas issue the wave's later loads after it).
+__device__ __forceinline__ bool all_tagged(const Words2 &first, const Words2 &second, uint32_t tag) {
+  return tagged(first.lo, tag) & tagged(first.hi, tag) & tagged(second.lo, tag) & tagged(second.hi, tag);
+}
 
 // The four packets of a vector, and whether they hold the tag.
 struct Awaited {
@@ -109,24 +113,15 @@ static __device__ TPFUSE_NOINLINE Awaited await_packets(const tpfuse_peers &peer
   const Pad own{peers.signals[g.rank]};
   for (uint32_t spins = 1;; ++spins) {
     const Words2 first = ld_relaxed_sys_v2(at), second = ld_relaxed_sys_v2(at + 2);
-    const uint64_t x[4] = {first.lo, first.hi, second.lo, second.hi};
-    bool all = true, other = false;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      all = all && tagged(x[j], tag);
-      other = other || foreign(x[j], tag);
-    }
-    if (all) return Awaited{first, second, true};
+    if (all_tagged(first, second, tag)) return Awaited{first, second, true};
+    const bool other = foreign(first.lo, tag) || foreign(first.hi, tag) || foreign(second.lo, tag) ||
+                       foreign(second.hi, tag);
     // Every 256 spins: a spin is four polls, so the deadline is checked every 1024 polls as
     // the flags' waits check it.
     const bool check = (spins & 255u) == 0;
     const bool mismatch = other || (check && fused::started_otherwise(own, src, st.epoch, descriptor));
     if (mismatch || (check && (ld_relaxed_sys(own.error()) != 0 || deadline.expired()))) {
-      if (mismatch)
-        report_failure(peers, g, TPFUSE_ERROR_PEER_MISMATCH | static_cast<uint32_t>(src) | static_cast<uint32_t>(g.rank) << 16);
-      else if (ld_relaxed_sys(own.error()) == 0)
-        report_failure(peers, g, TPFUSE_ERROR_PEER_TIMEOUT | static_cast<uint32_t>(src));
-      atomicAdd(&st.failed, 1);
+      fused::give_up_wait(peers, g, st, src, mismatch);
       return Awaited{first, second, false};
     }
   }
@@ -165,9 +160,7 @@ __device__ __forceinline__ bool reduce_packet_vector(const tpfuse_peers &peers, 
     for (int j = 0; j < kWave; ++j) {
       const int p = first + j;
       if (p < g.world) {
-        const bool there = tagged(w[j][0].lo, tag) && tagged(w[j][0].hi, tag) && tagged(w[j][1].lo, tag) &&
-                           tagged(w[j][1].hi, tag);
-        if (!there) {
+        if (!all_tagged(w[j][0], w[j][1], tag)) {
           const Awaited a = await_packets(peers, g, deadline, st, source(own, st.epoch, p, part) + i / 2, p, tag,
                                           descriptor);
           if (!a.ok) return false;

@@ -39,10 +39,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int j = 0; j < kVec; ++j) acc[j] += Elem<T>::to_f32(x.v[j]);
     }
-    Vec16<T> y;
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) y.v[j] = Elem<T>::from_f32(acc[j]);
-    store16(out + base, y);
+    store16(out + base, rounded<T>(acc));
   }
 
   for (size_t i = vec_len * kVec + first; i < len; i += stride) {
