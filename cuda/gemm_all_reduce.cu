@@ -153,6 +153,23 @@ template <typename T> struct StagingEpilogue {
   }
 };
 
+// The epilogue a launch's GEMM stores its partials through: the exchange area (by flags) or
+// packets (packets.cuh), chosen at run time. One type: one copy of the GEMM's main loop in the
+// kernel (a copy per exchange doubled the file's compile time).
+template <typename T> struct ExchangeEpilogue {
+  StagingEpilogue<T> staging;
+  packets::PacketEpilogue<T> packets;
+  bool by_packets;
+
+  __device__ __forceinline__ void store8(int row, int col, const float (&acc)[8]) const {
+    if (by_packets) {
+      packets.store8(row, col, acc);
+    } else {
+      staging.store8(row, col, acc);
+    }
+  }
+};
+
 // What every block of a launch shares.
 template <typename T> struct Launch {
   const tpfuse_peers &peers;
@@ -464,13 +481,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
   // writes st.failed between begin()'s __syncthreads and the waits.)
   const int tiles = tiles_m * tiles_n;
   const bool producing = st.failed == 0;
-  if (producing && packets) {
-    const packets::PacketEpilogue<T> pushing{&peers, g.world, g.rank, n, st.epoch,
-                                             static_cast<size_t>(m) * static_cast<size_t>(n) / 2,
-                                             packets::tag_of(st.epoch, descriptor)};
-    produce<T, Cfg>(L, st, smem, parts, split_parallel != 0, pushing, false);
-  } else if (producing) {
-    produce<T, Cfg>(L, st, smem, parts, split_parallel != 0, StagingEpilogue<T>{mine, n}, true);
+  if (producing) {
+    const ExchangeEpilogue<T> epi{StagingEpilogue<T>{mine, n},
+                                  packets::PacketEpilogue<T>{&peers, g.world, g.rank, n, st.epoch,
+                                                             static_cast<size_t>(m) * static_cast<size_t>(n) / 2,
+                                                             packets::tag_of(st.epoch, descriptor)},
+                                  packets != 0};
+    produce<T, Cfg>(L, st, smem, parts, split_parallel != 0, epi, packets == 0);
   }
   // The reduce-scatter's and the two-shot's blocks reduce only the tiles of the rank's slice:
   // a block with none waits for nothing.

@@ -36,16 +36,18 @@ struct Version {
 };
 
 struct Word {
-  uint32_t base;  // the value before the first version, seen by every running thread
+  bool present = false;  // whether the word has a history (else memory holds its committed value)
+  uint32_t base;         // the value before the first version, seen by every running thread
   std::vector<Version> versions;
 };
 
 // The words with versions, by 4 KiB page: one hash lookup per page (and none for a load in
-// the page looked up last), then an index.
+// the page looked up last), then an index into the page's words, held in place (a load's
+// history is one pointer away).
 constexpr uintptr_t kPageWords = 1024;
 struct Page {
   uint32_t used = 0;
-  std::unique_ptr<Word> words[kPageWords];
+  Word words[kPageWords];
 };
 
 struct State {
@@ -113,6 +115,28 @@ void add_point(View &v, uintptr_t word, uint64_t number) {
   p.number = std::max(p.number, number);
 }
 
+// into := into ⊔ from for vectors sorted by key: one pass over both (an insert per entry
+// moved the rest of `into` each time: quadratic in the points a block's barrier gathers),
+// `both` combining the entries of a key in both.
+template <typename E, typename Both> void merge_sorted(std::vector<E> &into, const std::vector<E> &from, Both both) {
+  if (from.empty()) return;
+  std::vector<E> merged;
+  merged.reserve(into.size() + from.size());
+  auto a = into.begin(), b = from.begin();
+  while (a != into.end() && b != from.end()) {
+    if (key_of(*a) < key_of(*b)) {
+      merged.push_back(*a++);
+    } else if (key_of(*b) < key_of(*a)) {
+      merged.push_back(*b++);
+    } else {
+      merged.push_back(both(*a++, *b++));
+    }
+  }
+  merged.insert(merged.end(), a, into.end());
+  merged.insert(merged.end(), b, from.end());
+  into.swap(merged);
+}
+
 // into := into ⊔ from, leaving out the marks of launches its frontier has seen complete.
 void join(View &into, const View &from) {
   into.frontier = std::max(into.frontier, from.frontier);
@@ -120,9 +144,11 @@ void join(View &into, const View &from) {
     if (completed_within(m.launch, into.frontier)) continue;
     BlockMark &to = block_mark(into, m.block, m.launch);
     to.epoch_floor = std::max(to.epoch_floor, m.epoch_floor);
-    for (const ThreadMark &t : m.threads) mark_thread(to, t.thread, t.seq);
+    merge_sorted(to.threads, m.threads,
+                 [](const ThreadMark &x, const ThreadMark &y) { return ThreadMark{x.thread, std::max(x.seq, y.seq)}; });
   }
-  for (const Point &p : from.points) add_point(into, p.word, p.number);
+  merge_sorted(into.points, from.points,
+               [](const Point &x, const Point &y) { return Point{x.word, std::max(x.number, y.number)}; });
 }
 
 bool covers(const View &v, const Version &x) {
@@ -234,18 +260,20 @@ Page *find_page(uintptr_t w, bool create) {
 // Word w's history, or null when it has none (memory holds its committed value).
 Word *find_word(uintptr_t w) {
   Page *page = find_page(w, false);
-  return page == nullptr ? nullptr : page->words[(w / 4) % kPageWords].get();
+  if (page == nullptr) return nullptr;
+  Word &word = page->words[(w / 4) % kPageWords];
+  return word.present ? &word : nullptr;
 }
 
 Word &word_entry(uintptr_t w) {
   Page *page = find_page(w, true);
-  std::unique_ptr<Word> &slot = page->words[(w / 4) % kPageWords];
-  if (!slot) {
-    slot = std::make_unique<Word>();
-    std::memcpy(&slot->base, reinterpret_cast<const void *>(w), 4);
+  Word &word = page->words[(w / 4) % kPageWords];
+  if (!word.present) {
+    word.present = true;
+    std::memcpy(&word.base, reinterpret_cast<const void *>(w), 4);
     ++page->used;
   }
-  return *slot;
+  return word;
 }
 
 void erase_word(uintptr_t w) {
@@ -254,9 +282,10 @@ void erase_word(uintptr_t w) {
   auto it = st.pages.find(key);
   if (it == st.pages.end()) return;
   Page &page = *it->second;
-  std::unique_ptr<Word> &slot = page.words[(w / 4) % kPageWords];
-  if (!slot) return;
-  slot.reset();
+  Word &word = page.words[(w / 4) % kPageWords];
+  if (!word.present) return;
+  word.present = false;
+  word.versions.clear();
   if (--page.used == 0) {
     if (st.last_key == key) {
       st.last_key = ~uintptr_t{0};
