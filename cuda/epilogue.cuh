@@ -90,8 +90,9 @@ template <typename T> struct Epilogue {
 // is one virtual thread per thread; a smaller one (a multiple of 32 threads) runs the
 // virtual warps in turns, warp w taking virtual warps w, w + warps, ...: a virtual warp is
 // always one real warp's 32 lanes, so the shuffle tree, and so the bits, are the same. The
-// turns go in rounds of up to four whose loads are issued together (kInFlight), so a
-// 128-thread block reads a segment in one load latency, not four.
+// turns go in rounds of up to eight whose loads are issued together (kInFlight), so a
+// 64- or 128-thread block reads a segment in one load latency, a 32-thread block (the
+// small-m-16x16 tile's, which normalises a decode row alone) in two (four with rounds of four).
 template <typename T> constexpr size_t kSegment = static_cast<size_t>(kThreads) * Vec16<T>::kLen;
 
 // Segments of a row of `hidden` elements.
@@ -133,9 +134,12 @@ __device__ __forceinline__ float warp_sums_total(const float *warp_sums) {
 // The virtual warps a thread of a block of kBlock threads runs (kBlock a multiple of 32
 // dividing kThreads), and how many of them issue their loads together: a block's loads of a
 // segment go out in rounds of kInFlight turns (registers: kInFlight vectors, two in
-// normalize_segment), not one turn after another.
+// normalize_segment), not one turn after another. Eight: a 32-thread block's 16 turns in two
+// rounds (four took four rounds, each a dependent L2 latency, twice over: the sum of squares,
+// then the normalisation); the 16 x 16 fused kernel holds 176-188 registers for it on
+// sm_90a (138 with four), under what its 64 KiB of shared memory lets an SM hold anyway.
 template <int kBlock> constexpr int kTurns = kThreads / kBlock;
-template <int kBlock> constexpr int kInFlight = kTurns<kBlock> < 4 ? kTurns<kBlock> : 4;
+template <int kBlock> constexpr int kInFlight = kTurns<kBlock> < 8 ? kTurns<kBlock> : 8;
 static_assert((kThreads & (kThreads - 1)) == 0, "whole rounds of turns for every block size dividing kThreads");
 
 // Element offset, from a segment's start, of the vector of turn t of the calling thread in a

@@ -71,7 +71,7 @@ fn fused_equals_gemm_then_all_reduce_bf16() {
 }
 
 /// On 132 SMs (an H100's), n = 4096 without a split of k selects small-m-16x16: blocks of 32
-/// threads, which normalise a row of 4096 in four rounds of four turns (epilogue.cuh,
+/// threads, which normalise a row of 4096 in two rounds of eight turns (epilogue.cuh,
 /// kInFlight); the session's 32 SMs never select a block that small for a row that long.
 #[test]
 fn small_blocks_normalise_long_rows_in_rounds() {
