@@ -229,10 +229,52 @@ __device__ __forceinline__ void normalize_segment(const T *x, const T *gamma, fl
   }
 }
 
+// The RMSNorm of a row of one segment (hidden <= kSegment) by a block of kBlock threads whose
+// turns fit one round (kTurns <= kInFlight: 64 threads or more), x == out allowed: x and gamma
+// loaded together once, the squares summed from the registers, then the row normalised from
+// them and stored. One load latency, where segment_sum_of_squares then normalize_segment take
+// two (x read twice). The same bits: the same vectors, trees and warp order. Registers: two
+// vectors a turn (64 in a 64-thread block).
+template <typename T, int kBlock>
+__device__ __forceinline__ void rms_norm_held_segment(const T *x, const T *gamma, float eps, T *out, size_t hidden) {
+  constexpr int kTurnsHeld = kTurns<kBlock>, kWarps = kThreads / 32;
+  static_assert(kTurnsHeld <= kInFlight<kBlock>, "the segment's turns in one round");
+  TPFUSE_SHARED(float[kWarps], warp_sums);
+  uint4 xs[kTurnsHeld], gs[kTurnsHeld];
+#pragma unroll
+  for (int t = 0; t < kTurnsHeld; ++t) {
+    const size_t i = turn_offset<T, kBlock>(t);
+    if (i < hidden) {
+      xs[t] = ld_global(reinterpret_cast<const uint4 *>(x + i));
+      gs[t] = ld_global(reinterpret_cast<const uint4 *>(gamma + i));
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < kTurnsHeld; ++t) {
+    const bool in = turn_offset<T, kBlock>(t) < hidden;
+    const float ss = warp_tree(in ? squares_of(vec_of<T>(xs[t])) : 0.f);
+    if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x / 32 + t * (kBlock / 32)] = ss;
+  }
+  // rms_norm_row's sum: 0 + the one segment's partial (the same value).
+  const float rstd = rstd_of(0.f + warp_sums_total(warp_sums), hidden, eps);
+#pragma unroll
+  for (int t = 0; t < kTurnsHeld; ++t) {
+    const size_t i = turn_offset<T, kBlock>(t);
+    if (i < hidden) store16(out + i, normalize_vector(vec_of<T>(xs[t]), vec_of<T>(gs[t]), rstd));
+  }
+}
+
 // The RMSNorm of one row, by one block of kBlock threads (x == out allowed): the standalone
-// kernel's, and the fused GEMM + all-reduce's for each row it normalises.
+// kernel's, and the fused GEMM + all-reduce's for each row it normalises. A row of one
+// segment in a block of 64 threads or more: from registers (rms_norm_held_segment).
 template <typename T, int kBlock = kThreads>
 __device__ __forceinline__ void rms_norm_row(const T *x, const T *gamma, float eps, T *out, size_t hidden) {
+  if constexpr (kTurns<kBlock> <= kInFlight<kBlock>) {
+    if (hidden <= kSegment<T>) {
+      rms_norm_held_segment<T, kBlock>(x, gamma, eps, out, hidden);
+      return;
+    }
+  }
   const size_t segments = segments_per_row<T>(hidden);
   float sum = 0.f;
   for (size_t s = 0; s < segments; ++s) {

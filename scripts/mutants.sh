@@ -308,6 +308,14 @@ mutant norm-squares-skip-rounds emu_gemm_all_reduce::small_blocks_normalise_long
   epilogue.cuh $'first += kRound) {\n    uint4 raw[kRound];' $'first += 2 * kRound) {\n    uint4 raw[kRound];'
 mutant norm-normalize-skip-rounds emu_gemm_all_reduce::small_blocks_normalise_long_rows_in_rounds "a small block normalises every other round of turns" \
   epilogue.cuh $'first += kRound) {\n    uint4 xs[kRound], gs[kRound];' $'first += 2 * kRound) {\n    uint4 xs[kRound], gs[kRound];'
+mutant held-norm-gamma-of-turn-0 emu_gemm_all_reduce::blocks_that_hold_a_row_normalise_it_from_registers "a block that holds its row normalises every turn with its first turn's gamma" \
+  epilogue.cuh 'normalize_vector(vec_of<T>(xs[t]), vec_of<T>(gs[t]), rstd));
+  }
+}' 'normalize_vector(vec_of<T>(xs[t]), vec_of<T>(gs[0]), rstd));
+  }
+}'
+mutant held-norm-squares-of-turn-0 emu_gemm_all_reduce::blocks_that_hold_a_row_normalise_it_from_registers "a block that holds its row adds its first turn's squares for every turn" \
+  epilogue.cuh 'in ? squares_of(vec_of<T>(xs[t])) : 0.f' 'in ? squares_of(vec_of<T>(xs[0])) : 0.f'
 mutant half-warp-sum emu_all_reduce::a_late_rank_within_the_deadline_gives_the_right_result "RMSNorm's warp sum skips the first shuffle" \
   epilogue.cuh 'for (int offset = 16; offset > 0; offset >>= 1)' 'for (int offset = 8; offset > 0; offset >>= 1)'
 mutant all-gather-offset emu_all_reduce::all_gather_every_world "all-gather writes every rank's part at its own offset" \

@@ -92,6 +92,28 @@ fn small_blocks_normalise_long_rows_in_rounds() {
     case::<bf16>(2, 4, (m, n, k), RESIDUAL_NORM, base_seed(0xf05e_0010));
 }
 
+/// On 32 SMs, n = 4096 without a split of k selects small-m-16x64: blocks of 128 threads,
+/// which hold a row of 4096 in registers, four turns of 1024 elements (epilogue.cuh,
+/// rms_norm_held_segment), and normalise it from them.
+#[test]
+fn blocks_that_hold_a_row_normalise_it_from_registers() {
+    let _s = session_with(
+        "emu_gemm_all_reduce",
+        "blocks_that_hold_a_row_normalise_it_from_registers",
+        32,
+        deadlock_ns_from_env(),
+    );
+    let (m, n, k) = (2, 4096, 40);
+    // SAFETY: a pure function of its arguments.
+    let config = unsafe { abi::tpfuse_gemm_select(m, n, k, 9, 0, 32) };
+    assert_eq!(
+        config,
+        abi::TPFUSE_GEMM_CONFIG_SMALL_16X64 as i32,
+        "the shape selects 128-thread blocks"
+    );
+    case::<bf16>(2, 4, (m, n, k), RESIDUAL_NORM, base_seed(0xf05e_0012));
+}
+
 #[test]
 fn fused_equals_gemm_then_all_reduce_f16() {
     let _s = session(

@@ -165,18 +165,27 @@ impl CollectiveLaunch {
 
     /// The two-shot's RMSNorm, a launch of its own after it (`rms_norm_kernel`: a block per
     /// row, looping past 4096): per block, each of its rows' sum of squares (read), then the
-    /// row normalised (read, gamma read, written). Empty without RMSNorm or for the one-shot.
+    /// row normalised (read, gamma read, written); a row of one segment read once with gamma
+    /// and normalised from registers (`rms_norm_held_segment`). Empty without RMSNorm or for
+    /// the one-shot.
     pub fn norm_launch_block_bytes(&self) -> Vec<u64> {
         if !self.rmsnorm || self.algo != AllReduceAlgo::TwoShot {
             return Vec::new();
         }
         let grid = self.rows.min(RMS_NORM_MAX_BLOCKS);
+        let per_element = if self.norm_held() { 3 } else { 4 };
         (0..grid)
             .map(|b| {
                 let rows = (b..self.rows).step_by(grid).count() as u64;
-                rows * 4 * self.hidden as u64 * self.element_bytes
+                rows * per_element * self.hidden as u64 * self.element_bytes
             })
             .collect()
+    }
+
+    /// Whether the standalone RMSNorm holds a row in registers (a row of one segment): one
+    /// load phase, not two.
+    pub fn norm_held(&self) -> bool {
+        self.per_row() == 1
     }
 
     /// Loads each thread of the reduction keeps in flight: a vector from each of the W ranks
@@ -290,11 +299,11 @@ pub fn all_reduce_row(
     };
     // The standalone RMSNorm after the two-shot and NCCL: its own launch, a block per row.
     let norm_s = if rmsnorm && algo != AllReduceAlgo::OneShot {
-        let norm = CollectiveLaunch {
+        let norm_launch = CollectiveLaunch {
             algo: AllReduceAlgo::TwoShot,
             ..launch
-        }
-        .norm_launch_block_bytes();
+        };
+        let norm = norm_launch.norm_launch_block_bytes();
         let (norm_max, _, _) = per_sm(&norm, p.sms);
         Model {
             launches: 1,
@@ -306,8 +315,12 @@ pub fn all_reduce_row(
             in_flight: (COLLECTIVE_THREADS * 16) as f64,
             chain_s: 0.0,
             rounds: 0,
-            // The sum of squares, then the normalisation.
-            serial_s: p.dram_latency_s,
+            // The sum of squares, then the normalisation (a held row: one load phase).
+            serial_s: if norm_launch.norm_held() {
+                0.0
+            } else {
+                p.dram_latency_s
+            },
         }
         .seconds(p)
     } else {

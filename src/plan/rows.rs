@@ -20,6 +20,19 @@ pub const ELEMENT_BYTES: u64 = 2;
 /// Threads per block of the collectives (`kThreads` in `cuda/common.cuh`).
 pub(super) const COLLECTIVE_THREADS: usize = 512;
 
+/// Bytes a fused block's RMSNorm of one row moves per element (`rms_norm_row` in
+/// `cuda/epilogue.cuh`, blocks of `threads`): the row read for its sum of squares, read again
+/// with gamma and written (4), or, a row of one segment in a block of 64 threads or more, read
+/// once with gamma and normalised from registers (3: `rms_norm_held_segment`).
+pub(super) fn norm_bytes_per_element(threads: usize, n: usize) -> u64 {
+    let segment = COLLECTIVE_THREADS * (16 / ELEMENT_BYTES as usize);
+    if threads >= 64 && n <= segment {
+        3
+    } else {
+        4
+    }
+}
+
 /// The group's CTA budget for the collectives on a real (one process per GPU) group:
 /// [`crate::group::cta_budget`].
 pub(super) fn collective_budget(profile: &DeviceProfile, tp: usize) -> usize {
@@ -500,7 +513,8 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
     // chains stored, then folded into the running sum, the last fold storing the tile's
     // partial: gemm_split_block_bytes). Per tile (block t mod G): one-shot, the W partials
     // read, bias-free residual read and written, out written; the norm of a row (out read
-    // twice, gamma, out written per element): a strip's first row by the block that completes
+    // twice, gamma, out written per element; out read once where the block holds the row:
+    // norm_bytes_per_element): a strip's first row by the block that completes
     // the strip (in the kernel whichever block adds last; here the block of its last column's
     // tile), its other rows dealt over the grid (row r to block r mod G).
     let unit_bytes = if plan.parts_in_parallel {
@@ -508,6 +522,7 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
     } else {
         gemm_block_bytes(config, shape, false, false)
     };
+    let norm = norm_bytes_per_element(config.fused_info().threads, g.n);
     let mut per_block = vec![0u64; grid];
     for (unit, bytes) in unit_bytes.iter().enumerate() {
         per_block[unit % grid] += bytes;
@@ -533,17 +548,17 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
         };
         per_block[tile % grid] += reduce;
         if tn + 1 == tiles_n && algo == AllReduceAlgo::OneShot {
-            per_block[tile % grid] += 4 * g.n as u64 * s;
+            per_block[tile % grid] += norm * g.n as u64 * s;
         }
     }
     if algo == AllReduceAlgo::OneShot {
         for row in (0..m).filter(|row| row % info.block_m != 0) {
-            per_block[row % grid] += 4 * g.n as u64 * s;
+            per_block[row % grid] += norm * g.n as u64 * s;
         }
     }
     if algo == AllReduceAlgo::TwoShot {
         for row in 0..m {
-            per_block[row % grid] += 6 * g.n as u64 * s;
+            per_block[row % grid] += (2 + norm) * g.n as u64 * s;
         }
     }
     let (max, mean, streaming) = per_sm(&per_block, p.sms);
