@@ -20,13 +20,18 @@ pub const ELEMENT_BYTES: u64 = 2;
 /// Threads per block of the collectives (`kThreads` in `cuda/common.cuh`).
 pub(super) const COLLECTIVE_THREADS: usize = 512;
 
+/// Turns of a segment a block's RMSNorm issues together (`kInFlight` in `cuda/epilogue.cuh`).
+const NORM_TURNS_IN_FLIGHT: usize = 8;
+
 /// Bytes a fused block's RMSNorm of one row moves per element (`rms_norm_row` in
 /// `cuda/epilogue.cuh`, blocks of `threads`): the row read for its sum of squares, read again
-/// with gamma and written (4), or, a row of one segment in a block of 64 threads or more, read
-/// once with gamma and normalised from registers (3: `rms_norm_held_segment`).
+/// with gamma and written (4), or, a row of one segment whose turns fit one round (blocks of
+/// 64 threads or more), read once with gamma and normalised from registers (3:
+/// `rms_norm_held_segment`).
 pub(super) fn norm_bytes_per_element(threads: usize, n: usize) -> u64 {
     let segment = COLLECTIVE_THREADS * (16 / ELEMENT_BYTES as usize);
-    if threads >= 64 && n <= segment {
+    let turns = COLLECTIVE_THREADS / threads.max(1);
+    if turns <= NORM_TURNS_IN_FLIGHT && n <= segment {
         3
     } else {
         4
