@@ -149,6 +149,16 @@ template <typename T, int kBlock> __device__ __forceinline__ size_t turn_offset(
   return (static_cast<size_t>(threadIdx.x) + static_cast<size_t>(t) * kBlock) * Vec16<T>::kLen;
 }
 
+// Turn `turn`'s part of a segment's sum of squares: the virtual warp's tree of its lanes'
+// vectors (`in`: the vector lies in the segment, else 0), stored by lane 0 at the virtual
+// warp's index (warp w of turn t is virtual warp w + t * kBlock / 32), which
+// warp_sums_total adds in order: the one place that fixes the tree, so every path's bits.
+template <typename T, int kBlock>
+__device__ __forceinline__ void turn_squares(float *warp_sums, int turn, const uint4 &raw, bool in) {
+  const float ss = warp_tree(in ? squares_of(vec_of<T>(raw)) : 0.f);
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x / 32 + turn * (kBlock / 32)] = ss;
+}
+
 // The partial sum of squares of elements [begin, end) of x (one segment: at most kSegment,
 // begin vector-aligned), the same value in every thread of the block, which has kBlock threads
 // (blockDim.x == kBlock). Each round of turns issues its loads before its first tree.
@@ -166,11 +176,8 @@ __device__ __forceinline__ float segment_sum_of_squares(const T *x, size_t begin
       if (i < end) raw[t] = ld_global(reinterpret_cast<const uint4 *>(x + i));
     }
 #pragma unroll
-    for (int t = 0; t < kRound; ++t) {
-      const bool in = begin + turn_offset<T, kBlock>(first + t) < end;
-      const float ss = warp_tree(in ? squares_of(vec_of<T>(raw[t])) : 0.f);
-      if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x / 32 + (first + t) * (kBlock / 32)] = ss;
-    }
+    for (int t = 0; t < kRound; ++t)
+      turn_squares<T, kBlock>(warp_sums, first + t, raw[t], begin + turn_offset<T, kBlock>(first + t) < end);
   }
   return warp_sums_total(warp_sums);
 }
@@ -250,11 +257,7 @@ __device__ __forceinline__ void rms_norm_held_segment(const T *x, const T *gamma
     }
   }
 #pragma unroll
-  for (int t = 0; t < kTurnsHeld; ++t) {
-    const bool in = turn_offset<T, kBlock>(t) < hidden;
-    const float ss = warp_tree(in ? squares_of(vec_of<T>(xs[t])) : 0.f);
-    if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x / 32 + t * (kBlock / 32)] = ss;
-  }
+  for (int t = 0; t < kTurnsHeld; ++t) turn_squares<T, kBlock>(warp_sums, t, xs[t], turn_offset<T, kBlock>(t) < hidden);
   // rms_norm_row's sum: 0 + the one segment's partial (the same value).
   const float rstd = rstd_of(0.f + warp_sums_total(warp_sums), hidden, eps);
 #pragma unroll

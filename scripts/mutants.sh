@@ -315,7 +315,7 @@ mutant held-norm-gamma-of-turn-0 emu_gemm_all_reduce::blocks_that_hold_a_row_nor
   }
 }'
 mutant held-norm-squares-of-turn-0 emu_gemm_all_reduce::blocks_that_hold_a_row_normalise_it_from_registers "a block that holds its row adds its first turn's squares for every turn" \
-  epilogue.cuh 'in ? squares_of(vec_of<T>(xs[t])) : 0.f' 'in ? squares_of(vec_of<T>(xs[0])) : 0.f'
+  epilogue.cuh 'turn_squares<T, kBlock>(warp_sums, t, xs[t],' 'turn_squares<T, kBlock>(warp_sums, t, xs[0],'
 mutant half-warp-sum emu_all_reduce::a_late_rank_within_the_deadline_gives_the_right_result "RMSNorm's warp sum skips the first shuffle" \
   epilogue.cuh 'for (int offset = 16; offset > 0; offset >>= 1)' 'for (int offset = 8; offset > 0; offset >>= 1)'
 mutant all-gather-offset emu_all_reduce::all_gather_every_world "all-gather writes every rank's part at its own offset" \

@@ -70,26 +70,32 @@ fn fused_equals_gemm_then_all_reduce_bf16() {
     every_case::<bf16>(base_seed(0xf05e_0001));
 }
 
+/// A row of 4096 (m = 2, k = 40, bf16, residual and RMSNorm) on `sms` SMs of an H100-class
+/// device, which selects `config` for it (asserted: the RMSNorm path under test is that
+/// block size's), fused against the unfused sequence.
+fn long_rows_normalised_by(test: &'static str, sms: u32, config: u32, seed: u64) {
+    let _s = session_with("emu_gemm_all_reduce", test, sms, deadlock_ns_from_env());
+    let (m, n, k) = (2, 4096, 40);
+    // SAFETY: a pure function of its arguments.
+    let selected = unsafe { abi::tpfuse_gemm_select(m, n, k, 9, 0, sms as i32) };
+    assert_eq!(
+        selected, config as i32,
+        "the shape selects the block size under test"
+    );
+    case::<bf16>(2, 4, (m, n, k), RESIDUAL_NORM, seed);
+}
+
 /// On 132 SMs (an H100's), n = 4096 without a split of k selects small-m-16x16: blocks of 32
 /// threads, which normalise a row of 4096 in two rounds of eight turns (epilogue.cuh,
 /// kInFlight); the session's 32 SMs never select a block that small for a row that long.
 #[test]
 fn small_blocks_normalise_long_rows_in_rounds() {
-    let _s = session_with(
-        "emu_gemm_all_reduce",
+    long_rows_normalised_by(
         "small_blocks_normalise_long_rows_in_rounds",
         132,
-        deadlock_ns_from_env(),
+        abi::TPFUSE_GEMM_CONFIG_SMALL_16X16,
+        base_seed(0xf05e_0010),
     );
-    let (m, n, k) = (2, 4096, 40);
-    // SAFETY: a pure function of its arguments.
-    let config = unsafe { abi::tpfuse_gemm_select(m, n, k, 9, 0, 132) };
-    assert_eq!(
-        config,
-        abi::TPFUSE_GEMM_CONFIG_SMALL_16X16 as i32,
-        "the shape selects 32-thread blocks"
-    );
-    case::<bf16>(2, 4, (m, n, k), RESIDUAL_NORM, base_seed(0xf05e_0010));
 }
 
 /// On 32 SMs, n = 4096 without a split of k selects small-m-16x64: blocks of 128 threads,
@@ -97,21 +103,12 @@ fn small_blocks_normalise_long_rows_in_rounds() {
 /// rms_norm_held_segment), and normalise it from them.
 #[test]
 fn blocks_that_hold_a_row_normalise_it_from_registers() {
-    let _s = session_with(
-        "emu_gemm_all_reduce",
+    long_rows_normalised_by(
         "blocks_that_hold_a_row_normalise_it_from_registers",
         32,
-        deadlock_ns_from_env(),
+        abi::TPFUSE_GEMM_CONFIG_SMALL_16X64,
+        base_seed(0xf05e_0012),
     );
-    let (m, n, k) = (2, 4096, 40);
-    // SAFETY: a pure function of its arguments.
-    let config = unsafe { abi::tpfuse_gemm_select(m, n, k, 9, 0, 32) };
-    assert_eq!(
-        config,
-        abi::TPFUSE_GEMM_CONFIG_SMALL_16X64 as i32,
-        "the shape selects 128-thread blocks"
-    );
-    case::<bf16>(2, 4, (m, n, k), RESIDUAL_NORM, base_seed(0xf05e_0012));
 }
 
 #[test]
