@@ -16,6 +16,14 @@
 //            this rank's own exchange area (local memory, however many column tiles read
 //            them) and the epilogue writes out (+ bias).
 //
+// The split of k in parallel (S parts, tpfuse_gemm's; tpfuse.h says when): the grid's units are
+// then the parts of the tiles, unit u = part u / tiles of tile u % tiles, block b computing
+// units b, b + G, ... (so a narrow layer's weight streams on tiles x S blocks, not on its
+// tiles' few). A unit waits for its tile's ranks as a tile does, stores its part's f32 chains
+// into this rank's staging half, and the parts are folded in order, the block that folds the
+// last one writing out (+ bias): fused_split.cuh, gemm_split.cuh (the protocol and the bits of
+// tpfuse_gemm's parallel split). The fold waits for nothing.
+//
 // Tile rows are visited from this rank's own rows on (a rotation of the tile order), so the
 // first tiles need only the local part and the peers' parts arrive meanwhile. (A first version
 // had the tiles read the peers' rows from the peers' areas: every column tile read them again
@@ -27,12 +35,12 @@
 // rank p's ld.acquire.sys of the flag, then __syncthreads, orders its block's reads of the
 // rows after them.
 //
-// No deadlock: every block publishes its part before it waits for anything, so every wait
-// ends once the publishing blocks have run; a block waits for every block of the ranks it
-// needs, its own rank's included, so each rank's G blocks must be resident together: the
-// launch is cooperative (backend.cuh: all G blocks resident at once, or refused before anything
-// runs; the grid, TpGroup::fused_blocks, is one block per SM of the SMs it is given: every SM,
-// or the SMs divided among virtual ranks). Every rank awaits every peer's parts in every
+// No deadlock: every block publishes its part before it waits for anything (and the split's
+// fold waits for nothing), so every wait ends once the publishing blocks have run; a block
+// waits for every block of the ranks it needs, its own rank's included, so each rank's G blocks
+// must be resident together: the launch is cooperative (backend.cuh: all G blocks resident at
+// once, or refused before anything runs; the grid, TpGroup::fused_blocks, is one block per SM
+// of the SMs it is given: every SM, or the SMs divided among virtual ranks). Every rank awaits every peer's parts in every
 // launch, as fused_flags.cuh's exchange-area argument needs: it is also why a push of launch
 // E+2 into a peer's area finds that peer done with launch E.
 
@@ -40,7 +48,7 @@
 
 #include "copy.cuh"
 #include "fused_flags.cuh"
-#include "gemm_split.cuh"
+#include "fused_split.cuh"
 #include "kernel_list.cuh"
 
 namespace tpfuse {
@@ -64,7 +72,7 @@ template <typename T, typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     all_gather_gemm_kernel(const __grid_constant__ tpfuse_peers peers, const __grid_constant__ tpfuse_group_args g,
                            uint64_t descriptor, const T *x, const T *w, const T *bias, T *out, int m, int n, int k,
-                           int tiles_m, int tiles_n, int parts) {
+                           int tiles_m, int tiles_n, int parts, int split_parallel) {
   TPFUSE_DYNAMIC_SHARED(smem);
   TPFUSE_SHARED(BlockState, st);
   TPFUSE_SHARED(uint32_t, complete); // bit p: every part of rank p acquired by this block
@@ -98,18 +106,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   }
   st.clock.mark(fused::kPhasePublish);
 
-  // Compute: the block's tiles, from this rank's rows on, reading A [m, k] from this rank's
-  // area.
+  // Compute: the block's units (tiles, or with the split in parallel parts of tiles), from
+  // this rank's rows on, reading A [m, k] from this rank's area.
   const DenseRows<T> rows{static_cast<const T *>(peers.data[g.rank]) + exchange, k};
   const GemmEpilogue<T> epi{out, bias, nullptr, n};
   const int shift = g.rank * rows_per_rank / Cfg::kBlockM;
+  const int tiles = tiles_m * tiles_n;
+  const int units = split_parallel ? tiles * parts : tiles;
 #pragma unroll 1
-  for (int tile = blockIdx.x; tile < tiles_m * tiles_n; tile += gridDim.x) {
-    // st.failed is read by every thread, then a __syncthreads, before this tile's waits can
+  for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
+    // st.failed is read by every thread, then a __syncthreads, before this unit's waits can
     // write it: a warp that raced ahead into the waits must not change another warp's branch.
     const bool failed = st.failed != 0;
     __syncthreads();
     if (failed) break;
+    const int tile = unit % tiles; // every part of a tile: the same rows, the same word
     int tm, tn;
     tile_of_block(tile, tiles_m, tiles_n, tm, tn);
     tm = (tm + shift) % tiles_m;
@@ -120,15 +131,25 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     needed &= ~complete; // read by every thread; written only after the __syncthreads below
     if (needed != 0) {
       // Pairs (rank p, part b) of the needed ranks, spread over the threads.
-      const int parts = static_cast<int>(gridDim.x);
-      for (int i = threadIdx.x; i < (last - first + 1) * parts; i += blockDim.x) {
-        const int p = first + i / parts;
-        if (needed & (1u << p)) fused::await(peers, g, deadline, st, i % parts, p, descriptor);
+      const int pushes = static_cast<int>(gridDim.x);
+      for (int i = threadIdx.x; i < (last - first + 1) * pushes; i += blockDim.x) {
+        const int p = first + i / pushes;
+        if (needed & (1u << p)) fused::await(peers, g, deadline, st, i % pushes, p, descriptor);
       }
       const bool arrived = fused::passed(st);
       st.clock.mark(fused::kPhaseWait);
       if (!arrived) break;
       if (threadIdx.x == 0) complete |= needed;
+    }
+    if constexpr (gemm::kParallelSplit<Cfg>) {
+      if (split_parallel) {
+        // The part's chains into the staging half, folded in order (fused_split.cuh); the block
+        // that folds the last part stores the tile's outputs (+ bias). st.last is free until
+        // fused::end.
+        fused::split_unit<T, Cfg>(peers, g.rank, rows, w, m, n, k, tile, tm, tn, unit / tiles, parts, epi, smem,
+                                  st.last, st.clock);
+        continue;
+      }
     }
     gemm_tile<T, Cfg>(rows, w, m, n, k, tm, tn, epi, smem, KSplit{parts, 0, parts});
     __syncthreads(); // the epilogue's reads of smem, before the next tile's writes
@@ -146,11 +167,23 @@ int launch_config(const tpfuse_peers &peers, const tpfuse_group_args &g, int con
   const long long tiles_m = (m + Cfg::kBlockM - 1) / Cfg::kBlockM;
   const long long tiles_n = (n + Cfg::kBlockN - 1) / Cfg::kBlockN;
   if (tiles_m * tiles_n > INT_MAX / 2 || blocks > TPFUSE_MAX_FUSED_TILES) return cudaErrorInvalidValue;
-  const int grid = static_cast<int>(tiles_m * tiles_n < blocks ? tiles_m * tiles_n : blocks);
-  // The GEMM's split of k (tpfuse_gemm's, so the same bits), each tile's parts in its block.
+  // The GEMM's split of k (tpfuse_gemm's, so the same bits): the parts of every tile as the
+  // grid's units where the staging half holds their f32 partials (tpfuse.h), else each tile's
+  // parts in its block.
   const int parts = split_parts_here(n, k);
   if (parts == 0) return cudaErrorInvalidDevice;
   if (!Cfg::kSplittable && parts != 1) return cudaErrorInvalidValue;
+  const bool split_parallel = fused::split_in_parallel<Cfg>(parts, m, n, tiles_m * tiles_n, g.capacity);
+  // The parts' partials overwrite the start of the staging half: no argument may lie there.
+  if (split_parallel &&
+      fused::overlaps_partials(peers.data[g.rank], static_cast<size_t>(parts) * m * n * sizeof(float),
+                               {{x, static_cast<size_t>(m / g.world) * k * sizeof(T)},
+                                {w, static_cast<size_t>(n) * k * sizeof(T)},
+                                {bias, n * sizeof(T)},
+                                {out, static_cast<size_t>(m) * n * sizeof(T)}}))
+    return cudaErrorInvalidValue;
+  const long long units = tiles_m * tiles_n * (split_parallel ? parts : 1);
+  const int grid = static_cast<int>(units < blocks ? units : blocks);
   auto all_gather_gemm = all_gather_gemm_kernel<T, Cfg>; // the name the emulator suite reports
   // Always opted in: the static shared memory counts toward the default 48 KiB (as in
   // gemm_all_reduce.cu).
@@ -160,9 +193,10 @@ int launch_config(const tpfuse_peers &peers, const tpfuse_group_args &g, int con
       kKindAllGatherGemm,
       launch_descriptor({kKindAllGatherGemm, sizeof(T), static_cast<uint64_t>(m), static_cast<uint64_t>(n),
                          static_cast<uint64_t>(k), static_cast<uint64_t>(config), static_cast<uint64_t>(grid),
-                         bias != nullptr, static_cast<uint64_t>(parts)}));
+                         bias != nullptr, static_cast<uint64_t>(parts), split_parallel ? 1u : 0u}));
   return launch_result(TPFUSE_LAUNCH_COOPERATIVE(all_gather_gemm, grid, Cfg::kThreads, Cfg::kSmemBytes, stream)(
-      peers, g, descriptor, x, w, bias, out, m, n, k, static_cast<int>(tiles_m), static_cast<int>(tiles_n), parts));
+      peers, g, descriptor, x, w, bias, out, m, n, k, static_cast<int>(tiles_m), static_cast<int>(tiles_n), parts,
+      split_parallel ? 1 : 0));
 }
 
 template <typename T>

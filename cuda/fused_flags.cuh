@@ -48,10 +48,11 @@
 // fused one before) and their closing barrier, and after the closing barrier only their own
 // staging (one-shot's RMSNorm partials): so a peer that passed the closing barrier and
 // pushes into this rank's result half overlaps nothing, and the fused kernels and they never
-// share an area. GEMM + all-reduce's parallel split of k also writes its own rank's staging
-// half (the parts' f32 partials): a peer reads that half only inside an all_reduce.cu launch,
-// between its first and closing barriers, which this rank passed before it started the fused
-// launch, and no fused kernel reads another rank's staging. (Both rest on the sticky error
+// share an area. The fused kernels' parallel split of k also writes its own rank's
+// staging half (the parts' f32 partials, fused_split.cuh): a peer reads that half only
+// inside an all_reduce.cu launch, between its first and closing barriers, which this rank
+// passed before it started the fused launch, and no fused kernel reads another rank's
+// staging. (Both rest on the sticky error
 // word: after a failure no launch of the group produces anything.)
 //
 // Failures. A wait ends at the launch's deadline (barrier.cuh, Deadline: from the block's

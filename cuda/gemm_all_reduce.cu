@@ -123,7 +123,7 @@
 
 #include "copy.cuh"
 #include "fused_flags.cuh"
-#include "gemm_split.cuh"
+#include "fused_split.cuh"
 #include "packets.cuh"
 #include "reduce.cuh"
 #include "kernel_list.cuh"
@@ -393,27 +393,17 @@ __device__ __forceinline__ void produce(const Launch<T> &L, BlockState &st, unsi
   const uint64_t flag_value = fused::flag_of(st.epoch, L.descriptor);
   if (split_parallel) {
     if constexpr (gemm::kParallelSplit<Cfg>) {
-      // The parts' f32 chains in this rank's staging half ([parts][m][n]); only this rank's
-      // blocks touch it during the launch (fused_flags.cuh, "Exchange areas").
-      float *partials = static_cast<float *>(peers.data[g.rank]);
-      const size_t mn = static_cast<size_t>(L.m) * static_cast<size_t>(L.n);
-      const Pad own{peers.signals[g.rank]};
 #pragma unroll 1
       for (int unit = blockIdx.x; unit < tiles * parts; unit += gridDim.x) {
-        const int tile = unit % tiles, part = unit / tiles;
+        const int tile = unit % tiles;
         int tm, tn;
         tile_of_block(tile, L.tiles_m, L.tiles_n, tm, tn);
-        gemm_tile<T, Cfg>(DenseRows<T>{L.x, L.k}, L.w, L.m, L.n, L.k, tm, tn,
-                          gemm::PartialEpilogue{partials + part * mn, L.n}, smem, KSplit{parts, part, part + 1});
-        st.clock.tile_computed();
-        // The parts are folded in order through `epi` (gemm_split.cuh's protocol and bits); the
-        // block that folds the last one publishes the tile, after fold_parts' __syncthreads
-        // (every thread's stores of the tile, before the flags' releases). The __syncthreads of
-        // stored_part also order the epilogue's reads of smem before the next unit's writes.
+        // The block that folds the tile's last part publishes it, after fold_parts'
+        // __syncthreads (every thread's stores of the tile, before the flags' releases).
         // (st.last is free until the reduction's counts.)
-        uint32_t *word = own.part_count(tile);
-        if (gemm::stored_part(word, part, parts, st.last) &&
-            gemm::fold_parts<Cfg>(partials, word, part, parts, L.m, L.n, tm, tn, epi, st.last) && flags)
+        if (fused::split_unit<T, Cfg>(peers, g.rank, DenseRows<T>{L.x, L.k}, L.w, L.m, L.n, L.k, tile, tm, tn,
+                                      unit / tiles, parts, epi, smem, st.last, st.clock) &&
+            flags)
           fused::publish(peers, g, tile, flag_value);
         st.clock.mark(fused::kPhasePublish);
       }
@@ -567,25 +557,19 @@ int launch_config(Reduction reduction, const tpfuse_peers &peers, const tpfuse_g
   const int parts = split_parts_here(n, k);
   if (parts == 0) return cudaErrorInvalidDevice;
   if (!Cfg::kSplittable && parts != 1) return cudaErrorInvalidValue;
-  const bool split_parallel =
-      gemm::kParallelSplit<Cfg> && parts > 1 && m <= TPFUSE_GEMM_SPLIT_PARALLEL_M_MAX &&
-      static_cast<uint64_t>(parts) * m * n * sizeof(float) <= g.capacity;
-  if (split_parallel) {
-    // The parts' partials overwrite the start of the staging half: no argument may lie there.
-    const uintptr_t scratch = reinterpret_cast<uintptr_t>(peers.data[g.rank]);
-    const uintptr_t scratch_end = scratch + static_cast<size_t>(parts) * m * n * sizeof(float);
-    const size_t mn = static_cast<size_t>(m) * n;
-    const size_t out_rows = reduction.scatter && !reduction.two_shot ? m / g.world : m;
-    const struct {
-      const void *p;
-      size_t elements;
-    } args[] = {{x, static_cast<size_t>(m) * k}, {w, static_cast<size_t>(n) * k}, {bias, static_cast<size_t>(n)},
-                {residual, mn}, {gamma, static_cast<size_t>(n)}, {out, out_rows * n}};
-    for (const auto &a : args) {
-      const uintptr_t p = reinterpret_cast<uintptr_t>(a.p);
-      if (p != 0 && p < scratch_end && scratch < p + a.elements * sizeof(T)) return cudaErrorInvalidValue;
-    }
-  }
+  const bool split_parallel = fused::split_in_parallel<Cfg>(parts, m, n, tiles_m * tiles_n, g.capacity);
+  // The parts' partials overwrite the start of the staging half: no argument may lie there.
+  const size_t mn = static_cast<size_t>(m) * n;
+  const size_t out_rows = reduction.scatter && !reduction.two_shot ? m / g.world : m;
+  if (split_parallel &&
+      fused::overlaps_partials(peers.data[g.rank], static_cast<size_t>(parts) * mn * sizeof(float),
+                               {{x, static_cast<size_t>(m) * k * sizeof(T)},
+                                {w, static_cast<size_t>(n) * k * sizeof(T)},
+                                {bias, n * sizeof(T)},
+                                {residual, mn * sizeof(T)},
+                                {gamma, n * sizeof(T)},
+                                {out, out_rows * n * sizeof(T)}}))
+    return cudaErrorInvalidValue;
   // Packets (packets.cuh) for the all-reduce where every rank's partial fits a half of the
   // packet area the group offers: 4 bytes a packet element, from every rank.
   const bool packets = !reduction.scatter && g.packet_bytes != 0 &&

@@ -119,7 +119,7 @@ int tpfuse_fp_contraction_probe(const float *abc, float *out, void *stream);
  *       uint64 phases[TPFUSE_MAX_PHASE_BLOCKS][TPFUSE_PHASE_FIELDS]  phases[b]: where block b
  *                                                         of this rank's last fused GEMM launch
  *                                                         spent its time (diagnostics, below)
- *       uint32 part_counts[TPFUSE_MAX_FUSED_TILES]        GEMM + all-reduce's split of k in
+ *       uint32 part_counts[TPFUSE_MAX_FUSED_TILES]        the fused kernels' split of k in
  *                                                         parallel: tile t's parts stored and
  *                                                         folded (gemm_split.cuh; back to 0
  *                                                         once the tile's parts are folded)
@@ -474,9 +474,13 @@ int tpfuse_gemm_reduce_scatter(tpfuse_dtype dtype, int32_t config, const tpfuse_
  * All-gather + GEMM (sequence parallelism): rank r holds x [m / world, k], rows
  * r*m/W .. (r+1)*m/W of the input; out [m, n] = all_gather(x) * w^T (+ bias [n]), the bits of
  * tpfuse_all_gather followed by tpfuse_gemm (same rows, same tiles and epilogue). The GEMM
- * starts on the local rows while the peers' rows arrive. m a multiple of world; this rank's
- * x (m / world * k elements) must fit in capacity / 2; the other arguments and the failure
- * semantics as tpfuse_gemm_all_reduce (out is marked failed).
+ * starts on the local rows while the peers' rows arrive. m a multiple of world; the gathered
+ * input [m, k] must fit in capacity / 2; the other arguments and the failure semantics as
+ * tpfuse_gemm_all_reduce (out is marked failed). The split of k as tpfuse_gemm_all_reduce's:
+ * where it runs in parallel (the same rule, and at most TPFUSE_MAX_FUSED_TILES tiles), the
+ * grid's units are the parts of the tiles (min(tiles * S, blocks) blocks), their f32 partials
+ * in this rank's staging half (no argument may lie there), folded in order; otherwise
+ * min(tiles, blocks) blocks. The same bits either way.
  */
 int tpfuse_all_gather_gemm(tpfuse_dtype dtype, int32_t config, const tpfuse_peers *peers,
                            const tpfuse_group_args *group, int32_t blocks, const void *x, const void *w,

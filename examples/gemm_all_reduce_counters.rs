@@ -1,6 +1,8 @@
 //! The counters tables of docs/fused-gemm.md, from the CPU emulator, bf16, W = 8 virtual ranks
 //! with 128 SMs each (about an H100's 132), for m = 1 and 64 (or the m given as arguments):
-//! the GEMM alone, the unfused sequence and the fused kernel, for one of
+//! the GEMM alone, the unfused sequence and the fused kernel (the GEMM, alone and unfused, as
+//! the layers run it: with a scratch at m <= 64, so that a split k runs its parts in parallel),
+//! for one of
 //!
 //! - `all-reduce` (the default): the row-parallel o_proj of Llama-3-70B at TP 8 (n = hidden =
 //!   8192, k = 8192 / 8 = 1024) with the residual + RMSNorm epilogue; unfused: the GEMM into a
@@ -38,6 +40,8 @@
 use cudarc::driver::CudaSlice;
 use half::bf16;
 use tpfuse::emulator::counters::{self, LaunchCounters};
+use tpfuse::group::SPLIT_SCRATCH_BYTES;
+use tpfuse::ops::gemm::{gemm_with_scratch, SPLIT_PARALLEL_M_MAX};
 use tpfuse::ops::{
     self, all_gather_gemm, gemm, gemm_all_reduce_with, gemm_reduce_scatter, Algorithm, Epilogue,
     GemmShape, RmsNorm,
@@ -160,8 +164,13 @@ fn run(groups: &[TpGroup], op: Op, m: usize, way: Way) -> tpfuse::Result<Vec<Lau
     };
     let (mut xs, mut ws, mut parts, mut outs, mut residuals, mut gammas) =
         (vec![], vec![], vec![], vec![], vec![], vec![]);
-    let (mut own_rows, mut slices) = (vec![], vec![]);
+    let (mut own_rows, mut slices, mut scratches) = (vec![], vec![], vec![]);
     for (r, g) in groups.iter().enumerate() {
+        scratches.push(
+            g.stream()
+                .alloc_zeros::<u8>(SPLIT_SCRATCH_BYTES)
+                .map_err(cuda)?,
+        );
         xs.push(fill(g, m * k, r)?);
         ws.push(fill(g, n * k, r + 8)?);
         parts.push(fill(g, m * n, 0)?);
@@ -185,9 +194,11 @@ fn run(groups: &[TpGroup], op: Op, m: usize, way: Way) -> tpfuse::Result<Vec<Lau
                 }),
             };
             match (op, way) {
-                (_, Way::GemmAlone) => plain_gemm(g, &xs[r], &ws[r], &mut outs[r], shape)?,
+                (_, Way::GemmAlone) => {
+                    plain_gemm(g, &mut scratches[r], &xs[r], &ws[r], &mut outs[r], shape)?
+                }
                 (Op::AllReduce, Way::Unfused(algo)) => {
-                    plain_gemm(g, &xs[r], &ws[r], &mut parts[r], shape)?;
+                    plain_gemm(g, &mut scratches[r], &xs[r], &ws[r], &mut parts[r], shape)?;
                     ops::all_reduce_fused(g, &parts[r], epilogue, &mut outs[r], algo)?;
                 }
                 (Op::AllReduce, Way::Fused(algo)) => {
@@ -195,7 +206,7 @@ fn run(groups: &[TpGroup], op: Op, m: usize, way: Way) -> tpfuse::Result<Vec<Lau
                     gemm_all_reduce_with(g, x, w, epilogue, out, shape, algo)?;
                 }
                 (Op::ReduceScatter, Way::Unfused(_)) => {
-                    plain_gemm(g, &xs[r], &ws[r], &mut parts[r], shape)?;
+                    plain_gemm(g, &mut scratches[r], &xs[r], &ws[r], &mut parts[r], shape)?;
                     ops::reduce_scatter(g, &parts[r], &mut slices[r])?;
                 }
                 (Op::ReduceScatter, Way::Fused(_)) => {
@@ -203,7 +214,7 @@ fn run(groups: &[TpGroup], op: Op, m: usize, way: Way) -> tpfuse::Result<Vec<Lau
                 }
                 (Op::AllGather, Way::Unfused(_)) => {
                     ops::all_gather(g, &own_rows[r], &mut xs[r])?;
-                    plain_gemm(g, &xs[r], &ws[r], &mut outs[r], shape)?;
+                    plain_gemm(g, &mut scratches[r], &xs[r], &ws[r], &mut outs[r], shape)?;
                 }
                 (Op::AllGather, Way::Fused(_)) => {
                     all_gather_gemm(g, &own_rows[r], &ws[r], None, &mut outs[r], shape)?;
@@ -216,15 +227,20 @@ fn run(groups: &[TpGroup], op: Op, m: usize, way: Way) -> tpfuse::Result<Vec<Lau
     Ok(launches)
 }
 
-/// `out` `[m, n]` = `x` `[m, k]` · `wᵀ` on the rank's stream: the GEMM alone, as the unfused
-/// sequences run it.
+/// `out` `[m, n]` = `x` `[m, k]` · `wᵀ` on the rank's stream: the GEMM alone, as the layers
+/// run it (a decode-sized call with a scratch, so that a split k runs its parts in parallel).
 fn plain_gemm(
     g: &TpGroup,
+    scratch: &mut CudaSlice<u8>,
     x: &CudaSlice<T>,
     w: &CudaSlice<T>,
     out: &mut CudaSlice<T>,
-    GemmShape { m, n, k }: GemmShape,
+    shape: GemmShape,
 ) -> tpfuse::Result<()> {
+    let GemmShape { m, n, k } = shape;
+    if m <= SPLIT_PARALLEL_M_MAX {
+        return gemm_with_scratch(g.stream(), x, w, None, None, out, shape, scratch);
+    }
     gemm(g.stream(), x, w, None, None, out, m, n, k)
 }
 

@@ -397,8 +397,7 @@ mutant epilogue-no-bias emu_gemm::gemm_auto_picks_a_config_that_gives_the_same_b
 mutant flag-before-tile emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16@random:1 "the fused kernel publishes a block's flag before computing its tiles" \
   gemm_all_reduce.cu $'    return;\n  }\n#pragma unroll 1' $'    return;\n  }\n  if (flags) fused::publish(peers, g, blockIdx.x, flag_value);\n#pragma unroll 1'
 mutant fused-split-flag-before-fold emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16@random:1 "the fused parallel split publishes a tile before folding its parts" \
-  gemm_all_reduce.cu 'gemm::fold_parts<Cfg>(partials, word, part, parts, L.m, L.n, tm, tn, epi, st.last) && flags)' \
-  '(fused::publish(peers, g, tile, flag_value), gemm::fold_parts<Cfg>(partials, word, part, parts, L.m, L.n, tm, tn, epi, st.last)) && flags)'
+  gemm_all_reduce.cu 'if (fused::split_unit<T, Cfg>(peers,' 'if ((fused::publish(peers, g, tile, flag_value), true) && fused::split_unit<T, Cfg>(peers,'
 mutant fused-split-fold-no-sync emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16+weak "the fused parallel split publishes a tile before the whole block stored its sum" \
   gemm_split.cuh $'    __syncthreads(); // every thread\'s fold (and read of run_end), before thread 0\'s release\n' ''
 mutant fused-split-await-first-tile-only emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16@random:1 "with the parts in parallel, a block waits only for its first tile's flags" \
@@ -408,7 +407,7 @@ mutant fused-split-await-first-tile-only emu_gemm_all_reduce::fused_equals_gemm_
 mutant fused-split-first-part-only emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "the fused parallel split computes only the first part of each tile" \
   gemm_all_reduce.cu 'for (int unit = blockIdx.x; unit < tiles * parts; unit += gridDim.x) {' 'for (int unit = blockIdx.x; unit < tiles; unit += gridDim.x) {'
 mutant fused-split-never-parallel emu_counters::the_fused_split_runs_its_parts_as_the_grids_units "the fused kernel runs a tile's parts in its block where the plan runs them in parallel" \
-  gemm_all_reduce.cu 'gemm::kParallelSplit<Cfg> && parts > 1 && m <=' 'false && parts > 1 && m <='
+  fused_split.cuh 'return gemm::kParallelSplit<Cfg> && parts > 1' 'return false && parts > 1'
 mutant flag-after-first-tile emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16@random:1 "the fused kernel publishes a block's flag after its first tile" \
   gemm_all_reduce.cu $'    st.clock.tile_computed();\n  }\n  if (flags)' $'    st.clock.tile_computed();\n    fused::publish(peers, g, blockIdx.x, flag_value);\n  }\n  if (flags)'
 mutant reduce-without-waiting emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16@random:1 "the fused kernel reduces its tiles without waiting for the other ranks' flags" \
@@ -492,6 +491,10 @@ mutant gather-push-at-rank-0-rows emu_gemm_all_reduce::all_gather_gemm_equals_al
   all_gather_gemm.cu 'static_cast<size_t>(g.rank) * part_vectors * 16;' 'static_cast<size_t>(0) * part_vectors * 16;'
 mutant gather-no-sync-before-flag emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm+weak "all-gather + GEMM publishes a part's flag before the whole block pushed it" \
   all_gather_gemm.cu $'    __syncthreads(); // every thread\'s stores, before the flags\n' ''
+mutant gather-split-first-part-only emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm "all-gather + GEMM's parallel split computes only the first part of each tile" \
+  all_gather_gemm.cu 'const int units = split_parallel ? tiles * parts : tiles;' 'const int units = tiles;'
+mutant gather-split-word-per-tile-row emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm "all-gather + GEMM's parallel split counts the parts of a tile row's tiles in one word" \
+  all_gather_gemm.cu 'tile, tm, tn, unit / tiles, parts' 'tm, tm, tn, unit / tiles, parts'
 # Co-residency (issue 21, defect 2): launched as plain grids, the blocks that fit start and wait
 # for blocks that cannot; only the residency model and another kernel holding SMs show it.
 mutant fused-launch-not-cooperative emu_fused_failures::launches_wait_for_the_sms_another_kernel_holds "the fused kernels are plain launches (partly resident grids)" \
@@ -499,6 +502,8 @@ mutant fused-launch-not-cooperative emu_fused_failures::launches_wait_for_the_sm
 mutant one-shot-rmsnorm-not-cooperative emu_fused_failures::launches_wait_for_the_sms_another_kernel_holds "the one-shot RMSNorm, whose blocks meet, is a plain launch" \
   all_reduce.cu 'TPFUSE_LAUNCH_COOPERATIVE(one_shot_kernel<T>' 'TPFUSE_LAUNCH(one_shot_kernel<T>'
 # Right results, wasted work: only the counters see these.
+mutant gather-split-never-parallel emu_counters::all_gather_gemm_moves_each_rows_part_across_once "all-gather + GEMM runs a tile's parts in its block where the plan runs them in parallel" \
+  all_gather_gemm.cu 'const bool split_parallel = fused::split_in_parallel<Cfg>(' 'const bool split_parallel = false && fused::split_in_parallel<Cfg>('
 mutant gather-tiles-read-a-peer emu_counters::all_gather_gemm_moves_each_rows_part_across_once "all-gather + GEMM's tiles read the gathered rows from the next rank's area" \
   all_gather_gemm.cu 'DenseRows<T> rows{static_cast<const T *>(peers.data[g.rank]) + exchange, k};' \
   'DenseRows<T> rows{static_cast<const T *>(peers.data[(g.rank + 1) % g.world]) + exchange, k};'

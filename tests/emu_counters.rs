@@ -709,10 +709,13 @@ fn all_gather_gemm_moves_each_rows_part_across_once() {
         60_000_000_000,
     );
     let gpu = gpu();
+    // The first shape's k splits in 2 (2 tiles of 64 x 64), the last's in 5 (3 tiles of
+    // 16 x 64) on 16 SMs: their tiles' parts are the grid's units.
     for (world, m, n, k) in [
         (2usize, 34usize, 136usize, 264usize),
         (4, 16, 72, 136),
         (8, 24, 264, 40),
+        (2, 4, 136, 1000),
     ] {
         let groups = virtual_group(&gpu.ctx, world, GroupOptions::default());
         let rows = m / world;
@@ -752,24 +755,50 @@ fn all_gather_gemm_moves_each_rows_part_across_once() {
                 m.div_ceil(info.block_m) as u64,
                 n.div_ceil(info.block_n) as u64,
             );
-            let (w, m, n, k, rows) = (world as u64, m as u64, n as u64, k as u64, rows as u64);
-            let part = rows * k * S;
+            let parts = split_parts_on(&gpu.ctx.default_stream(), n, k).expect("the SM count");
+            assert_eq!(
+                plan.parts_in_parallel,
+                parts > 1,
+                "{l}: {parts} parts, in parallel where they split"
+            );
+            let units =
+                (tiles_m * tiles_n) as usize * if plan.parts_in_parallel { parts } else { 1 };
+            let blocks = SMS as usize / world; // the group's share of the SMs, one block each
+            assert_eq!(plan.grid, units.min(blocks), "{l}: the plan's grid");
+            let (w, m64, n64, k64, rows) =
+                (world as u64, m as u64, n as u64, k as u64, rows as u64);
+            let part = rows * k64 * S;
             assert_eq!(t.peer_read_bytes, 0, "{l}: the tiles read only local rows");
             assert_eq!(
                 t.peer_write_bytes,
                 (w - 1) * part,
                 "{l}: peer bytes written"
             );
-            assert_eq!(
-                t.global_read_bytes,
-                part + (tiles_n * m + tiles_m * n) * k * S,
-                "{l}: its part once, then the GEMM's reads"
-            );
-            assert_eq!(
-                t.global_write_bytes,
-                w * part + m * n * S,
-                "{l}: bytes written"
-            );
+            if plan.parts_in_parallel {
+                // Its part read once and pushed to every rank, then the split GEMM's units: what
+                // the plan says of them, less what folding runs of parts in one pass saves.
+                let moved = t.global_read_bytes + t.global_write_bytes - (1 + w) * part;
+                let planned: u64 = gemm_split_block_bytes(plan.config, shape, parts, false, false)
+                    .iter()
+                    .sum();
+                let saved = (2 * parts as u64 - 4) * m64 * n64 * 4;
+                assert!(
+                    (planned - saved..=planned).contains(&moved),
+                    "{l}: the split GEMM moved {moved} bytes, the plan {planned} (at least {})",
+                    planned - saved
+                );
+            } else {
+                assert_eq!(
+                    t.global_read_bytes,
+                    part + (tiles_n * m64 + tiles_m * n64) * k64 * S,
+                    "{l}: its part once, then the GEMM's reads"
+                );
+                assert_eq!(
+                    t.global_write_bytes,
+                    w * part + m64 * n64 * S,
+                    "{l}: bytes written"
+                );
+            }
             for (b, c) in rec.blocks.iter().enumerate() {
                 assert!(
                     (1..=w).contains(&c.barriers),

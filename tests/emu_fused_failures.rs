@@ -234,7 +234,10 @@ fn launches_wait_for_the_sms_another_kernel_holds() {
         let outs: Vec<DeviceBuffer<bf16>> = (0..2)
             .map(|r| {
                 let out = poisoned::<bf16>(m * n);
-                let code = enqueue_all_gather_gemm(ranks, r, &xs[r], &ws[r], &None, &out, shape, 8);
+                let config = auto_config(m, n, k);
+                let code = enqueue_all_gather_gemm(
+                    config, ranks, r, &xs[r], &ws[r], &None, &out, shape, 8,
+                );
                 launched(&format!("all_gather_gemm rank {r}"), code);
                 out
             })

@@ -319,10 +319,12 @@ fn all_gather_gemm_case<T: TestElement>(
     blocks: i32,
     shape: Shape,
     bias: bool,
+    forced: Option<i32>,
     seed: u64,
 ) {
     let (m, n, k) = shape;
-    let label = format!("all-gather + GEMM {} W={world} blocks={blocks} (m, n, k)={shape:?} bias={bias} seed={seed:#x}", T::NAME);
+    let config = forced.unwrap_or_else(|| auto_config(m, n, k));
+    let label = format!("all-gather + GEMM {} W={world} blocks={blocks} (m, n, k)={shape:?} bias={bias} config {config} seed={seed:#x}", T::NAME);
     let rows = m / world;
     let xs: Vec<Vec<T>> = (0..world)
         .map(|r| random_vec(mix_seed(seed, &[1, r as u64]), rows * k, -1.0, 1.0))
@@ -343,7 +345,7 @@ fn all_gather_gemm_case<T: TestElement>(
             // SAFETY: every buffer holds what the shapes need and is kept until the synchronize.
             let code = unsafe {
                 if fused {
-                    enqueue_all_gather_gemm(&ranks, r, &x, &w, &bias, out, shape, blocks)
+                    enqueue_all_gather_gemm(config, &ranks, r, &x, &w, &bias, out, shape, blocks)
                 } else {
                     let bytes = rows * k * std::mem::size_of::<T>();
                     let code = abi::tpfuse_all_gather(
@@ -390,15 +392,30 @@ fn all_gather_gemm_case<T: TestElement>(
     }
 }
 
-/// (world, blocks, shape, bias): slices of 1, 3, 16, 17, 65 rows (tiles of 16 and 64 rows that
-/// span several ranks' rows), tails of n and k.
-const ALL_GATHER_GEMM_CASES: [(usize, i32, Shape, bool); 6] = [
-    (2, 2, (2, 136, 40), true),
-    (3, 1, (9, 72, 72), false),
-    (4, 2, (64, 72, 40), true),
-    (8, 2, (24, 264, 24), true),
-    (2, 3, (130, 136, 40), false),
-    (4, 1, (68, 72, 56), true),
+/// (world, blocks, shape, bias, forced configuration): slices of 1, 3, 16, 17, 65 rows (tiles
+/// of 16 and 64 rows that span several ranks' rows), tails of n and k; and k = 800 or 1000,
+/// which split into parts run in parallel (6, 6 and 7 parts on the session's 32 SMs), a block
+/// computing one part (12 blocks for 12 units) or several (5 for 18, 3 for 14) and folding what
+/// it finds stored; the last in forced 16 x 64 tiles at m = 32, where the split's units visit
+/// two tile rows from the rank's own on (the configurations tpfuse_gemm chooses give a split
+/// one tile row).
+const ALL_GATHER_GEMM_CASES: [(usize, i32, Shape, bool, Option<i32>); 10] = [
+    (2, 2, (2, 136, 40), true, None),
+    (3, 1, (9, 72, 72), false, None),
+    (4, 2, (64, 72, 40), true, None),
+    (8, 2, (24, 264, 24), true, None),
+    (2, 3, (130, 136, 40), false, None),
+    (4, 1, (68, 72, 56), true, None),
+    (2, 12, (4, 72, 800), true, None),
+    (3, 5, (9, 136, 800), false, None),
+    (4, 3, (64, 72, 1000), true, None),
+    (
+        2,
+        5,
+        (32, 72, 800),
+        true,
+        Some(abi::TPFUSE_GEMM_CONFIG_SMALL_16X64 as i32),
+    ),
 ];
 
 #[test]
@@ -408,9 +425,10 @@ fn all_gather_gemm_equals_all_gather_then_gemm() {
         "all_gather_gemm_equals_all_gather_then_gemm",
     );
     let seed = base_seed(0xf05e_0008);
-    for (i, &(world, blocks, shape, bias)) in ALL_GATHER_GEMM_CASES.iter().enumerate() {
-        all_gather_gemm_case::<bf16>(world, blocks, shape, bias, mix_seed(seed, &[i as u64, 1]));
-        all_gather_gemm_case::<f16>(world, blocks, shape, bias, mix_seed(seed, &[i as u64, 2]));
+    for (i, &(world, blocks, shape, bias, forced)) in ALL_GATHER_GEMM_CASES.iter().enumerate() {
+        let seed = |dtype| mix_seed(seed, &[i as u64, dtype]);
+        all_gather_gemm_case::<bf16>(world, blocks, shape, bias, forced, seed(1));
+        all_gather_gemm_case::<f16>(world, blocks, shape, bias, forced, seed(2));
     }
 }
 
@@ -492,7 +510,9 @@ fn an_all_gather_gemm_right_after_a_one_shot_rmsnorm_overlaps_nothing() {
     // keeps no partial: it is normalised in registers).
     let norm = Epi { norm: true, ..NONE };
     let p = problem::<bf16>(world, (16, 8192, 16), norm, mix_seed(seed, &[1]));
-    let gather: Shape = (4, 72, 64);
+    // k splits in parallel (6 parts on 32 SMs): the all-gather + GEMM's f32 partials in the
+    // rank's staging half, where the one-shot keeps its RMSNorm partials and its input.
+    let gather: Shape = (4, 72, 800);
     let (m, n, k) = gather;
     let xs: Vec<DeviceBuffer<bf16>> = (0..world)
         .map(|r| {
@@ -516,7 +536,10 @@ fn an_all_gather_gemm_right_after_a_one_shot_rmsnorm_overlaps_nothing() {
         .collect();
     let gathered_gemm = |r: usize| {
         let out = poisoned::<bf16>(m * n);
-        let code = enqueue_all_gather_gemm(&ranks, r, &xs[r], &ws[r], &None, &out, gather, blocks);
+        let config = auto_config(m, n, k);
+        let code = enqueue_all_gather_gemm(
+            config, &ranks, r, &xs[r], &ws[r], &None, &out, gather, blocks,
+        );
         launched(&format!("all_gather_gemm rank {r}"), code);
         out
     };

@@ -172,8 +172,9 @@ fn last_epoch(groups: &[TpGroup]) -> u64 {
 
 /// The phase records of every rank's last fused launch ([`TpGroup::fused_phases`]): one per
 /// block of `plan`'s grid, every block of every rank at launch epoch `epoch` (the launch just
-/// made, not a stale one), each block's tiles those of its turn (b, b + grid, ...), its
-/// phases inside its start and end, and time spent computing every tile.
+/// made, not a stale one), each block's units (tiles, or with the split in parallel parts of
+/// tiles) those of its turn (b, b + grid, ...), its phases inside its start and end, and time
+/// spent computing every unit.
 fn check_phases(groups: &[TpGroup], plan: &FusedPlan, epoch: u64, label: &str) {
     for (r, g) in groups.iter().enumerate() {
         let at = format!("{label} rank {r}: phases");
@@ -185,8 +186,14 @@ fn check_phases(groups: &[TpGroup], plan: &FusedPlan, epoch: u64, label: &str) {
         );
         for p in &phases {
             assert_eq!(p.epoch, epoch, "{at}: {p:?}");
-            let tiles = (plan.tiles - p.block).div_ceil(plan.grid) as u64;
-            assert_eq!(p.tiles, tiles, "{at}: {p:?}");
+            let units = plan.tiles
+                * if plan.parts_in_parallel {
+                    plan.parts
+                } else {
+                    1
+                };
+            let turn = (units - p.block).div_ceil(plan.grid) as u64;
+            assert_eq!(p.tiles, turn, "{at}: {p:?}");
             let spent = p.gemm_ns + p.publish_ns + p.wait_ns + p.reduce_ns + p.tail_ns;
             assert!(p.start_ns <= p.end_ns, "{at}: {p:?}");
             assert!(spent <= p.end_ns - p.start_ns, "{at}: {p:?}");

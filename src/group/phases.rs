@@ -27,8 +27,8 @@ pub struct BlockPhases {
     pub start_ns: u64,
     /// `%globaltimer` at the block's end, ns.
     pub end_ns: u64,
-    /// The tiles the block computed (GEMM + all-reduce with its split of k in parallel: the
-    /// parts of tiles).
+    /// The tiles the block computed (with the split of k in parallel: the parts of tiles,
+    /// [`FusedPlan::parts_in_parallel`](crate::ops::gemm_all_reduce::FusedPlan::parts_in_parallel)).
     pub tiles: u64,
     /// Computing them (the GEMM's mainloop and epilogue).
     pub gemm_ns: u64,

@@ -86,18 +86,19 @@ pub struct FusedPlan {
     /// Output tiles.
     pub tiles: usize,
     /// Blocks of the persistent grid: `min(units, blocks x blocks_per_sm)` for GEMM +
-    /// all-reduce and GEMM + reduce-scatter (its units: the tiles, or the parts of the tiles
-    /// when [`parts_in_parallel`](Self::parts_in_parallel)), `min(tiles, blocks)` for
-    /// all-gather + GEMM.
+    /// all-reduce and GEMM + reduce-scatter, `min(units, blocks)` for all-gather + GEMM (its
+    /// units: the tiles, or the parts of the tiles when
+    /// [`parts_in_parallel`](Self::parts_in_parallel)).
     pub grid: usize,
     /// The split of `k` ([`split_parts`] on the group's device: the GEMM's, so the same bits).
     pub parts: usize,
-    /// GEMM + all-reduce and GEMM + reduce-scatter with `parts` > 1, `m` ≤
-    /// [`SPLIT_PARALLEL_M_MAX`] and the parts' f32 partials (`parts · m · n · 4` bytes) within
-    /// the group's capacity: each part of each tile is a unit of the grid, its partial in the
-    /// rank's staging half, folded in order as
-    /// [`gemm_with_scratch`](crate::ops::gemm::gemm_with_scratch) folds them. Otherwise (and
-    /// always for all-gather + GEMM) each tile's block runs its parts one after another.
+    /// `parts` > 1 on a configuration that splits in parallel (64 columns), `m` ≤
+    /// [`SPLIT_PARALLEL_M_MAX`], at most [`MAX_TILES`] tiles and the parts' f32 partials
+    /// (`parts · m · n · 4` bytes) within the group's capacity: each part of each tile is a
+    /// unit of the grid, its partial in the rank's staging half, folded in order as
+    /// [`gemm_with_scratch`](crate::ops::gemm::gemm_with_scratch) folds them (every fused
+    /// kernel: a narrow layer's weight then streams on `tiles · parts` blocks). Otherwise
+    /// each tile's block runs its parts one after another.
     pub parts_in_parallel: bool,
     /// GEMM + all-reduce: how it reduced, [`AllReduceAlgo::OneShot`] (every rank reduces
     /// every tile) or [`AllReduceAlgo::TwoShot`] (each rank its slice of rows, then every rank
@@ -186,7 +187,9 @@ pub(crate) fn fused_config(
 /// tiles, and the persistent grid of `kernel`: GEMM + all-reduce (and + reduce-scatter) as
 /// many blocks as the SMs hold at once, so that an SM streams several blocks' weights (its
 /// blocks wait only for other ranks' blocks, and every block is resident: a cooperative
-/// launch); all-gather + GEMM one block per SM (unchanged, measured so on an H200).
+/// launch); all-gather + GEMM one block per SM (measured so on an H200). Either grid's units
+/// are the parts of the tiles where the split runs in parallel
+/// ([`FusedPlan::parts_in_parallel`]), else the tiles.
 pub(crate) fn planned(
     shape: GemmShape,
     facts: &FusedFacts,
@@ -195,22 +198,22 @@ pub(crate) fn planned(
     let config = fused_config(shape, facts).map_err(|reason| Error::invalid("out", reason))?;
     let tiles = tiles_of(config, shape);
     let parts = split_parts(shape.n, shape.k, facts.sms);
-    let (per_sm, parts_in_parallel) = match kernel {
-        FusedKernel::RowParallel => (
-            facts.blocks_per_sm[config.abi() as usize],
-            // cuda/gemm_all_reduce.cu's rule (launch_config): the configurations a split
-            // selects (64 columns; gemm_split.cuh's kParallelSplit).
-            parts > 1
-                && config.splits_k()
-                && config.info().block_n == 64
-                && shape.m <= SPLIT_PARALLEL_M_MAX
-                && parts
-                    .saturating_mul(shape.m)
-                    .saturating_mul(shape.n)
-                    .saturating_mul(4)
-                    <= facts.capacity,
-        ),
-        FusedKernel::AllGather => (1, false),
+    // cuda/fused_split.cuh's rule (split_in_parallel): the configurations a split selects (64
+    // columns; gemm_split.cuh's kParallelSplit), a word for every tile, the partials within the
+    // staging half.
+    let parts_in_parallel = parts > 1
+        && config.splits_k()
+        && config.info().block_n == 64
+        && shape.m <= SPLIT_PARALLEL_M_MAX
+        && tiles <= MAX_TILES
+        && parts
+            .saturating_mul(shape.m)
+            .saturating_mul(shape.n)
+            .saturating_mul(4)
+            <= facts.capacity;
+    let per_sm = match kernel {
+        FusedKernel::RowParallel => facts.blocks_per_sm[config.abi() as usize],
+        FusedKernel::AllGather => 1,
     };
     let units = if parts_in_parallel {
         tiles * parts

@@ -385,9 +385,11 @@ pub fn enqueue_gemm_reduce_scatter<T: TestElement>(
 }
 
 /// Rank `r`'s tpfuse_all_gather_gemm of its rows `x` [m / W, k] and weight `w` [n, k] (+ bias)
-/// into `out` [m, n]; the code it returned.
+/// into `out` [m, n] in configuration `config` (a `TPFUSE_GEMM_CONFIG_*`, e.g. `auto_config`'s);
+/// the code it returned.
 #[allow(clippy::too_many_arguments)]
 pub fn enqueue_all_gather_gemm<T: TestElement>(
+    config: i32,
     ranks: &Ranks,
     r: usize,
     x: &DeviceBuffer<T>,
@@ -403,7 +405,7 @@ pub fn enqueue_all_gather_gemm<T: TestElement>(
     unsafe {
         abi::tpfuse_all_gather_gemm(
             T::DTYPE,
-            auto_config(m, n, k),
+            config,
             &peers,
             &args,
             blocks,

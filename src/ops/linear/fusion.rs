@@ -17,8 +17,10 @@ pub enum Fusion {
     /// [`FusionRule`]'s choice, from what one GPU measured: a column-parallel layer's
     /// all-gather + GEMM fuses for small `m` on groups whose custom kernels run, when the
     /// shape fits the fused kernel and its `k` does not split
-    /// ([`split_parts`](crate::ops::gemm::split_parts) = 1: the unfused GEMM runs the parts in
-    /// parallel, the fused all-gather + GEMM one after another); a row-parallel layer's GEMM +
+    /// ([`split_parts`](crate::ops::gemm::split_parts) = 1) or the fused kernel runs the parts
+    /// in parallel as the unfused GEMM does
+    /// ([`FusedPlan::parts_in_parallel`](crate::ops::gemm_all_reduce::FusedPlan::parts_in_parallel));
+    /// a row-parallel layer's GEMM +
     /// all-reduce or GEMM + reduce-scatter runs unfused (measured 1.6-2.6x slower fused on an
     /// H200, `docs/performance.md`; [`Fusion::Fused`] still runs it).
     Auto,
