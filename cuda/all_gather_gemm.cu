@@ -39,8 +39,9 @@
 // fold waits for nothing), so every wait ends once the publishing blocks have run; a block
 // waits for every block of the ranks it needs, its own rank's included, so each rank's G blocks
 // must be resident together: the launch is cooperative (backend.cuh: all G blocks resident at
-// once, or refused before anything runs; the grid, TpGroup::fused_blocks, is one block per SM
-// of the SMs it is given: every SM, or the SMs divided among virtual ranks). Every rank awaits every peer's parts in every
+// once, or refused before anything runs; the grid is at most the blocks the SMs it is given
+// hold at once, TpGroup::fused_blocks x tpfuse_all_gather_gemm_blocks_per_sm: every SM, or the
+// SMs divided among virtual ranks). Every rank awaits every peer's parts in every
 // launch, as fused_flags.cuh's exchange-area argument needs: it is also why a push of launch
 // E+2 into a peer's area finds that peer done with launch E.
 
@@ -214,6 +215,19 @@ int launch(int config, const tpfuse_peers &peers, const tpfuse_group_args &g, in
   });
 }
 
+// The blocks of configuration `config`'s kernel one SM of the current device holds at once,
+// into *blocks (the occupancy API, after the kernel is opted in to its shared memory).
+template <typename T> int blocks_per_sm(int config, int *blocks) {
+  return gemm::visit_config(config, [&](auto selected) {
+    using Cfg = typename gemm::Fused<decltype(selected)>::type;
+    auto all_gather_gemm = all_gather_gemm_kernel<T, Cfg>; // the name the emulator knows
+    const cudaError_t err =
+        cudaFuncSetAttribute(all_gather_gemm, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    return static_cast<int>(TPFUSE_MAX_ACTIVE_BLOCKS(blocks, all_gather_gemm, Cfg::kThreads, Cfg::kSmemBytes));
+  });
+}
+
 constexpr size_t kMaxDim = size_t{1} << 30;
 
 } // namespace
@@ -253,4 +267,9 @@ extern "C" int tpfuse_all_gather_gemm(tpfuse_dtype dtype, int32_t config, const 
   case TPFUSE_DTYPE_BF16: return launch<__nv_bfloat16>(config, *peers, *group, blocks, x, w, bias, out, im, in, ik, s);
   default: return cudaErrorInvalidValue;
   }
+}
+
+extern "C" int tpfuse_all_gather_gemm_blocks_per_sm(tpfuse_dtype dtype, int32_t config, int32_t *blocks) {
+  using namespace tpfuse;
+  return fused::report_blocks_per_sm(dtype, blocks, [&](auto t, int *n) { return blocks_per_sm<decltype(t)>(config, n); });
 }

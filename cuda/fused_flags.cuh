@@ -86,6 +86,20 @@ inline uint64_t descriptor_of(uint64_t kind, uint64_t digest) {
   return (digest & kDescriptorMask & ~kind_mask) | (kind & kind_mask);
 }
 
+// Host: a fused kernel's blocks one SM holds at once, `count(T{}, &n)` for dtype's element type
+// (f16 or bf16: the occupancy API), into *blocks; a failure is cleared, not left for a later
+// launch to report.
+template <typename Count> int report_blocks_per_sm(tpfuse_dtype dtype, int32_t *blocks, Count count) {
+  if (blocks == nullptr) return cudaErrorInvalidValue;
+  int n = 0;
+  const int err = dtype == TPFUSE_DTYPE_F16    ? count(__half{}, &n)
+                  : dtype == TPFUSE_DTYPE_BF16 ? count(__nv_bfloat16{}, &n)
+                                               : static_cast<int>(cudaErrorInvalidValue);
+  if (err == 0) *blocks = n;
+  else (void)cudaGetLastError();
+  return err;
+}
+
 // The block's state, in shared memory: one decision for all its threads.
 struct BlockState {
   uint64_t epoch; // E

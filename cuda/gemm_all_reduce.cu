@@ -703,12 +703,5 @@ extern "C" int tpfuse_gemm_reduce_scatter(tpfuse_dtype dtype, int32_t config, co
 
 extern "C" int tpfuse_gemm_all_reduce_blocks_per_sm(tpfuse_dtype dtype, int32_t config, int32_t *blocks) {
   using namespace tpfuse;
-  if (blocks == nullptr) return cudaErrorInvalidValue;
-  int n = 0;
-  const int err = dtype == TPFUSE_DTYPE_F16    ? blocks_per_sm<__half>(config, &n)
-                  : dtype == TPFUSE_DTYPE_BF16 ? blocks_per_sm<__nv_bfloat16>(config, &n)
-                                               : static_cast<int>(cudaErrorInvalidValue);
-  if (err == 0) *blocks = n;
-  else (void)cudaGetLastError(); // not left for a later launch_result to report
-  return err;
+  return fused::report_blocks_per_sm(dtype, blocks, [&](auto t, int *n) { return blocks_per_sm<decltype(t)>(config, n); });
 }

@@ -480,11 +480,15 @@ int tpfuse_gemm_reduce_scatter(tpfuse_dtype dtype, int32_t config, const tpfuse_
  * where it runs in parallel (the same rule, and at most TPFUSE_MAX_FUSED_TILES tiles), the
  * grid's units are the parts of the tiles (min(tiles * S, blocks) blocks), their f32 partials
  * in this rank's staging half (no argument may lie there), folded in order; otherwise
- * min(tiles, blocks) blocks. The same bits either way.
+ * min(tiles, blocks) blocks. The same bits either way. blocks bounds the grid as there, with
+ * tpfuse_all_gather_gemm_blocks_per_sm x the SMs.
  */
 int tpfuse_all_gather_gemm(tpfuse_dtype dtype, int32_t config, const tpfuse_peers *peers,
                            const tpfuse_group_args *group, int32_t blocks, const void *x, const void *w,
                            const void *bias, void *out, size_t m, size_t n, size_t k, void *stream);
+
+/* tpfuse_gemm_all_reduce_blocks_per_sm for tpfuse_all_gather_gemm's kernel. */
+int tpfuse_all_gather_gemm_blocks_per_sm(tpfuse_dtype dtype, int32_t config, int32_t *blocks);
 
 #ifdef __cplusplus
 }

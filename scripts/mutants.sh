@@ -417,7 +417,9 @@ mutant reduce-first-tile-only emu_gemm_all_reduce::fused_equals_gemm_then_all_re
 mutant reduce-vectors-by-tile-width emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "the fused reduction steps a tile's vectors by the configuration's width, not the tile's" \
   gemm_all_reduce.cu 'min(Cfg::kBlockN, L.n - n0) / Vec16<T>::kLen};' 'Cfg::kBlockN / Vec16<T>::kLen};'
 mutant fused-blocks-per-sm-one emu_counters::the_fused_grid_fills_the_sms_it_is_given "the fused kernel's occupancy query reports one block an SM" \
-  gemm_all_reduce.cu '  if (err == 0) *blocks = n;' '  if (err == 0) *blocks = 1;'
+  gemm_all_reduce.cu 'return blocks_per_sm<decltype(t)>(config, n);' 'return (*n = 1, 0);'
+mutant gather-blocks-per-sm-one emu_counters::the_fused_grid_fills_the_sms_it_is_given "all-gather + GEMM's occupancy query reports one block an SM" \
+  all_gather_gemm.cu 'return blocks_per_sm<decltype(t)>(config, n);' 'return (*n = 1, 0);'
 mutant no-sync-before-flag emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16+weak "the fused kernel publishes a block's flag before the whole block stored its tiles" \
   gemm_all_reduce.cu $'    __syncthreads(); // the tile\'s stores and the epilogue\'s reads of smem, before the next\n' ''
 mutant epoch-not-advanced emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "the fused kernel's launches all use epoch 1" \

@@ -480,6 +480,7 @@ fn the_fused_reduction_follows_the_algorithm_and_the_size() {
         sms: 132,
         blocks: 132,
         blocks_per_sm: [1; 5],
+        gather_blocks_per_sm: [1; 5],
         one_shot_below: Some(256 << 10),
         packet_bytes: 0,
     };

@@ -42,7 +42,7 @@ use tpfuse::emulator::{self, Fault};
 use tpfuse::ops::gemm::{
     gemm_with_config, gemm_with_scratch, split_parts_on, GemmConfig, GemmShape,
 };
-use tpfuse::ops::gemm_all_reduce::FusedPlan;
+use tpfuse::ops::gemm_all_reduce::{facts_of, FusedPlan};
 use tpfuse::ops::{self, gemm_all_reduce_with, Algorithm, Epilogue, RmsNorm};
 use tpfuse::plan::{gemm_block_bytes, gemm_split_block_bytes, CollectiveLaunch};
 use tpfuse::topology::AllReduceAlgo;
@@ -67,35 +67,57 @@ fn grid(bytes: usize, budget: usize) -> usize {
     bytes.div_ceil(16).div_ceil(512).clamp(1, budget)
 }
 
-/// One fused GEMM + all-reduce (one-shot, no epilogue) of `shape` on every rank of `groups`,
-/// fresh inputs from `seed`: each rank's plan and the launches' records.
+/// One counted round of `op` on every rank (rank, its x of `x_rows` rows, its weight, its
+/// out), on fresh inputs of `shape`: the plans and the records.
+fn counted_round(
+    groups: &[TpGroup],
+    shape: GemmShape,
+    x_rows: usize,
+    seed: u64,
+    label: &str,
+    mut op: impl FnMut(
+        usize,
+        &CudaSlice<bf16>,
+        &CudaSlice<bf16>,
+        &mut CudaSlice<bf16>,
+    ) -> tpfuse::Result<FusedPlan>,
+) -> (Vec<FusedPlan>, Vec<LaunchCounters>) {
+    let GemmShape { m, n, k } = shape;
+    let world = groups.len();
+    let xs: Vec<CudaSlice<bf16>> = upload_ranks(groups, &inputs(seed, world, x_rows * k));
+    let ws: Vec<CudaSlice<bf16>> = upload_ranks(groups, &inputs(seed ^ 0x30, world, n * k));
+    let mut outs: Vec<CudaSlice<bf16>> = poisoned_ranks(groups, m * n);
+    let mut plans = Vec::new();
+    let ((), recs) = counters::count(|| {
+        plans = round(groups, label, |r| op(r, &xs[r], &ws[r], &mut outs[r]));
+    });
+    (plans, recs)
+}
+
+/// One counted round of the fused one-shot GEMM + all-reduce (no epilogue) on every rank.
 fn fused_one_shot_counted(
     groups: &[TpGroup],
     shape: GemmShape,
     seed: u64,
     label: &str,
 ) -> (Vec<FusedPlan>, Vec<LaunchCounters>) {
-    let GemmShape { m, n, k } = shape;
-    let world = groups.len();
-    let xs: Vec<CudaSlice<bf16>> = upload_ranks(groups, &inputs(seed, world, m * k));
-    let ws: Vec<CudaSlice<bf16>> = upload_ranks(groups, &inputs(seed ^ 0x30, world, n * k));
-    let mut outs: Vec<CudaSlice<bf16>> = poisoned_ranks(groups, m * n);
-    let mut plans = Vec::new();
-    let ((), recs) = counters::count(|| {
-        plans = round(groups, label, |r| {
-            let (x, wt, out) = (&xs[r], &ws[r], &mut outs[r]);
-            gemm_all_reduce_with(
-                &groups[r],
-                x,
-                wt,
-                Epilogue::default(),
-                out,
-                shape,
-                Algorithm::OneShot,
-            )
-        });
-    });
-    (plans, recs)
+    counted_round(groups, shape, shape.m, seed, label, |r, x, w, out| {
+        let epilogue = Epilogue::default();
+        gemm_all_reduce_with(&groups[r], x, w, epilogue, out, shape, Algorithm::OneShot)
+    })
+}
+
+/// One counted round of all-gather + GEMM on every rank (each rank's m / W rows).
+fn all_gather_gemm_counted(
+    groups: &[TpGroup],
+    shape: GemmShape,
+    seed: u64,
+    label: &str,
+) -> (Vec<FusedPlan>, Vec<LaunchCounters>) {
+    let rows = shape.m / groups.len();
+    counted_round(groups, shape, rows, seed, label, |r, x, w, out| {
+        ops::all_gather_gemm(&groups[r], x, w, None, out, shape)
+    })
 }
 
 /// The records of one round of `op` on every rank: one launch per rank, of `kernel`, with
@@ -721,28 +743,12 @@ fn all_gather_gemm_moves_each_rows_part_across_once() {
         let rows = m / world;
         let shape = GemmShape { m, n, k };
         let label = format!("all-gather + GEMM W={world} (m, n, k)=({m}, {n}, {k})");
-        let xs: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0x7e, world, rows * k));
-        let ws: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0x8e, world, n * k));
-        let mut outs: Vec<CudaSlice<bf16>> = poisoned_ranks(&groups, m * n);
-        let mut plans: Vec<Option<FusedPlan>> = vec![None; world];
-        let ((), recs) = counters::count(|| {
-            round(&groups, &label, |r| {
-                plans[r] = Some(ops::all_gather_gemm(
-                    &groups[r],
-                    &xs[r],
-                    &ws[r],
-                    None,
-                    &mut outs[r],
-                    shape,
-                )?);
-                Ok(())
-            });
-        });
+        let (plans, recs) = all_gather_gemm_counted(&groups, shape, 0x7e, &label);
         assert_eq!(recs.len(), world, "{label}: launches {recs:#?}");
         for rec in &recs {
             let r = rec.rank.expect("a rank tag");
             let l = format!("{label} rank {r}");
-            let plan = plans[r].expect("planned");
+            let plan = plans[r];
             assert!(
                 rec.kernel.contains("all_gather_gemm"),
                 "{l}: ran {}",
@@ -763,7 +769,10 @@ fn all_gather_gemm_moves_each_rows_part_across_once() {
             );
             let units =
                 (tiles_m * tiles_n) as usize * if plan.parts_in_parallel { parts } else { 1 };
-            let blocks = SMS as usize / world; // the group's share of the SMs, one block each
+            // The group's share of the SMs, as many blocks each as one holds.
+            let slot = GemmConfig::ALL.iter().position(|&c| c == plan.config);
+            let per_sm = facts_of(&groups[r]).gather_blocks_per_sm[slot.expect("a config")];
+            let blocks = SMS as usize / world * per_sm;
             assert_eq!(plan.grid, units.min(blocks), "{l}: the plan's grid");
             let (w, m64, n64, k64, rows) =
                 (world as u64, m as u64, n as u64, k as u64, rows as u64);
@@ -878,13 +887,14 @@ fn fused_gemm_all_reduce_reads_the_peers_once_or_twice_by_slices() {
     }
 }
 
-/// The fused GEMM + all-reduce's persistent grid: as many blocks as the SMs the group gives a
-/// rank hold at once (each SM then streams several blocks' weights), the blocks of its plan.
-/// The emulator counts an H100's SM with its register table (219 a thread for this kernel,
-/// ptxas's most over its instantiations, FusedTile64x64's; `cuda/emu/kernel_resources.inc`):
-/// FusedTile64x64 (96 KiB of shared memory, 128 threads) and SmallM16x64 (60 KiB, 128
-/// threads) fit two blocks an SM (a real H100 holds three of the latter: ptxas gives it 140
-/// registers). `GroupOptions::fused_blocks_per_sm` bounds it.
+/// The fused GEMM + all-reduce's and all-gather + GEMM's persistent grids: as many blocks as
+/// the SMs the group gives a rank hold at once (each SM then streams several blocks' weights),
+/// the blocks of their plans. The emulator counts an H100's SM with its register table
+/// (`cuda/emu/kernel_resources.inc`: per kernel, ptxas's most over its instantiations, 231 and
+/// 209 a thread, FusedTile64x64's): FusedTile64x64 (96 KiB of shared memory, 128 threads) and
+/// SmallM16x64 (60 KiB, 128 threads) fit two blocks an SM (a real H100 holds three of the
+/// latter: ptxas gives GEMM + all-reduce's 140 registers). `GroupOptions::fused_blocks_per_sm`
+/// bounds it.
 #[test]
 fn the_fused_grid_fills_the_sms_it_is_given() {
     let _session = session_with(
@@ -922,6 +932,27 @@ fn the_fused_grid_fills_the_sms_it_is_given() {
         let (plans, _) = fused_one_shot_counted(&roomy, shape, 0x9e, &label);
         assert_eq!(plans[0].grid, sms_per_rank, "{label}: one block an SM");
     }
+    // All-gather + GEMM, by its own kernel's occupancy: 20 tiles of 16x64 (m = 2, one row a
+    // rank), more than the 16 blocks two an SM give.
+    let shape = GemmShape {
+        m: 2,
+        n: 1280,
+        k: 40,
+    };
+    let label = "all-gather + GEMM W=2 (m, n, k)=(2, 1280, 40)";
+    let (plans, recs) = all_gather_gemm_counted(&groups, shape, 0x9f, label);
+    assert_eq!(plans[0].config, GemmConfig::SmallM16x64, "{label}");
+    assert_eq!(plans[0].grid, 2 * sms_per_rank, "{label}: two blocks an SM");
+    for rec in &recs {
+        assert_eq!(rec.blocks.len(), plans[0].grid, "{label}: blocks");
+    }
+    let options = GroupOptions {
+        fused_blocks_per_sm: Some(1),
+        ..GroupOptions::default()
+    };
+    let roomy = virtual_group(&gpu.ctx, world, options);
+    let (plans, _) = all_gather_gemm_counted(&roomy, shape, 0xa0, label);
+    assert_eq!(plans[0].grid, sms_per_rank, "{label}: one block an SM");
 }
 
 /// The fused one-shot's RMSNorm rows, block by block (what `tpfuse::plan::fused_row` charges

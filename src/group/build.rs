@@ -24,6 +24,8 @@ pub(crate) struct DeviceFacts {
     /// Blocks of the fused GEMM + all-reduce kernel one SM holds at once, per tile
     /// configuration (in the order of `GemmConfig::ALL`).
     pub(crate) fused_blocks_per_sm: [usize; 5],
+    /// The same for the fused all-gather + GEMM kernel.
+    pub(crate) gather_blocks_per_sm: [usize; 5],
 }
 
 fn device_facts(ctx: &CudaContext, options: &GroupOptions) -> Result<DeviceFacts> {
@@ -39,16 +41,27 @@ fn device_facts(ctx: &CudaContext, options: &GroupOptions) -> Result<DeviceFacts
             attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
         ),
         sms: sm_count(ctx)?,
-        fused_blocks_per_sm: fused_blocks_per_sm(ctx)?
-            .map(|b| b.min(options.fused_blocks_per_sm.unwrap_or(usize::MAX))),
+        fused_blocks_per_sm: fused_blocks_per_sm(
+            ctx,
+            kernels::tpfuse_gemm_all_reduce_blocks_per_sm,
+        )?
+        .map(|b| b.min(options.fused_blocks_per_sm.unwrap_or(usize::MAX))),
+        gather_blocks_per_sm: fused_blocks_per_sm(
+            ctx,
+            kernels::tpfuse_all_gather_gemm_blocks_per_sm,
+        )?
+        .map(|b| b.min(options.fused_blocks_per_sm.unwrap_or(usize::MAX))),
     })
 }
 
-/// The occupancy API's count for each configuration, the fewer of the f16 and bf16 kernels'
-/// ([`DeviceFacts::fused_blocks_per_sm`] before `options.fused_blocks_per_sm`); 1 where the
-/// device runs no such kernel (a compute capability below 8.0: the fused path refuses it by
-/// name anyway).
-fn fused_blocks_per_sm(ctx: &CudaContext) -> Result<[usize; 5]> {
+/// A fused kernel's occupancy `query` for each configuration, the fewer of the f16 and bf16
+/// kernels' ([`DeviceFacts::fused_blocks_per_sm`] and `gather_blocks_per_sm` before
+/// `options.fused_blocks_per_sm`); 1 where the device runs no such kernel (a compute
+/// capability below 8.0: the fused path refuses it by name anyway).
+fn fused_blocks_per_sm(
+    ctx: &CudaContext,
+    query: unsafe extern "C" fn(kernels::tpfuse_dtype, i32, *mut i32) -> i32,
+) -> Result<[usize; 5]> {
     ctx.bind_to_thread().map_err(cuda("binding the context"))?;
     let mut out = [1; 5];
     for (slot, config) in out.iter_mut().zip(GemmConfig::ALL) {
@@ -58,9 +71,7 @@ fn fused_blocks_per_sm(ctx: &CudaContext) -> Result<[usize; 5]> {
         {
             let mut blocks = 0i32;
             // SAFETY: `blocks` is a valid out-pointer; the context is current on this thread.
-            let code = unsafe {
-                kernels::tpfuse_gemm_all_reduce_blocks_per_sm(dtype, config.abi(), &mut blocks)
-            };
+            let code = unsafe { query(dtype, config.abi(), &mut blocks) };
             fewest = if code == 0 { fewest.min(blocks) } else { 1 };
         }
         *slot = usize::try_from(fewest).unwrap_or(1).max(1);

@@ -112,8 +112,8 @@ pub struct GroupOptions {
     /// [`cta_budget`]'s choice. For virtual ranks, `world * blocks` must not exceed the
     /// device's SM count. Default: `None`.
     pub blocks: Option<usize>,
-    /// At most this many blocks of the fused GEMM + all-reduce (and GEMM + reduce-scatter) on
-    /// each SM (1 ..= 32). Default `None`: as many as one SM holds (the occupancy API, per
+    /// At most this many blocks of the fused GEMM + all-reduce (and GEMM + reduce-scatter,
+    /// all-gather + GEMM) on each SM (1 ..= 32). Default `None`: as many as one SM holds (the occupancy API, per
     /// tile configuration), so that every SM streams several blocks' weights. Its grid then
     /// needs the room of every SM it is given: a kernel of another stream holding part of an
     /// SM delays it, and one that meanwhile waits for another GPU (another communicator's
@@ -385,8 +385,9 @@ impl TpGroup {
     /// smallest GPU for real groups (the kernel is the layer's GEMM: it streams the weights and
     /// needs every SM, where the all-reduce's budget leaves half the GPU to the work it
     /// overlaps with); for virtual ranks, which share one device, its SMs divided among the
-    /// ranks. GEMM + all-reduce runs as many blocks on each as it holds at once (the occupancy
-    /// API, read when the group was built), all-gather + GEMM one.
+    /// ranks. The fused kernels run as many blocks on each as it holds at once (the occupancy
+    /// API, per kernel and tile configuration, read when the group was built; at most
+    /// [`GroupOptions::fused_blocks_per_sm`]).
     pub fn fused_blocks(&self) -> usize {
         self.fused_blocks
     }

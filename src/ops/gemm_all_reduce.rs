@@ -67,6 +67,8 @@ pub struct FusedFacts {
     /// Blocks of the GEMM + all-reduce kernel one SM holds at once, per tile configuration
     /// (in the order of [`GemmConfig::ALL`]; the occupancy API when the group was built).
     pub blocks_per_sm: [usize; 5],
+    /// The same for the all-gather + GEMM kernel.
+    pub gather_blocks_per_sm: [usize; 5],
     /// The group's all-reduce rule's bound for one-shot, in bytes per rank (`None`: the
     /// custom all-reduce may not run): under [`Algorithm::Auto`] the fused GEMM + all-reduce
     /// reduces in two shots from there.
@@ -85,10 +87,9 @@ pub struct FusedPlan {
     pub config: GemmConfig,
     /// Output tiles.
     pub tiles: usize,
-    /// Blocks of the persistent grid: `min(units, blocks x blocks_per_sm)` for GEMM +
-    /// all-reduce and GEMM + reduce-scatter, `min(units, blocks)` for all-gather + GEMM (its
-    /// units: the tiles, or the parts of the tiles when
-    /// [`parts_in_parallel`](Self::parts_in_parallel)).
+    /// Blocks of the persistent grid: `min(units, blocks x blocks_per_sm)` (GEMM + all-reduce
+    /// and GEMM + reduce-scatter; all-gather + GEMM: `gather_blocks_per_sm`), its units the
+    /// tiles, or the parts of the tiles when [`parts_in_parallel`](Self::parts_in_parallel).
     pub grid: usize,
     /// The split of `k` ([`split_parts`] on the group's device: the GEMM's, so the same bits).
     pub parts: usize,
@@ -184,11 +185,9 @@ pub(crate) fn fused_config(
 }
 
 /// The plan of a shape that passed the checks: the GEMM's tile configuration for it, its
-/// tiles, and the persistent grid of `kernel`: GEMM + all-reduce (and + reduce-scatter) as
-/// many blocks as the SMs hold at once, so that an SM streams several blocks' weights (its
-/// blocks wait only for other ranks' blocks, and every block is resident: a cooperative
-/// launch); all-gather + GEMM one block per SM (measured so on an H200). Either grid's units
-/// are the parts of the tiles where the split runs in parallel
+/// tiles, and the persistent grid of `kernel`: as many blocks as the SMs hold at once, so that
+/// an SM streams several blocks' weights (every block is resident: a cooperative launch). Its
+/// units are the parts of the tiles where the split runs in parallel
 /// ([`FusedPlan::parts_in_parallel`]), else the tiles.
 pub(crate) fn planned(
     shape: GemmShape,
@@ -213,7 +212,7 @@ pub(crate) fn planned(
             <= facts.capacity;
     let per_sm = match kernel {
         FusedKernel::RowParallel => facts.blocks_per_sm[config.abi() as usize],
-        FusedKernel::AllGather => 1,
+        FusedKernel::AllGather => facts.gather_blocks_per_sm[config.abi() as usize],
     };
     let units = if parts_in_parallel {
         tiles * parts
@@ -384,6 +383,7 @@ pub fn facts_of(group: &TpGroup) -> FusedFacts {
         sms: device.sms,
         blocks: group.fused_blocks(),
         blocks_per_sm: device.fused_blocks_per_sm,
+        gather_blocks_per_sm: device.gather_blocks_per_sm,
         one_shot_below: limits.map(|l| l.one_shot_below),
         packet_bytes: group.packet_bytes(),
     }
