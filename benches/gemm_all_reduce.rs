@@ -1,7 +1,7 @@
 //! The fused GEMM + collective kernels against their unfused sequences and against the GEMM
 //! alone, in one run (bf16).
 //!
-//! Criterion groups `{op}_bf16_{virtual,gpus}_w{W}_{layer}`:
+//! Criterion groups `{op}_bf16_{virtual,virtual-packed,gpus}_w{W}_{layer}`:
 //!
 //! - `gemm_all_reduce`: the DESIGN.md reference shapes of the row-parallel layers of
 //!   Llama-3-70B at TP 8 (o_proj n 8192, k 1024; down n 8192, k 3584), residual + RMSNorm
@@ -13,11 +13,11 @@
 //!
 //! three ways per shape:
 //!
-//! - `gemm`: [`ops::gemm`] of every rank's `[m, k]` alone (the floor the fusion aims at: the
-//!   goal is `fused` within 1.05x of it for m <= 64);
-//! - `unfused`: [`ops::gemm`] into a workspace, then [`ops::all_reduce_fused`] with the
-//!   epilogue (`Algorithm::Auto`) or [`ops::reduce_scatter`]; or [`ops::all_gather`], then
-//!   [`ops::gemm`];
+//! - `gemm`: every rank's `[m, k]` GEMM alone, as the layers run it (at m <= 64
+//!   [`gemm_with_scratch`], so that a split k runs its parts in parallel; else [`ops::gemm`]):
+//!   the floor the fusion aims at, the goal `fused` within 1.05x of it for m <= 64;
+//! - `unfused`: that GEMM into a workspace, then [`ops::all_reduce_fused`] with the epilogue
+//!   (`Algorithm::Auto`) or [`ops::reduce_scatter`]; or [`ops::all_gather`], then the GEMM;
 //! - `fused`: [`ops::gemm_all_reduce`] (`Algorithm::Auto`: one-shot or two-shot by size),
 //!   [`ops::gemm_reduce_scatter`] or [`ops::all_gather_gemm`], one kernel;
 //!
@@ -25,7 +25,9 @@
 //! ([`ops::gemm_all_reduce_with`] forced each way: where the two cross is what sets `Auto`).
 //!
 //! `virtual`: W = 2 virtual ranks on GPU 0 (each rank's kernels share the GPU with the other's:
-//! a rehearsal, not a TP-2 machine). `gpus`: one GPU per rank ([`TpGroup::single_process`],
+//! a rehearsal, not a TP-2 machine); `virtual-packed`: the same for `all_gather_gemm` alone with
+//! `GroupOptions::fused_blocks_per_sm: Some(32)` (as many blocks an SM as its occupancy allows,
+//! where the default runs one). `gpus`: one GPU per rank ([`TpGroup::single_process`],
 //! W = 2, 4, 8 as far as the machine has GPUs with peer access). Every way runs from per-rank
 //! CUDA graphs of 16 rounds (launch overhead does not favour the fused path), timed with CUDA
 //! events across all ranks' streams (`time_rounds`). After the groups the bench prints the
@@ -41,11 +43,12 @@ mod common;
 use common::{capture_rounds, check_all, dim, full_or_smoke, random_device, smoke, time_rounds};
 
 use criterion::{BenchmarkId, Criterion};
-use cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
+use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, CudaView, CudaViewMut};
 use half::bf16;
 use std::sync::Arc;
 use std::time::Duration;
-use tpfuse::group::BlockPhases;
+use tpfuse::group::{BlockPhases, SPLIT_SCRATCH_BYTES};
+use tpfuse::ops::gemm::{gemm_with_scratch, SPLIT_PARALLEL_M_MAX};
 use tpfuse::ops::{self, Algorithm, Epilogue, GemmShape, RmsNorm};
 use tpfuse::{GroupOptions, TpGroup};
 
@@ -101,6 +104,8 @@ struct Buffers {
     /// A rank's rows of the input (all-gather) and of the output (reduce-scatter).
     own_x: Vec<CudaSlice<T>>,
     own_out: Vec<CudaSlice<T>>,
+    /// A rank's GEMM scratch (the layers': a split k's parts run in parallel at m <= 64).
+    scratch: Vec<CudaSlice<u8>>,
 }
 
 fn buffers(groups: &[TpGroup], n: usize, k: usize) -> Buffers {
@@ -121,7 +126,32 @@ fn buffers(groups: &[TpGroup], n: usize, k: usize) -> Buffers {
         gamma: each(n, 1.0, 6),
         own_x: each(m * k / groups.len(), 1.0, 7),
         own_out: each(m * n / groups.len(), 1.0, 8),
+        scratch: groups
+            .iter()
+            .map(|g| {
+                g.stream()
+                    .alloc_zeros::<u8>(SPLIT_SCRATCH_BYTES)
+                    .expect("a GEMM scratch")
+            })
+            .collect(),
     }
+}
+
+/// `out` `[m, n]` = `x` `[m, k]` · `wᵀ` on the rank's stream, as the layers run the GEMM: with
+/// the scratch at m <= 64, so that a split k runs its parts in parallel.
+fn layer_gemm(
+    g: &TpGroup,
+    scratch: &mut CudaSlice<u8>,
+    x: &CudaView<T>,
+    w: &CudaSlice<T>,
+    out: &mut CudaViewMut<T>,
+    shape: GemmShape,
+) -> tpfuse::Result<()> {
+    let GemmShape { m, n, k } = shape;
+    if m <= SPLIT_PARALLEL_M_MAX {
+        return gemm_with_scratch(g.stream(), x, w, None, None, out, shape, scratch);
+    }
+    ops::gemm(g.stream(), x, w, None, None, out, m, n, k)
 }
 
 /// Rank r's call of `way` of `op` at `m`.
@@ -143,7 +173,7 @@ fn enqueue(
         (Op::ReduceScatter, Way::Unfused) => {
             let mut partial = b.partial[r].slice_mut(0..m * n);
             let x = b.x[r].slice(0..m * k);
-            ops::gemm(g.stream(), &x, &b.w[r], None, None, &mut partial, m, n, k)?;
+            layer_gemm(g, &mut b.scratch[r], &x, &b.w[r], &mut partial, shape)?;
             let mut own = b.own_out[r].slice_mut(0..rows * n);
             return ops::reduce_scatter(g, &partial, &mut own);
         }
@@ -157,7 +187,7 @@ fn enqueue(
             ops::all_gather(g, &own, &mut b.x[r].slice_mut(0..m * k))?;
             let x = b.x[r].slice(0..m * k);
             let mut out = b.out[r].slice_mut(0..m * n);
-            return ops::gemm(g.stream(), &x, &b.w[r], None, None, &mut out, m, n, k);
+            return layer_gemm(g, &mut b.scratch[r], &x, &b.w[r], &mut out, shape);
         }
         (Op::AllGather, Way::Fused) => {
             let own = b.own_x[r].slice(0..rows * k);
@@ -178,9 +208,9 @@ fn enqueue(
         }),
     };
     match way {
-        Way::Gemm => ops::gemm(g.stream(), &x, &b.w[r], None, None, &mut out, m, n, k),
+        Way::Gemm => layer_gemm(g, &mut b.scratch[r], &x, &b.w[r], &mut out, shape),
         Way::Unfused => {
-            ops::gemm(g.stream(), &x, &b.w[r], None, None, &mut partial, m, n, k)?;
+            layer_gemm(g, &mut b.scratch[r], &x, &b.w[r], &mut partial, shape)?;
             ops::all_reduce_fused(g, &partial, epilogue, &mut out, Algorithm::Auto).map(|_| ())
         }
         Way::Fused => ops::gemm_all_reduce(g, &x, &b.w[r], epilogue, &mut out, shape).map(|_| ()),
@@ -289,12 +319,16 @@ fn bench_groups(
     c: &mut Criterion,
     kind: &str,
     groups: &[TpGroup],
+    only: Option<Op>,
     summary: &mut Vec<String>,
     phases: &mut Vec<String>,
 ) {
     let world = groups.len();
     let streams: Vec<Arc<CudaStream>> = groups.iter().map(|g| g.stream().clone()).collect();
-    for (op, layer, n, k, ms) in CASES {
+    for (op, layer, n, k, ms) in CASES
+        .into_iter()
+        .filter(|c| only.map_or(true, |o| o == c.0))
+    {
         let (n, k) = (dim(n), dim(k));
         let ms = if smoke() { &ms[..1] } else { ms };
         let mut b = buffers(groups, n, k);
@@ -370,7 +404,27 @@ fn main() {
     // SAFETY: every buffer lives on its rank's stream.
     unsafe { ctx.disable_event_tracking() };
     match TpGroup::virtual_ranks(&ctx, 2, options.clone()) {
-        Ok(groups) => bench_groups(&mut c, "virtual", &groups, &mut summary, &mut phases),
+        Ok(groups) => bench_groups(&mut c, "virtual", &groups, None, &mut summary, &mut phases),
+        Err(e) => println!("virtual ranks could not be built: {e}"),
+    }
+    // All-gather + GEMM with as many blocks an SM as its occupancy allows (the default is one:
+    // GroupOptions::fused_blocks_per_sm), against the same GEMM and unfused sequence.
+    let packed = GroupOptions {
+        fused_blocks_per_sm: Some(32),
+        ..options.clone()
+    };
+    match TpGroup::virtual_ranks(&ctx, 2, packed) {
+        Ok(groups) => {
+            let kind = "virtual-packed";
+            bench_groups(
+                &mut c,
+                kind,
+                &groups,
+                Some(Op::AllGather),
+                &mut summary,
+                &mut phases,
+            )
+        }
         Err(e) => println!("virtual ranks could not be built: {e}"),
     }
     let count = tpfuse::device::device_count().unwrap_or(0);
@@ -378,7 +432,7 @@ fn main() {
         let ordinals: Vec<usize> = (0..world).collect();
         match TpGroup::single_process(&ordinals, options.clone()) {
             Ok(groups) if groups[0].custom_kernels_refused().is_none() => {
-                bench_groups(&mut c, "gpus", &groups, &mut summary, &mut phases)
+                bench_groups(&mut c, "gpus", &groups, None, &mut summary, &mut phases)
             }
             Ok(groups) => println!(
                 "GPUs {ordinals:?}: no custom kernels ({}): the fused path cannot run",

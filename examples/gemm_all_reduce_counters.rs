@@ -133,7 +133,7 @@ fn main() -> tpfuse::Result<()> {
     let ctx = tpfuse::device::open(0)?;
     let groups = TpGroup::virtual_ranks(&ctx, WORLD, GroupOptions::default())?;
     println!(
-        "{op:?}: W = {WORLD}, bf16, n = {n}, k = {k}{}, {SMS_PER_RANK} SMs per rank, fused grid bound {}\n",
+        "{op:?}: W = {WORLD}, bf16, n = {n}, k = {k}{}, {SMS_PER_RANK} SMs per rank, the fused grids' SMs {}\n",
         if op == Op::AllReduce { ", residual + RMSNorm" } else { "" },
         groups[0].fused_blocks()
     );

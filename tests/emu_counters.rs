@@ -887,9 +887,9 @@ fn fused_gemm_all_reduce_reads_the_peers_once_or_twice_by_slices() {
     }
 }
 
-/// The fused GEMM + all-reduce's and all-gather + GEMM's persistent grids: as many blocks as
-/// the SMs the group gives a rank hold at once (each SM then streams several blocks' weights),
-/// the blocks of their plans. The emulator counts an H100's SM with its register table
+/// The fused GEMM + all-reduce's persistent grid: as many blocks as the SMs the group gives a
+/// rank hold at once (each SM then streams several blocks' weights), the blocks of its plan;
+/// all-gather + GEMM's when the options ask for it. The emulator counts an H100's SM with its register table
 /// (`cuda/emu/kernel_resources.inc`: per kernel, ptxas's most over its instantiations, 231 and
 /// 209 a thread, FusedTile64x64's): FusedTile64x64 (96 KiB of shared memory, 128 threads) and
 /// SmallM16x64 (60 KiB, 128 threads) fit two blocks an SM (a real H100 holds three of the
@@ -932,8 +932,9 @@ fn the_fused_grid_fills_the_sms_it_is_given() {
         let (plans, _) = fused_one_shot_counted(&roomy, shape, 0x9e, &label);
         assert_eq!(plans[0].grid, sms_per_rank, "{label}: one block an SM");
     }
-    // All-gather + GEMM, by its own kernel's occupancy: 20 tiles of 16x64 (m = 2, one row a
-    // rank), more than the 16 blocks two an SM give.
+    // All-gather + GEMM: one block an SM by default (the grid Fusion::Auto's rule was measured
+    // with), as many as its own kernel's occupancy gives when the options ask for more. 20
+    // tiles of 16x64 (m = 2, one row a rank), more than the 16 blocks two an SM give.
     let shape = GemmShape {
         m: 2,
         n: 1280,
@@ -942,17 +943,24 @@ fn the_fused_grid_fills_the_sms_it_is_given() {
     let label = "all-gather + GEMM W=2 (m, n, k)=(2, 1280, 40)";
     let (plans, recs) = all_gather_gemm_counted(&groups, shape, 0x9f, label);
     assert_eq!(plans[0].config, GemmConfig::SmallM16x64, "{label}");
-    assert_eq!(plans[0].grid, 2 * sms_per_rank, "{label}: two blocks an SM");
+    assert_eq!(plans[0].grid, sms_per_rank, "{label}: one block an SM");
     for rec in &recs {
         assert_eq!(rec.blocks.len(), plans[0].grid, "{label}: blocks");
     }
     let options = GroupOptions {
-        fused_blocks_per_sm: Some(1),
+        fused_blocks_per_sm: Some(4),
         ..GroupOptions::default()
     };
-    let roomy = virtual_group(&gpu.ctx, world, options);
-    let (plans, _) = all_gather_gemm_counted(&roomy, shape, 0xa0, label);
-    assert_eq!(plans[0].grid, sms_per_rank, "{label}: one block an SM");
+    let packed = virtual_group(&gpu.ctx, world, options);
+    let (plans, recs) = all_gather_gemm_counted(&packed, shape, 0xa0, label);
+    assert_eq!(
+        plans[0].grid,
+        2 * sms_per_rank,
+        "{label}: two blocks an SM hold"
+    );
+    for rec in &recs {
+        assert_eq!(rec.blocks.len(), plans[0].grid, "{label}: blocks");
+    }
 }
 
 /// The fused one-shot's RMSNorm rows, block by block (what `tpfuse::plan::fused_row` charges

@@ -332,17 +332,26 @@ fn a_missing_rank_is_named_by_the_two_shot_too() {
 
 /// GEMM + reduce-scatter and all-gather + GEMM with a rank that never launches: every
 /// survivor times out naming it, and marks its whole output failed (random schedules included:
-/// every warp takes the same branch when the wait fails).
+/// every warp takes the same branch when the wait fails). Also with k split in parallel (6
+/// parts of 800 on 32 SMs) in forced 16 x 64 tiles of 3 tile rows, one a rank: all-gather +
+/// GEMM starts with the units of its own rank's tile row, so it fails with parts of tiles
+/// stored (and folds left to blocks that gave up).
 #[test]
 fn the_sequence_parallel_kernels_time_out_on_a_missing_rank() {
     let _s = session(
         "emu_fused_failures",
         "the_sequence_parallel_kernels_time_out_on_a_missing_rank",
     );
-    let (world, timeout) = (3, 2_000_000);
-    let (m, n, k) = (12, 136, 40);
-    let rows = m / world;
-    for gather in [false, true] {
+    let (world, timeout, n) = (3, 2_000_000, 136);
+    let cases = [
+        (12, 40, None),
+        (48, 800, Some(abi::TPFUSE_GEMM_CONFIG_SMALL_16X64 as i32)),
+    ];
+    for ((m, k, forced), gather) in cases
+        .into_iter()
+        .flat_map(|case| [(case, false), (case, true)])
+    {
+        let rows = m / world;
         let ranks = Ranks::with_capacity(world, 2, timeout, CAPACITY);
         ranks.streams[2].set_fault(Fault {
             stop: true,
@@ -357,7 +366,7 @@ fn the_sequence_parallel_kernels_time_out_on_a_missing_rank() {
             let w = DeviceBuffer::from_slice(&p.w[r]);
             let out = poisoned::<bf16>(out_len);
             let (peers, args, stream) = (ranks.peers(), ranks.args(r), ranks.stream(r));
-            let config = auto_config(m, n, k);
+            let config = forced.unwrap_or_else(|| auto_config(m, n, k));
             // SAFETY: the buffers hold what the shapes need and are kept until the synchronize.
             let code = unsafe {
                 if gather {
@@ -393,27 +402,27 @@ fn the_sequence_parallel_kernels_time_out_on_a_missing_rank() {
                     )
                 }
             };
-            launched(&format!("gather={gather} rank {r}"), code);
+            launched(&format!("gather={gather} k={k} rank {r}"), code);
             kept.push((x, w, out));
         }
         for (r, (_, _, out)) in kept.iter().enumerate() {
             ranks.streams[r]
                 .synchronize()
-                .unwrap_or_else(|e| panic!("gather={gather} rank {r}: {e}"));
+                .unwrap_or_else(|e| panic!("gather={gather} k={k} rank {r}: {e}"));
             let word = abi::TPFUSE_ERROR_PEER_TIMEOUT | 2;
             assert_eq!(
                 ranks.error_word(r),
                 word,
-                "gather={gather} rank {r}: names rank 2"
+                "gather={gather} k={k} rank {r}: names rank 2"
             );
             assert_eq!(
                 ranks.host_error_word(r),
                 word,
-                "gather={gather} rank {r}: published"
+                "gather={gather} k={k} rank {r}: published"
             );
             assert!(
                 out.to_vec().iter().all(|x| x.is_failed_output()),
-                "gather={gather} rank {r}: out marked"
+                "gather={gather} k={k} rank {r}: out marked"
             );
         }
     }

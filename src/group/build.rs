@@ -24,7 +24,7 @@ pub(crate) struct DeviceFacts {
     /// Blocks of the fused GEMM + all-reduce kernel one SM holds at once, per tile
     /// configuration (in the order of `GemmConfig::ALL`).
     pub(crate) fused_blocks_per_sm: [usize; 5],
-    /// The same for the fused all-gather + GEMM kernel.
+    /// The same for the fused all-gather + GEMM kernel (1 unless the options ask for more).
     pub(crate) gather_blocks_per_sm: [usize; 5],
 }
 
@@ -46,11 +46,12 @@ fn device_facts(ctx: &CudaContext, options: &GroupOptions) -> Result<DeviceFacts
             kernels::tpfuse_gemm_all_reduce_blocks_per_sm,
         )?
         .map(|b| b.min(options.fused_blocks_per_sm.unwrap_or(usize::MAX))),
-        gather_blocks_per_sm: fused_blocks_per_sm(
-            ctx,
-            kernels::tpfuse_all_gather_gemm_blocks_per_sm,
-        )?
-        .map(|b| b.min(options.fused_blocks_per_sm.unwrap_or(usize::MAX))),
+        // One block an SM unless the options ask for more (GroupOptions::fused_blocks_per_sm).
+        gather_blocks_per_sm: match options.fused_blocks_per_sm {
+            None => [1; 5],
+            Some(most) => fused_blocks_per_sm(ctx, kernels::tpfuse_all_gather_gemm_blocks_per_sm)?
+                .map(|b| b.min(most)),
+        },
     })
 }
 

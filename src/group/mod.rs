@@ -112,13 +112,16 @@ pub struct GroupOptions {
     /// [`cta_budget`]'s choice. For virtual ranks, `world * blocks` must not exceed the
     /// device's SM count. Default: `None`.
     pub blocks: Option<usize>,
-    /// At most this many blocks of the fused GEMM + all-reduce (and GEMM + reduce-scatter,
-    /// all-gather + GEMM) on each SM (1 ..= 32). Default `None`: as many as one SM holds (the occupancy API, per
-    /// tile configuration), so that every SM streams several blocks' weights. Its grid then
-    /// needs the room of every SM it is given: a kernel of another stream holding part of an
-    /// SM delays it, and one that meanwhile waits for another GPU (another communicator's
-    /// collective) can hold it until the deadline (`Error::PeerTimeout`). `Some(1)` leaves
-    /// room beside it (one block an SM, as tpfuse ran it before).
+    /// At most this many blocks of the fused GEMM + all-reduce (and GEMM + reduce-scatter) on
+    /// each SM (1 ..= 32), and of the fused all-gather + GEMM. Default `None`: GEMM +
+    /// all-reduce as many as one SM holds (the occupancy API, per tile configuration), so that
+    /// every SM streams several blocks' weights; all-gather + GEMM, which
+    /// [`Fusion::Auto`](crate::ops::linear::Fusion::Auto) runs, one (the grid its rule was
+    /// measured with; `Some(n)` gives it up to `n`, as many as one SM holds). A grid of several
+    /// blocks an SM needs the room of every SM it is given: a kernel of another stream holding
+    /// part of an SM delays it, and one that meanwhile waits for another GPU (another
+    /// communicator's collective) can hold it until the deadline (`Error::PeerTimeout`).
+    /// `Some(1)` leaves room beside it (one block an SM, as tpfuse ran it before).
     pub fused_blocks_per_sm: Option<usize>,
     /// Whether the fused GEMM + all-reduce (one-shot) may exchange its partial tiles as
     /// packets, each 4 bytes of data with a 4-byte tag stored into every rank's signal pad, so

@@ -226,8 +226,9 @@ impl GemmConfig {
 
     /// What the fused kernels ([`crate::ops::gemm_all_reduce()`],
     /// [`crate::ops::all_gather_gemm()`], ...) run for this configuration: the same tiles (the
-    /// same bits), with [`GemmConfig::Tile64x64`]'s k-slices 64 deep (their persistent grids
-    /// run two such blocks per SM on an H100: few blocks share an SM's bytes in flight).
+    /// same bits), with [`GemmConfig::Tile64x64`]'s k-slices 64 deep (all-gather + GEMM runs
+    /// one block per SM by default, GEMM + all-reduce two on an H100: few blocks share an SM's
+    /// bytes in flight).
     pub fn fused_info(self) -> GemmConfigInfo {
         self.describe(true)
     }

@@ -67,7 +67,8 @@ pub struct FusedFacts {
     /// Blocks of the GEMM + all-reduce kernel one SM holds at once, per tile configuration
     /// (in the order of [`GemmConfig::ALL`]; the occupancy API when the group was built).
     pub blocks_per_sm: [usize; 5],
-    /// The same for the all-gather + GEMM kernel.
+    /// The same for the all-gather + GEMM kernel (1 unless the group's options ask for more:
+    /// [`GroupOptions::fused_blocks_per_sm`](crate::group::GroupOptions::fused_blocks_per_sm)).
     pub gather_blocks_per_sm: [usize; 5],
     /// The group's all-reduce rule's bound for one-shot, in bytes per rank (`None`: the
     /// custom all-reduce may not run): under [`Algorithm::Auto`] the fused GEMM + all-reduce
@@ -185,10 +186,11 @@ pub(crate) fn fused_config(
 }
 
 /// The plan of a shape that passed the checks: the GEMM's tile configuration for it, its
-/// tiles, and the persistent grid of `kernel`: as many blocks as the SMs hold at once, so that
-/// an SM streams several blocks' weights (every block is resident: a cooperative launch). Its
-/// units are the parts of the tiles where the split runs in parallel
-/// ([`FusedPlan::parts_in_parallel`]), else the tiles.
+/// tiles, and the persistent grid of `kernel`: GEMM + all-reduce (and + reduce-scatter) as
+/// many blocks as the SMs hold at once, so that an SM streams several blocks' weights;
+/// all-gather + GEMM one block per SM unless the group's options ask for more (every block is
+/// resident: a cooperative launch). Its units are the parts of the tiles where the split runs
+/// in parallel ([`FusedPlan::parts_in_parallel`]), else the tiles.
 pub(crate) fn planned(
     shape: GemmShape,
     facts: &FusedFacts,

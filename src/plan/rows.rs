@@ -211,29 +211,27 @@ fn registers_of(arch: &str, names: &[&str]) -> usize {
         .unwrap_or(0)
 }
 
-/// Blocks of the fused kernel `kernel` (`gemm_all_reduce_kernel`, `all_gather_gemm_kernel`) of
-/// `config` one SM of `p` holds at once, as the occupancy API counts them (`TpGroup`'s grid):
-/// its threads, shared memory (dynamic and the kernel's static) and registers (the most of
-/// its instantiations; 255, the most its launch bounds allow, where the build has no ptxas
-/// report for `p`'s architecture, so never more blocks than the GPU holds).
-fn fused_blocks_per_sm(kernel: &str, config: GemmConfig, p: &DeviceProfile) -> usize {
+/// Blocks of the fused GEMM + all-reduce kernel of `config` one SM of `p` holds at once, as
+/// the occupancy API counts them (`TpGroup`'s grid): its threads, shared memory (dynamic and
+/// the kernel's static) and registers (the most of its instantiations; 255, the most its
+/// launch bounds allow, where the build has no ptxas report for `p`'s architecture, so never
+/// more blocks than the GPU holds).
+fn fused_blocks_per_sm(config: GemmConfig, p: &DeviceProfile) -> usize {
+    const KERNEL: &str = "gemm_all_reduce_kernel";
     let info = config.fused_info();
-    let registers = match registers_of(p.arch, &[kernel, config_struct(config)]) {
+    let registers = match registers_of(p.arch, &[KERNEL, config_struct(config)]) {
         0 => 255,
         r => r,
     };
     let static_smem = crate::build_info::kernel_resources()
         .into_iter()
-        .filter(|r| r.arch == p.arch && r.kernel.contains(kernel))
+        .filter(|r| r.arch == p.arch && r.kernel.contains(KERNEL))
         .map(|r| r.shared as usize)
         .max()
         .unwrap_or(0);
     p.blocks_per_sm_for(info.threads, info.smem_bytes + static_smem, registers)
         .max(1)
 }
-
-/// The fused row-parallel kernel's name (GEMM + all-reduce, its two-shot and reduce-scatter).
-const ROW_PARALLEL_KERNEL: &str = "gemm_all_reduce_kernel";
 
 /// The kernel-name fragment of a GEMM configuration (its struct in `gemm_sm80.cuh`).
 fn config_struct(config: GemmConfig) -> &'static str {
@@ -272,7 +270,7 @@ fn gemm_in_flight(
         config.info()
     };
     let fit = if fused {
-        fused_blocks_per_sm(ROW_PARALLEL_KERNEL, config, profile)
+        fused_blocks_per_sm(config, profile)
     } else {
         let registers = registers_of(profile.arch, &[kernel, config_struct(config)]);
         profile.blocks_per_sm_for(info.threads, info.smem_bytes, registers)
@@ -444,7 +442,7 @@ fn limits(tp: usize, p: &DeviceProfile) -> Option<SizeLimits> {
 /// SM holds from the kernels' resources in the ptxas report of `p`'s architecture, as the
 /// occupancy API counts them on a GPU).
 fn fused_facts(tp: usize, p: &DeviceProfile) -> FusedFacts {
-    let per_sm = |kernel| GemmConfig::ALL.map(|config| fused_blocks_per_sm(kernel, config, p));
+    let blocks_per_sm = GemmConfig::ALL.map(|config| fused_blocks_per_sm(config, p));
     FusedFacts {
         device: 0,
         world: tp,
@@ -452,8 +450,9 @@ fn fused_facts(tp: usize, p: &DeviceProfile) -> FusedFacts {
         compute_capability: p.compute_capability,
         sms: p.sms,
         blocks: p.sms,
-        blocks_per_sm: per_sm(ROW_PARALLEL_KERNEL),
-        gather_blocks_per_sm: per_sm("all_gather_gemm_kernel"),
+        blocks_per_sm,
+        // The default options: one block an SM (TpGroup's).
+        gather_blocks_per_sm: [1; 5],
         one_shot_below: limits(tp, p).map(|l| l.one_shot_below),
         packet_bytes: crate::group::PACKET_HALF_BYTES,
     }
