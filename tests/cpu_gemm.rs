@@ -469,7 +469,7 @@ fn gemm_f64_rejects_a_wrong_length() {
 #[test]
 fn the_fused_reduction_follows_the_algorithm_and_the_size() {
     use tpfuse::ops::all_gather_gemm::unfusable_all_gather;
-    use tpfuse::ops::gemm_all_reduce::{fused_all_reduce_algo, FusedFacts};
+    use tpfuse::ops::gemm_all_reduce::{fused_all_reduce_algo, unfusable, FusedFacts};
     use tpfuse::ops::Algorithm;
     use tpfuse::topology::AllReduceAlgo::{OneShot, TwoShot};
     let facts = FusedFacts {
@@ -479,6 +479,7 @@ fn the_fused_reduction_follows_the_algorithm_and_the_size() {
         compute_capability: (9, 0),
         sms: 132,
         blocks: 132,
+        group_sms: (132, 132),
         blocks_per_sm: [1; 5],
         gather_blocks_per_sm: [1; 5],
         one_shot_below: Some(256 << 10),
@@ -514,4 +515,18 @@ fn the_fused_reduction_follows_the_algorithm_and_the_size() {
     );
     let reason = unfusable_all_gather::<bf16>(shape(264, 1280, 8192), &facts).expect("too large");
     assert!(reason.contains("[264, 8192]"), "{reason}");
+    // GPUs of different SM counts (each rank would choose its tiles and split from its own):
+    // neither fused kernel runs.
+    assert_eq!(unfusable::<bf16>(shape(16, 8192, 1024), &facts), None);
+    let mixed = FusedFacts {
+        group_sms: (114, 132),
+        ..facts
+    };
+    for reason in [
+        unfusable::<bf16>(shape(16, 8192, 1024), &mixed),
+        unfusable_all_gather::<bf16>(shape(16, 1280, 8192), &mixed),
+    ] {
+        let reason = reason.expect("GPUs of different SM counts");
+        assert!(reason.contains("114 to 132 SMs"), "{reason}");
+    }
 }

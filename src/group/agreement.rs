@@ -145,6 +145,8 @@ pub(super) struct Agreement {
     pub(super) blocks: usize,
     /// The smallest SM count of the ranks' GPUs.
     pub(super) fewest_sms: usize,
+    /// The largest.
+    pub(super) most_sms: usize,
     /// `Some(hosts)` when the ranks are not all on rank 0's host.
     pub(super) several_hosts: Option<String>,
 }
@@ -200,6 +202,7 @@ pub(super) fn agree(records: &[RankRecord]) -> Result<Agreement> {
     }
     let world = records.len();
     let fewest_sms = records.iter().map(|r| r.sms as usize).min().unwrap_or(1);
+    let most_sms = records.iter().map(|r| r.sms as usize).max().unwrap_or(1);
     if first.blocks as usize > fewest_sms {
         return Err(Error::invalid(
             "options.blocks",
@@ -226,6 +229,7 @@ pub(super) fn agree(records: &[RankRecord]) -> Result<Agreement> {
     Ok(Agreement {
         blocks,
         fewest_sms,
+        most_sms,
         several_hosts,
     })
 }
@@ -378,6 +382,7 @@ mod tests {
         records[1].sms = 78;
         let agreed = agree(&records).unwrap();
         assert_eq!(agreed.blocks, 39);
+        assert_eq!((agreed.fewest_sms, agreed.most_sms), (78, 132));
         assert_eq!(agreed.several_hosts, None);
 
         records[0].blocks = 8;

@@ -263,6 +263,7 @@ impl TpGroup {
                 rule: AllReduceRule::default(),
                 blocks,
                 fused_blocks: (sms / world).max(1),
+                group_sms: (sms, sms),
                 timeout: options.timeout,
                 packet_bytes: options.packet_bytes(),
                 poison: poison.clone(),
@@ -326,11 +327,12 @@ impl TpGroup {
         let ctxs: Vec<Arc<CudaContext>> =
             comms.iter().map(|c| c.stream().context().clone()).collect();
         let mut budget = MAX_BLOCKS;
-        let mut fewest_sms = usize::MAX;
+        let (mut fewest_sms, mut most_sms) = (usize::MAX, 0);
         for ctx in &ctxs {
             load_kernels(ctx)?; // see virtual_ranks_on
             let sms = sm_count(ctx)?;
             fewest_sms = fewest_sms.min(sms);
+            most_sms = most_sms.max(sms);
             budget = budget.min(cta_budget(sms, world, false));
         }
         let blocks = options.blocks.unwrap_or(budget);
@@ -375,6 +377,7 @@ impl TpGroup {
                     rule: AllReduceRule::default(),
                     blocks,
                     fused_blocks: fewest_sms,
+                    group_sms: (fewest_sms, most_sms),
                     timeout: options.timeout,
                     packet_bytes: options.packet_bytes(),
                     poison: poison.clone(),
@@ -459,6 +462,7 @@ impl TpGroup {
             rule: AllReduceRule::default(),
             blocks: agreed.blocks,
             fused_blocks: agreed.fewest_sms,
+            group_sms: (agreed.fewest_sms, agreed.most_sms),
             timeout: options.timeout,
             packet_bytes: options.packet_bytes(),
             poison: Arc::new(Poison::default()),

@@ -295,6 +295,8 @@ pub struct TpGroup {
     blocks: usize,
     /// The fused GEMM + all-reduce's persistent grid bound ([`TpGroup::fused_blocks`]).
     fused_blocks: usize,
+    /// The smallest and the largest SM count of the group's GPUs.
+    group_sms: (usize, usize),
     /// The rank's device, for the fused kernels' plans.
     device_facts: DeviceFacts,
     timeout: Duration,
@@ -393,6 +395,12 @@ impl TpGroup {
     /// [`GroupOptions::fused_blocks_per_sm`]).
     pub fn fused_blocks(&self) -> usize {
         self.fused_blocks
+    }
+
+    /// The smallest and the largest SM count of the group's GPUs (one device's twice for
+    /// virtual ranks).
+    pub(crate) fn group_sms(&self) -> (usize, usize) {
+        self.group_sms
     }
 
     /// The rank's device: compute capability and SM count, read when the group was built.

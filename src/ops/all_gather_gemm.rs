@@ -19,7 +19,7 @@ use crate::ffi::kernels;
 use crate::group::TpGroup;
 use crate::ops::gemm::{check_gemm_shapes, GemmBuffers, GemmElement, GemmShape};
 use crate::ops::gemm_all_reduce::{
-    facts_of, fused_config, planned, renamed, FusedFacts, FusedPlan,
+    facts_of, fused_config, mixed_gpus, planned, renamed, FusedFacts, FusedPlan,
 };
 use crate::topology::FusedKernel;
 use crate::validate::{check_disjoint, owner, BufferInfo};
@@ -27,12 +27,16 @@ use cudarc::driver::{DevicePtr, DevicePtrMut};
 use std::ffi::c_void;
 
 /// Why a shape cannot take the fused all-gather + GEMM on a group, or `None` when it can: a
-/// world of one, a gathered input `[m, k]` larger than half the symmetric capacity, or a
-/// device without a GEMM path. The layers fall back to the unfused path on these. (`m` not
-/// a multiple of the world size is an error on either path.)
+/// world of one, GPUs of different SM counts ([`mixed_gpus`]), a gathered input `[m, k]`
+/// larger than half the symmetric capacity, or a device without a GEMM path. The layers fall
+/// back to the unfused path on these. (`m` not a multiple of the world size is an error on
+/// either path.)
 pub fn unfusable_all_gather<T>(shape: GemmShape, facts: &FusedFacts) -> Option<String> {
     if facts.world < 2 {
         return Some("the fused path needs a group of 2 or more ranks".into());
+    }
+    if let Some(reason) = mixed_gpus(facts) {
+        return Some(reason);
     }
     let bytes = shape
         .m
@@ -73,6 +77,9 @@ pub fn plan_all_gather_gemm<T: GemmElement>(
             "out",
             "the fused all-gather + GEMM needs a group of 2 or more ranks",
         ));
+    }
+    if let Some(reason) = mixed_gpus(facts) {
+        return Err(Error::invalid("out", reason));
     }
     if shape.m % world != 0 {
         return Err(Error::invalid(

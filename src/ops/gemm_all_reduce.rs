@@ -64,6 +64,9 @@ pub struct FusedFacts {
     pub sms: usize,
     /// The SMs the persistent grid may use ([`TpGroup::fused_blocks`]).
     pub blocks: usize,
+    /// The smallest and the largest SM count of the group's GPUs: where they differ, the
+    /// fused kernels refuse ([`mixed_gpus`]).
+    pub group_sms: (usize, usize),
     /// Blocks of the GEMM + all-reduce kernel one SM holds at once, per tile configuration
     /// (in the order of [`GemmConfig::ALL`]; the occupancy API when the group was built).
     pub blocks_per_sm: [usize; 5],
@@ -138,12 +141,31 @@ impl FusedPlan {
     }
 }
 
+/// Why the fused kernels cannot run on a group whose GPUs have different SM counts, or `None`:
+/// each rank runs the tile configuration and the split of k that its own SM count gives
+/// (those of its unfused GEMM: the same bits), and every rank of a fused launch must run the
+/// same (its descriptor says which; ranks that differ would meet a mismatch, and the group
+/// would be poisoned). The layers fall back to the unfused path.
+pub fn mixed_gpus(facts: &FusedFacts) -> Option<String> {
+    let (fewest, most) = facts.group_sms;
+    (fewest != most).then(|| {
+        format!(
+            "the group's GPUs have {fewest} to {most} SMs: the fused kernels need the same \
+             tiles and split of k on every rank, which each rank chooses from its own SM count"
+        )
+    })
+}
+
 /// Why a shape cannot take the fused path on a group, or `None` when it can: a message
 /// larger than half the symmetric capacity, more than [`MAX_TILES`] tiles, a world of one,
-/// or a device without a GEMM path. The layers fall back to the unfused path on these.
+/// GPUs of different SM counts ([`mixed_gpus`]), or a device without a GEMM path. The layers
+/// fall back to the unfused path on these.
 pub fn unfusable<T>(shape: GemmShape, facts: &FusedFacts) -> Option<String> {
     if facts.world < 2 {
         return Some("the fused path needs a group of 2 or more ranks".into());
+    }
+    if let Some(reason) = mixed_gpus(facts) {
+        return Some(reason);
     }
     let bytes = shape
         .m
@@ -384,6 +406,7 @@ pub fn facts_of(group: &TpGroup) -> FusedFacts {
         compute_capability: device.compute_capability,
         sms: device.sms,
         blocks: group.fused_blocks(),
+        group_sms: group.group_sms(),
         blocks_per_sm: device.fused_blocks_per_sm,
         gather_blocks_per_sm: device.gather_blocks_per_sm,
         one_shot_below: limits.map(|l| l.one_shot_below),

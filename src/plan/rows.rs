@@ -450,6 +450,7 @@ fn fused_facts(tp: usize, p: &DeviceProfile) -> FusedFacts {
         compute_capability: p.compute_capability,
         sms: p.sms,
         blocks: p.sms,
+        group_sms: (p.sms, p.sms),
         blocks_per_sm,
         // The default options: one block an SM (TpGroup's).
         gather_blocks_per_sm: [1; 5],
