@@ -11,8 +11,9 @@
 //            input [m, k], each part crossing a link once), __syncthreads, and publishes part
 //            flag b (slot b, source rank) to every rank;
 //   compute  for each of its tiles t = b, b + G, ...: the threads wait for the part flags of
-//            every rank whose rows the tile needs (all G parts of each; ranks already complete
-//            for this block are skipped), __syncthreads, then gemm_tile reads A's rows from
+//            every rank whose rows the tile needs (all G parts of each, dealt over the threads,
+//            each thread's four at a time: fused::await_flags; ranks already complete for this
+//            block are skipped), __syncthreads, then gemm_tile reads A's rows from
 //            this rank's own exchange area (local memory, however many column tiles read
 //            them) and the epilogue writes out (+ bias).
 //
@@ -32,8 +33,9 @@
 // Ordering: the part's weak stores into rank p's area, by every thread, then __syncthreads,
 // then thread p's st.release.sys of the flag into rank p's pad: the release is cumulative over
 // the block's stores ordered before it by the barrier (fused_flags.cuh), wherever they went;
-// rank p's ld.acquire.sys of the flag, then __syncthreads, orders its block's reads of the
-// rows after them.
+// on rank p, the ld.relaxed.sys that sees the flag, then (once the thread has seen its batch)
+// fence.acq_rel.sys, is an acquire pattern, and the __syncthreads after it orders its block's
+// reads of the rows after them.
 //
 // No deadlock: every block publishes its part before it waits for anything (and the split's
 // fold waits for nothing), so every wait ends once the publishing blocks have run; a block
@@ -131,11 +133,28 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     for (int p = first; p <= last; ++p) needed |= 1u << p;
     needed &= ~complete; // read by every thread; written only after the __syncthreads below
     if (needed != 0) {
-      // Pairs (rank p, part b) of the needed ranks, spread over the threads.
+      // Pairs (rank p, part b) of the needed ranks, spread over the threads, each thread's
+      // awaited kAwaitBatch at a time (fused::await_flags).
       const int pushes = static_cast<int>(gridDim.x);
-      for (int i = threadIdx.x; i < (last - first + 1) * pushes; i += blockDim.x) {
-        const int p = first + i / pushes;
-        if (needed & (1u << p)) fused::await(peers, g, deadline, st, i % pushes, p, descriptor);
+      const int pairs = (last - first + 1) * pushes;
+      const Pad own{peers.signals[g.rank]};
+      const int step = static_cast<int>(blockDim.x);
+      // Pair i is flag i % pushes of rank first + i / pushes.
+      const auto rank_of = [&](int i) { return first + i / pushes; };
+#pragma unroll 1
+      for (int i = threadIdx.x; i < pairs; i += fused::kAwaitBatch * step) {
+        uint32_t pending = 0;
+#pragma unroll
+        for (int j = 0; j < fused::kAwaitBatch; ++j) {
+          const int at = i + j * step;
+          if (at < pairs && (needed & (1u << rank_of(at))) != 0) pending |= 1u << j;
+        }
+        const auto flag = [&](int j, int &src) {
+          const int at = i + j * step;
+          src = rank_of(at);
+          return own.tile_flag(at % pushes, src);
+        };
+        if (!fused::await_flags(peers, g, deadline, st, pending, flag, descriptor)) break;
       }
       const bool arrived = fused::passed(st);
       st.clock.mark(fused::kPhaseWait);

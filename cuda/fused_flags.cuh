@@ -9,7 +9,9 @@
 // whoever acquires that flag (the pattern of barrier.cuh). A consumer thread spins on the
 // flag with ld.relaxed.sys, loads it once more with ld.acquire.sys when it is ready (same
 // location, coherence: that load reads the ready value or a later one), and the consumer
-// block passes a __syncthreads before it reads the unit.
+// block passes a __syncthreads before it reads the unit. (All-gather + GEMM's threads await
+// several flags at once, await_flags: their relaxed loads, then one fence.acq_rel.sys, an
+// acquire pattern on each.)
 //
 // Epochs. A flag is the launch's epoch (its low 40 bits) << 24 | 24 descriptor bits (the
 // fused kind in the low 4, 20 bits of the launch's digest above: descriptor_of), in one
@@ -244,6 +246,58 @@ __device__ __forceinline__ void await_flag(const tpfuse_peers &peers, const tpfu
     mismatch = ahead(v) == 0 && (v & kDescriptorMask) != descriptor;
   }
   if (mismatch || !arrived) give_up_wait(peers, g, st, src, mismatch);
+}
+
+// The flags one thread awaits at once (await_flags).
+constexpr int kAwaitBatch = 4;
+
+// await_flag for up to kAwaitBatch flags of this rank's pad at once: flag j, for j in
+// `pending` (a bit each), is at(j, src) with its writer's rank in src. Each pass issues the
+// loads of the flags not yet seen before it checks any (so a thread's waits overlap, where
+// await_flag's follow one another), and once every flag is seen, one fence.acq_rel.sys makes
+// each relaxed load that saw one an acquire pattern (ptx.cuh): the block's loads after
+// passed()'s __syncthreads come after everything the flags released. A stall checks the first
+// pending flag's rank as await_flag does. False when the thread gave up.
+template <typename At>
+__device__ __forceinline__ bool await_flags(const tpfuse_peers &peers, const tpfuse_group_args &g,
+                                            const Deadline &deadline, BlockState &st, uint32_t pending, At at,
+                                            uint64_t descriptor) {
+  const Pad own{peers.signals[g.rank]};
+  if (pending == 0) return true;
+  if (ld_relaxed_sys(own.error()) != 0) {
+    atomicAdd(&st.failed, 1);
+    return false;
+  }
+  int src = 0;
+  for (uint32_t spins = 0;; ++spins) {
+    uint64_t v[kAwaitBatch];
+#pragma unroll
+    for (int j = 0; j < kAwaitBatch; ++j)
+      if (pending >> j & 1u) v[j] = ld_relaxed_sys(at(j, src));
+#pragma unroll
+    for (int j = 0; j < kAwaitBatch; ++j) {
+      if ((pending >> j & 1u) == 0 || !of_launch_or_next(v[j], st.epoch)) continue;
+      pending &= ~(1u << j);
+      // Of this launch with another descriptor: the ranks launched different things.
+      if ((((v[j] >> kDescriptorBits) - st.epoch) & kEpochMask) == 0 && (v[j] & kDescriptorMask) != descriptor) {
+        at(j, src);
+        give_up_wait(peers, g, st, src, true);
+        return false;
+      }
+    }
+    if (pending == 0) break;
+    if ((spins & 1023u) != 1023u) continue;
+    int first = 0;
+    while ((pending >> first & 1u) == 0) ++first;
+    at(first, src);
+    const bool mismatch = started_otherwise(own, src, st.epoch, descriptor);
+    if (mismatch || ld_relaxed_sys(own.error()) != 0 || deadline.expired(1)) {
+      give_up_wait(peers, g, st, src, mismatch);
+      return false;
+    }
+  }
+  fence_acq_rel_sys();
+  return true;
 }
 
 __device__ __forceinline__ void await(const tpfuse_peers &peers, const tpfuse_group_args &g, const Deadline &deadline,

@@ -68,6 +68,17 @@ __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t *p) {
 #endif
 }
 
+// fence.acq_rel.sys. After strong reads that observed release stores, an acquire pattern on
+// each of them (PTX ISA, "Memory Consistency Model": a strong read followed by fence.acq_rel
+// or fence.sc): the thread's later accesses come after what those stores released.
+__device__ __forceinline__ void fence_acq_rel_sys() {
+#ifdef TPFUSE_EMULATOR
+  ::tpfuse_emu::fence(::tpfuse_emu::Order::AcqRel, ::tpfuse_emu::Scope::Sys);
+#else
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t *p) {
 #ifdef TPFUSE_EMULATOR
   return ::tpfuse_emu::strong_load(p, ::tpfuse_emu::Order::Relaxed, ::tpfuse_emu::Scope::Sys);

@@ -493,6 +493,10 @@ mutant gather-push-at-rank-0-rows emu_gemm_all_reduce::all_gather_gemm_equals_al
   all_gather_gemm.cu 'static_cast<size_t>(g.rank) * part_vectors * 16;' 'static_cast<size_t>(0) * part_vectors * 16;'
 mutant gather-no-sync-before-flag emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm+weak "all-gather + GEMM publishes a part's flag before the whole block pushed it" \
   all_gather_gemm.cu $'    __syncthreads(); // every thread\'s stores, before the flags\n' ''
+mutant gather-wait-no-fence emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm+weak "all-gather + GEMM's batched flag waits end without the fence that makes them acquire" \
+  fused_flags.cuh $'  fence_acq_rel_sys();\n  return true;' '  return true;'
+mutant gather-wait-first-of-batch-only emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm@random:1+weak-random "all-gather + GEMM's batched flag waits wait for the first flag of each batch only" \
+  all_gather_gemm.cu 'if (at < pairs && (needed & (1u << rank_of(at))) != 0) pending |= 1u << j;' 'if (j == 0 && at < pairs && (needed & (1u << rank_of(at))) != 0) pending |= 1u << j;'
 mutant gather-split-first-part-only emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm "all-gather + GEMM's parallel split computes only the first part of each tile" \
   all_gather_gemm.cu 'const int units = split_parallel ? tiles * parts : tiles;' 'const int units = tiles;'
 mutant gather-split-word-per-tile-row emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm "all-gather + GEMM's parallel split counts the parts of a tile row's tiles in one word" \

@@ -396,10 +396,11 @@ fn all_gather_gemm_case<T: TestElement>(
 /// of 16 and 64 rows that span several ranks' rows), tails of n and k; and k = 800 or 1000,
 /// which split into parts run in parallel (6, 6 and 7 parts on the session's 32 SMs), a block
 /// computing one part (12 blocks for 12 units) or several (5 for 18, 3 for 14) and folding what
-/// it finds stored; the last in forced 16 x 64 tiles at m = 32, where the split's units visit
-/// two tile rows from the rank's own on (the configurations tpfuse_gemm chooses give a split
-/// one tile row).
-const ALL_GATHER_GEMM_CASES: [(usize, i32, Shape, bool, Option<i32>); 10] = [
+/// it finds stored; in forced 16 x 64 tiles at m = 32, where the split's units visit two tile
+/// rows from the rank's own on (the configurations tpfuse_gemm chooses give a split one tile
+/// row); and in forced 16 x 16 tiles (32 threads) of 4 ranks' rows, 17 tiles on 9 blocks: 36
+/// flags a tile, so a thread awaits two at once (await_flags' batch).
+const ALL_GATHER_GEMM_CASES: [(usize, i32, Shape, bool, Option<i32>); 11] = [
     (2, 2, (2, 136, 40), true, None),
     (3, 1, (9, 72, 72), false, None),
     (4, 2, (64, 72, 40), true, None),
@@ -415,6 +416,13 @@ const ALL_GATHER_GEMM_CASES: [(usize, i32, Shape, bool, Option<i32>); 10] = [
         (32, 72, 800),
         true,
         Some(abi::TPFUSE_GEMM_CONFIG_SMALL_16X64 as i32),
+    ),
+    (
+        4,
+        9,
+        (16, 264, 40),
+        true,
+        Some(abi::TPFUSE_GEMM_CONFIG_SMALL_16X16 as i32),
     ),
 ];
 
