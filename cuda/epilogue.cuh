@@ -139,7 +139,8 @@ __device__ __forceinline__ float warp_sums_total(const float *warp_sums) {
 // then the normalisation); the 16 x 16 fused kernel holds 176-188 registers for it on
 // sm_90a (138 with four), under what its 64 KiB of shared memory lets an SM hold anyway.
 template <int kBlock> constexpr int kTurns = kThreads / kBlock;
-template <int kBlock> constexpr int kInFlight = kTurns<kBlock> < 8 ? kTurns<kBlock> : 8; // the plan's NORM_TURNS_IN_FLIGHT
+// (The plan's NORM_TURNS_IN_FLIGHT.)
+template <int kBlock> constexpr int kInFlight = kTurns<kBlock> < 8 ? kTurns<kBlock> : 8;
 static_assert((kThreads & (kThreads - 1)) == 0, "whole rounds of turns for every block size dividing kThreads");
 
 // Element offset, from a segment's start, of the vector of turn t of the calling thread in a

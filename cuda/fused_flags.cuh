@@ -54,8 +54,8 @@
 // staging half (the parts' f32 partials, fused_split.cuh): a peer reads that half only
 // inside an all_reduce.cu launch, between its first and closing barriers, which this rank
 // passed before it started the fused launch, and no fused kernel reads another rank's
-// staging. (Both rest on the sticky error
-// word: after a failure no launch of the group produces anything.)
+// staging. (Both rest on the sticky error word: after a failure no launch of the group
+// produces anything.)
 //
 // Failures. A wait ends at the launch's deadline (barrier.cuh, Deadline: from the block's
 // start, so it covers the block's whole share of the GEMM too) or when the rank's error word
@@ -127,6 +127,12 @@ __device__ __forceinline__ uint64_t flag_of(uint64_t epoch, uint64_t descriptor)
 // accepts E and E+1: see "Epochs").
 __device__ __forceinline__ bool of_launch_or_next(uint64_t v, uint64_t epoch) {
   return (((v >> kDescriptorBits) - epoch) & kEpochMask) <= 1;
+}
+
+// Whether flag value v is of launch `epoch` with another descriptor than this launch's: the
+// ranks launched different things.
+__device__ __forceinline__ bool of_launch_otherwise(uint64_t v, uint64_t epoch, uint64_t descriptor) {
+  return (((v >> kDescriptorBits) - epoch) & kEpochMask) == 0 && (v & kDescriptorMask) != descriptor;
 }
 
 // Whether rank src has started launch `epoch` with another descriptor (its started flag in
@@ -230,8 +236,6 @@ __device__ __forceinline__ void await_flag(const tpfuse_peers &peers, const tpfu
     atomicAdd(&st.failed, 1);
     return;
   }
-  // The flag's launch, relative to this one: 0 (this launch), 1 (the next), else older.
-  const auto ahead = [&](uint64_t v) { return ((v >> kDescriptorBits) - st.epoch) & kEpochMask; };
   bool arrived = true, mismatch = false;
   for (uint32_t spins = 0; !of_launch_or_next(ld_relaxed_sys(flag), st.epoch); ++spins) {
     if ((spins & 1023u) != 1023u) continue;
@@ -243,7 +247,7 @@ __device__ __forceinline__ void await_flag(const tpfuse_peers &peers, const tpfu
   }
   if (arrived) {
     const uint64_t v = ld_acquire_sys(flag); // the acquire: orders the unit's loads after it
-    mismatch = ahead(v) == 0 && (v & kDescriptorMask) != descriptor;
+    mismatch = of_launch_otherwise(v, st.epoch, descriptor);
   }
   if (mismatch || !arrived) give_up_wait(peers, g, st, src, mismatch);
 }
@@ -278,8 +282,7 @@ __device__ __forceinline__ bool await_flags(const tpfuse_peers &peers, const tpf
     for (int j = 0; j < kAwaitBatch; ++j) {
       if ((pending >> j & 1u) == 0 || !of_launch_or_next(v[j], st.epoch)) continue;
       pending &= ~(1u << j);
-      // Of this launch with another descriptor: the ranks launched different things.
-      if ((((v[j] >> kDescriptorBits) - st.epoch) & kEpochMask) == 0 && (v[j] & kDescriptorMask) != descriptor) {
+      if (of_launch_otherwise(v[j], st.epoch, descriptor)) {
         at(j, src);
         give_up_wait(peers, g, st, src, true);
         return false;

@@ -141,7 +141,8 @@ struct Tile128x128 : TileConfig<128, 128, 32, 2, 4, 4, 2, false> {}; // 256 thre
 // default) or two (GEMM + all-reduce, on an H100), so a block's bytes in flight are much of
 // its SM's: on an H200, all-gather + GEMM at m = 64 took 1.06-1.08x the unfused sequence's
 // time with 32-deep slices (docs/gpu-runs/2026-11-27-h200-bk32, -select) and 0.93x with these
-// (-fused-deep, the unfused GEMM 32-deep). MIN_BLOCKS 1, as the fused kernels' own launch bounds (unused here).
+// (-fused-deep, the unfused GEMM 32-deep). MIN_BLOCKS 1, as the fused kernels' own launch
+// bounds (unused here).
 struct FusedTile64x64 : TileConfig<64, 64, 64, 2, 2, 6, 1> {}; // 128 threads, 96 KiB
 
 // The configuration a fused kernel runs for the configuration Cfg that tpfuse_gemm_select

@@ -447,7 +447,7 @@ mutant strip-first-row-skipped emu_gemm_all_reduce::fused_equals_gemm_then_all_r
 mutant fused-failure-unmarked emu_fused_failures::a_missing_rank_is_named_by_the_two_shot_too "the fused kernel's last block leaves a failed launch's outputs" \
   fused_flags.cuh '  return st.last && st.failed;' '  return false;'
 mutant fused-no-descriptor-check emu_fused_failures::ranks_that_launch_different_shapes_get_a_mismatch "the fused kernel accepts a tile flag of another launch's shape" \
-  fused_flags.cuh 'mismatch = ahead(v) == 0 && (v & kDescriptorMask) != descriptor;' 'mismatch = false;'
+  fused_flags.cuh '    mismatch = of_launch_otherwise(v, st.epoch, descriptor);' '    mismatch = false;'
 mutant epoch-window-half-range emu_fused_failures::a_flag_of_a_long_past_launch_is_not_ready "the fused kernel takes any flag in the half range after this launch as ready" \
   fused_flags.cuh 'return (((v >> kDescriptorBits) - epoch) & kEpochMask) <= 1;' 'return (((v >> kDescriptorBits) - epoch) & kEpochMask) < (kEpochMask >> 1);'
 # Packets (cuda/packets.cuh): the one-shot GEMM + all-reduce's exchange at decode sizes.
