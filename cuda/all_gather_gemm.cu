@@ -8,14 +8,14 @@
 //
 //   push     block b copies its part of x_r (an even share of its 16-byte vectors) into every
 //            rank's exchange area, at this rank's rows (so each rank's area gathers the whole
-//            input [m, k], each part crossing a link once), __syncthreads, and publishes part
-//            flag b (slot b, source rank) to every rank;
-//   compute  for each of its tiles t = b, b + G, ...: the threads wait for the part flags of
-//            every rank whose rows the tile needs (all G parts of each, dealt over the threads,
-//            each thread's four at a time: fused::await_flags; ranks already complete for this
-//            block are skipped), __syncthreads, then gemm_tile reads A's rows from
-//            this rank's own exchange area (local memory, however many column tiles read
-//            them) and the epilogue writes out (+ bias).
+//            input [m, k], each part crossing a link once), __syncthreads, and counts it in
+//            this rank's gather_count; the block whose add completes the count (all G parts
+//            pushed) publishes this rank's gather flag to every rank;
+//   compute  for each of its tiles t = b, b + G, ...: thread p waits for rank p's gather flag,
+//            for every rank p whose rows the tile needs (one flag a rank, where it used to be G
+//            part flags; ranks already complete for this block are skipped), __syncthreads,
+//            then gemm_tile reads A's rows from this rank's own exchange area (local memory,
+//            however many column tiles read them) and the epilogue writes out (+ bias).
 //
 // The split of k in parallel (S parts, tpfuse_gemm's; tpfuse.h says when): the grid's units are
 // then the parts of the tiles, unit u = part u / tiles of tile u % tiles, block b computing
@@ -31,19 +31,22 @@
 // over the link, 80 times the gather's bytes for Llama-3-70B's QKV at TP 8, docs/fused-gemm.md.)
 //
 // Ordering: the part's weak stores into rank p's area, by every thread, then __syncthreads,
-// then thread p's st.release.sys of the flag into rank p's pad: the release is cumulative over
-// the block's stores ordered before it by the barrier (fused_flags.cuh), wherever they went;
-// on rank p, the ld.relaxed.sys that sees the flag, then (once the thread has seen its batch)
-// fence.acq_rel.sys, is an acquire pattern, and the __syncthreads after it orders its block's
-// reads of the rows after them.
+// then thread 0's atom.acq_rel.gpu on the count, which releases them; the add that completes
+// the count acquires every earlier add's release (one chain of read-modify-writes), and its
+// block's thread p, after a __syncthreads, stores the flag into rank p's pad with
+// st.release.sys, which carries them all (fused_flags.cuh, "Flags": a counted unit); on rank
+// p, the flag's ld.acquire.sys, then the __syncthreads of fused::passed, orders its block's
+// reads of the rows after them. No peer memory is touched by an atomic (a pair of GPUs over
+// PCIe need not have native peer atomics).
 //
-// No deadlock: every block publishes its part before it waits for anything (and the split's
+// No deadlock: every block pushes and counts its part before it waits for anything, the
+// block that completes the count publishes before it waits (and the split's
 // fold waits for nothing), so every wait ends once the publishing blocks have run; a block
 // waits for every block of the ranks it needs, its own rank's included, so each rank's G blocks
 // must be resident together: the launch is cooperative (backend.cuh: all G blocks resident at
 // once, or refused before anything runs; the grid is at most the blocks the SMs it is given
 // hold at once, TpGroup::fused_blocks x tpfuse_all_gather_gemm_blocks_per_sm: every SM, or the
-// SMs divided among virtual ranks). Every rank awaits every peer's parts in every
+// SMs divided among virtual ranks). Every rank awaits every peer's gather flag in every
 // launch, as fused_flags.cuh's exchange-area argument needs: it is also why a push of launch
 // E+2 into a peer's area finds that peer done with launch E.
 
@@ -86,9 +89,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const size_t exchange = exchange_bytes / sizeof(T);
   const int rows_per_rank = m / g.world;
 
-  // Push: this block's part of x_r into every rank's area at this rank's rows, then its flag
-  // to every rank. The ranks are visited from the next one on, so the W pushes of a moment
-  // spread over the W destinations.
+  // Push: this block's part of x_r into every rank's area at this rank's rows, then counted
+  // (the last part's block publishes the flag). The ranks are visited from the next one on,
+  // so the W pushes of a moment spread over the W destinations.
   if (st.failed == 0) {
     const uint4 *src = reinterpret_cast<const uint4 *>(x);
     const size_t part_vectors = static_cast<size_t>(rows_per_rank) * k * sizeof(T) / 16;
@@ -104,8 +107,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             st_global(reinterpret_cast<uint4 *>(static_cast<char *>(peers.data[p]) + at) + i, v);
           }
         });
-    __syncthreads(); // every thread's stores, before the flags
-    fused::publish(peers, g, blockIdx.x, fused::flag_of(st.epoch, descriptor));
+    __syncthreads(); // every thread's stores, before the count
+    // The part counted in this rank's pad; the block whose add completes the count publishes
+    // this rank's gather flag to every rank (fused_flags.cuh, "Flags": a counted unit).
+    if (threadIdx.x == 0) {
+      uint32_t *count = Pad{peers.signals[g.rank]}.gather_count();
+      st.last = atomic_add_acq_rel_gpu(count, 1u) + 1u == gridDim.x;
+      if (st.last) *count = 0; // no other block of this launch adds to it again
+    }
+    __syncthreads(); // thread 0's acquire, before the releases of the flag
+    if (st.last) fused::publish(peers, g, fused::kGatherSlot, fused::flag_of(st.epoch, descriptor));
   }
   st.clock.mark(fused::kPhasePublish);
 
@@ -133,29 +144,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     for (int p = first; p <= last; ++p) needed |= 1u << p;
     needed &= ~complete; // read by every thread; written only after the __syncthreads below
     if (needed != 0) {
-      // Pairs (rank p, part b) of the needed ranks, spread over the threads, each thread's
-      // awaited kAwaitBatch at a time (fused::await_flags).
-      const int pushes = static_cast<int>(gridDim.x);
-      const int pairs = (last - first + 1) * pushes;
-      const Pad own{peers.signals[g.rank]};
-      const int step = static_cast<int>(blockDim.x);
-      // Pair i is flag i % pushes of rank first + i / pushes.
-      const auto rank_of = [&](int i) { return first + i / pushes; };
-#pragma unroll 1
-      for (int i = threadIdx.x; i < pairs; i += fused::kAwaitBatch * step) {
-        uint32_t pending = 0;
-#pragma unroll
-        for (int j = 0; j < fused::kAwaitBatch; ++j) {
-          const int at = i + j * step;
-          if (at < pairs && (needed & (1u << rank_of(at))) != 0) pending |= 1u << j;
-        }
-        const auto flag = [&](int j, int &src) {
-          const int at = i + j * step;
-          src = rank_of(at);
-          return own.tile_flag(at % pushes, src);
-        };
-        if (!fused::await_flags(peers, g, deadline, st, pending, flag, descriptor)) break;
-      }
+      // Thread p awaits rank p's gather flag when the unit needs rank p's rows.
+      const int src = static_cast<int>(threadIdx.x);
+      if (src < g.world && (needed >> src & 1u) != 0) fused::await(peers, g, deadline, st, fused::kGatherSlot, src, descriptor);
       const bool arrived = fused::passed(st);
       st.clock.mark(fused::kPhaseWait);
       if (!arrived) break;

@@ -45,6 +45,11 @@ namespace tpfuse {
 
 static_assert(TPFUSE_SIGNAL_GRID_GENERATION_OFFSET + 4 <= TPFUSE_SIGNAL_DESCRIPTORS_OFFSET,
               "the words after the error word fit before the descriptors");
+static_assert(TPFUSE_SIGNAL_SLICE_COUNT_OFFSET + 4 <= TPFUSE_SIGNAL_GATHER_COUNT_OFFSET &&
+                  TPFUSE_SIGNAL_GATHER_COUNT_OFFSET + 4 <= TPFUSE_SIGNAL_SLICE_FLAGS_OFFSET &&
+                  TPFUSE_SIGNAL_SLICE_FLAGS_OFFSET + 8 * TPFUSE_MAX_RANKS <= TPFUSE_SIGNAL_GATHER_FLAGS_OFFSET &&
+                  TPFUSE_SIGNAL_GATHER_FLAGS_OFFSET + 8 * TPFUSE_MAX_RANKS <= TPFUSE_SIGNAL_STRIP_COUNTS_OFFSET,
+              "the fused words after the epoch fit before the strip counts");
 
 struct Pad {
   uint32_t *base;
@@ -76,6 +81,11 @@ struct Pad {
     return reinterpret_cast<uint64_t *>(reinterpret_cast<char *>(base) + TPFUSE_SIGNAL_STRIP_FLAGS_OFFSET) + strip;
   }
   __device__ uint32_t *slice_count() const { return base + TPFUSE_SIGNAL_SLICE_COUNT_OFFSET / 4; }
+  // All-gather + GEMM: this rank's blocks that pushed their part, and each rank's flag.
+  __device__ uint32_t *gather_count() const { return base + TPFUSE_SIGNAL_GATHER_COUNT_OFFSET / 4; }
+  __device__ uint64_t *gather_flag(int src) const {
+    return reinterpret_cast<uint64_t *>(reinterpret_cast<char *>(base) + TPFUSE_SIGNAL_GATHER_FLAGS_OFFSET) + src;
+  }
   // The fused GEMM + all-reduce's parts of k finished per tile (gemm_split.cuh's counts).
   __device__ uint32_t *part_count(int tile) const { return base + TPFUSE_SIGNAL_PART_COUNTS_OFFSET / 4 + tile; }
   __device__ uint64_t *phase_record(int block) const {

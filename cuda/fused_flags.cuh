@@ -1,17 +1,25 @@
 // fused_flags.cuh: the flags, epochs and end of launch of the fused GEMM kernels
 // (gemm_all_reduce.cu: GEMM + all-reduce / reduce-scatter, tiles of the output; and
-// all_gather_gemm.cu: all-gather + GEMM, parts of the input). One protocol, written out here.
+// all_gather_gemm.cu: all-gather + GEMM, a rank's input). One protocol, written out here.
 //
-// Flags. A producer publishes a unit of work (a block's tiles, a part of its input) with:
+// Flags. A producer publishes a unit of work (a block's tiles) with:
 // every thread stores its share (weak stores), __syncthreads, then thread p (p < W) stores the
 // flag into slot `slot` / source `rank` of rank p's pad (tile_flags, tpfuse.h) with st.release.sys:
 // everything the block stored before the __syncthreads is visible, at system scope, to
 // whoever acquires that flag (the pattern of barrier.cuh). A consumer thread spins on the
 // flag with ld.relaxed.sys, loads it once more with ld.acquire.sys when it is ready (same
 // location, coherence: that load reads the ready value or a later one), and the consumer
-// block passes a __syncthreads before it reads the unit. (All-gather + GEMM's threads await
-// several flags at once, await_flags: their relaxed loads, then one fence.acq_rel.sys, an
-// acquire pattern on each.)
+// block passes a __syncthreads before it reads the unit.
+//
+// A unit stored by several blocks (the two-shot's slice, the all-gather's whole input) is
+// counted first: each block, after its __syncthreads, adds 1 to a count in its own rank's pad
+// with atom.acq_rel.gpu (thread 0); the add that completes the count sets it back to 0 (no
+// other block of the launch adds to it again) and, after a __syncthreads, that block publishes
+// the flag. Each add releases its block's stores (cumulative, after the barrier), the
+// completing add acquires every earlier one (the adds to one count are a chain of
+// read-modify-writes: observation order through atomic operations), and the flag's
+// st.release.sys after the barrier carries them all on, wherever they went (causality order
+// is transitive; each synchronising pair is morally strong at its scope).
 //
 // Epochs. A flag is the launch's epoch (its low 40 bits) << 24 | 24 descriptor bits (the
 // fused kind in the low 4, 20 bits of the launch's digest above: descriptor_of), in one
@@ -110,12 +118,16 @@ struct BlockState {
   PhaseClock clock; // thread 0's: where the block spends its time (phase_clock.cuh)
 };
 
-// The slot of a rank's slice flag (two-shot GEMM + all-reduce), beside the tile slots.
+// The slots of a rank's slice flag (two-shot GEMM + all-reduce) and of its gather flag
+// (all-gather + GEMM: its whole input pushed), beside the tile slots.
 constexpr int kSliceSlot = -1;
+constexpr int kGatherSlot = -2;
 
 // Where the flag of slot `slot` from rank `src` lives in `pad`.
 __device__ __forceinline__ uint64_t *flag_at(const Pad &pad, int slot, int src) {
-  return slot == kSliceSlot ? pad.slice_flag(src) : pad.tile_flag(slot, src);
+  if (slot == kSliceSlot) return pad.slice_flag(src);
+  if (slot == kGatherSlot) return pad.gather_flag(src);
+  return pad.tile_flag(slot, src);
 }
 
 // The launch's flag value.
@@ -216,8 +228,8 @@ __device__ __forceinline__ void publish(const tpfuse_peers &peers, const tpfuse_
 // The calling thread waits for the flag of slot `slot` from rank `src` in this rank's pad:
 // ready, acquired and its descriptor checked; otherwise it reports the failure (unless one is
 // there already) and counts it in st.failed. The block passes a __syncthreads afterwards. A
-// wait for this rank's own flags (the all-gather's parts, published by the rank's other
-// blocks) that times out is TPFUSE_ERROR_GRID_TIMEOUT: the rank's blocks were not all
+// wait for this rank's own flags (the all-gather's own gather flag, published by the
+// rank's block that completed the count) that times out is TPFUSE_ERROR_GRID_TIMEOUT: the rank's blocks were not all
 // resident. Once the error word is set, a wait gives up at once.
 //
 // A `consequent` wait (the two-shot's slice flags, the one-shot's strip flags) is for a flag whose producer itself waits
@@ -250,57 +262,6 @@ __device__ __forceinline__ void await_flag(const tpfuse_peers &peers, const tpfu
     mismatch = of_launch_otherwise(v, st.epoch, descriptor);
   }
   if (mismatch || !arrived) give_up_wait(peers, g, st, src, mismatch);
-}
-
-// The flags one thread awaits at once (await_flags).
-constexpr int kAwaitBatch = 4;
-
-// await_flag for up to kAwaitBatch flags of this rank's pad at once: flag j, for j in
-// `pending` (a bit each), is at(j, src) with its writer's rank in src. Each pass issues the
-// loads of the flags not yet seen before it checks any (so a thread's waits overlap, where
-// await_flag's follow one another), and once every flag is seen, one fence.acq_rel.sys makes
-// each relaxed load that saw one an acquire pattern (ptx.cuh): the block's loads after
-// passed()'s __syncthreads come after everything the flags released. A stall checks the first
-// pending flag's rank as await_flag does. False when the thread gave up.
-template <typename At>
-__device__ __forceinline__ bool await_flags(const tpfuse_peers &peers, const tpfuse_group_args &g,
-                                            const Deadline &deadline, BlockState &st, uint32_t pending, At at,
-                                            uint64_t descriptor) {
-  const Pad own{peers.signals[g.rank]};
-  if (pending == 0) return true;
-  if (ld_relaxed_sys(own.error()) != 0) {
-    atomicAdd(&st.failed, 1);
-    return false;
-  }
-  int src = 0;
-  for (uint32_t spins = 0;; ++spins) {
-    uint64_t v[kAwaitBatch];
-#pragma unroll
-    for (int j = 0; j < kAwaitBatch; ++j)
-      if (pending >> j & 1u) v[j] = ld_relaxed_sys(at(j, src));
-#pragma unroll
-    for (int j = 0; j < kAwaitBatch; ++j) {
-      if ((pending >> j & 1u) == 0 || !of_launch_or_next(v[j], st.epoch)) continue;
-      pending &= ~(1u << j);
-      if (of_launch_otherwise(v[j], st.epoch, descriptor)) {
-        at(j, src);
-        give_up_wait(peers, g, st, src, true);
-        return false;
-      }
-    }
-    if (pending == 0) break;
-    if ((spins & 1023u) != 1023u) continue;
-    int first = 0;
-    while ((pending >> first & 1u) == 0) ++first;
-    at(first, src);
-    const bool mismatch = started_otherwise(own, src, st.epoch, descriptor);
-    if (mismatch || ld_relaxed_sys(own.error()) != 0 || deadline.expired(1)) {
-      give_up_wait(peers, g, st, src, mismatch);
-      return false;
-    }
-  }
-  fence_acq_rel_sys();
-  return true;
 }
 
 __device__ __forceinline__ void await(const tpfuse_peers &peers, const tpfuse_group_args &g, const Deadline &deadline,

@@ -100,16 +100,21 @@ int tpfuse_fp_contraction_probe(const float *abc, float *out, void *stream);
  *                                                         their blocks' end count
  *       uint32 slice_count (at +16)                       two-shot GEMM + all-reduce: tiles of
  *                                                         the rank's rows reduced
+ *       uint32 gather_count (at +20)                      all-gather + GEMM: this rank's blocks
+ *                                                         that pushed their part (back to 0 once
+ *                                                         all have)
  *       uint64 slice_flags[TPFUSE_MAX_RANKS] (at +64)     slice_flags[src]: rank src's reduced
  *                                                         rows are ready (a flag as tile_flags')
+ *       uint64 gather_flags[TPFUSE_MAX_RANKS] (at +128)   gather_flags[src]: every part of rank
+ *                                                         src's all-gather + GEMM input is here
+ *                                                         (a flag as tile_flags')
  *       (padding to 256 bytes)
  *       uint32 strip_counts[TPFUSE_MAX_FUSED_TILES]       tiles of a row strip reduced (RMSNorm)
  *       uint64 tile_flags[TPFUSE_MAX_FUSED_TILES][TPFUSE_MAX_RANKS]  tile_flags[s][src]: rank
  *                                                         src's unit s is ready (block s's
  *                                                         partial tiles of GEMM + all-reduce /
  *                                                         reduce-scatter, or its tile s when
- *                                                         k splits in parallel; a part of the
- *                                                         all-gather + GEMM's input):
+ *                                                         k splits in parallel):
  *                                                         epoch (40 bits) << 24 |
  *                                                         descriptor (24 bits)
  *       uint64 strip_flags[TPFUSE_MAX_FUSED_TILES]        strip_flags[s]: row strip s of this
@@ -146,7 +151,7 @@ int tpfuse_fp_contraction_probe(const float *abc, float *out, void *stream);
  * TPFUSE_MAX_PHASE_BLOCKS of a fused launch stores, at its end, uint64 fields at these indices
  * of phases[b] in its rank's pad: the launch's epoch (fused_epoch + 1), %globaltimer at the
  * block's start and end (ns), the tiles it computed (the parts of tiles, with a split of k in
- * parallel), and the nanoseconds it spent computing them (GEMM), publishing its flags (the all-gather: pushing its rows too), waiting for other
+ * parallel), and the nanoseconds it spent computing them (GEMM), publishing its flags (the all-gather: pushing its rows and counting them), waiting for other
  * ranks' flags, reducing its tiles (and their epilogue, strip or slice counts), and after
  * that (the dealt RMSNorm rows, the two-shot's gather). Plain stores, for the host to read once the launch is
  * done; a later launch overwrites them. */
@@ -175,6 +180,8 @@ int tpfuse_fp_contraction_probe(const float *abc, float *out, void *stream);
 #define TPFUSE_SIGNAL_FUSED_DONE_OFFSET (TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET + 8)
 #define TPFUSE_SIGNAL_SLICE_COUNT_OFFSET (TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET + 16)
 #define TPFUSE_SIGNAL_SLICE_FLAGS_OFFSET (TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET + 64)
+#define TPFUSE_SIGNAL_GATHER_COUNT_OFFSET (TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET + 20)
+#define TPFUSE_SIGNAL_GATHER_FLAGS_OFFSET (TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET + 128)
 #define TPFUSE_SIGNAL_STRIP_COUNTS_OFFSET (TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET + 256)
 #define TPFUSE_SIGNAL_TILE_FLAGS_OFFSET (TPFUSE_SIGNAL_STRIP_COUNTS_OFFSET + 4 * TPFUSE_MAX_FUSED_TILES)
 #define TPFUSE_SIGNAL_STRIP_FLAGS_OFFSET (TPFUSE_SIGNAL_TILE_FLAGS_OFFSET + 8 * TPFUSE_MAX_FUSED_TILES * TPFUSE_MAX_RANKS)
@@ -193,7 +200,8 @@ int tpfuse_fp_contraction_probe(const float *abc, float *out, void *stream);
  * GRID_TIMEOUT | r: the blocks of rank r's launch did not all meet before the deadline (they
  * were not all resident at once). The pad's error word is sticky: nothing clears it, and the
  * barriers' epochs, descriptors, grid count, the fused kernel's epoch, end count, strip
- * counts, slice count and part counts are only consistent while it is 0 (a launch that fails leaves them as they are); a
+ * counts, slice count, part counts and gather count are only consistent while it is 0 (a
+ * launch that fails leaves them as they are); a
  * group whose word is set is rebuilt, never reset. */
 #define TPFUSE_ERROR_PEER_TIMEOUT 0x100
 #define TPFUSE_ERROR_PEER_MISMATCH 0x200

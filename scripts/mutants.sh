@@ -482,7 +482,7 @@ mutant two-shot-peer-residual-kept emu_gemm_all_reduce::fused_equals_gemm_then_a
   gemm_all_reduce.cu 'owner != g.rank ? residual + at : nullptr;' 'false ? residual + at : nullptr;'
 mutant scatter-rank-0-rows emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "GEMM + reduce-scatter gives every rank rank 0's rows" \
   gemm_all_reduce.cu 'const int row_begin = reduction.scatter ? g.rank * slice : 0;' 'const int row_begin = 0;'
-mutant gather-without-waiting emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm "all-gather + GEMM reads the peers' rows without waiting for their flags" \
+mutant gather-without-waiting emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm "all-gather + GEMM reads the peers' rows without waiting for their gather flags" \
   all_gather_gemm.cu '    if (needed != 0) {' '    if (false) {'
 mutant norm-partials-in-result-half emu_gemm_all_reduce::an_all_gather_gemm_right_after_a_one_shot_rmsnorm_overlaps_nothing "one-shot keeps its RMSNorm partials where all-gather + GEMM pushes" \
   all_reduce.cu 'T *partials_at = static_cast<T *>(peers.data[g.rank]);' \
@@ -491,12 +491,16 @@ mutant gather-push-own-area-only emu_gemm_all_reduce::all_gather_gemm_equals_all
   all_gather_gemm.cu 'for (int j = 1; j <= g.world; ++j) {' 'for (int j = g.world; j <= g.world; ++j) {'
 mutant gather-push-at-rank-0-rows emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm "all-gather + GEMM pushes every rank's rows to rank 0's rows" \
   all_gather_gemm.cu 'static_cast<size_t>(g.rank) * part_vectors * 16;' 'static_cast<size_t>(0) * part_vectors * 16;'
-mutant gather-no-sync-before-flag emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm+weak "all-gather + GEMM publishes a part's flag before the whole block pushed it" \
-  all_gather_gemm.cu $'    __syncthreads(); // every thread\'s stores, before the flags\n' ''
-mutant gather-wait-no-fence emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm+weak "all-gather + GEMM's batched flag waits end without the fence that makes them acquire" \
-  fused_flags.cuh $'  fence_acq_rel_sys();\n  return true;' '  return true;'
-mutant gather-wait-first-of-batch-only emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm@random:1+weak-random "all-gather + GEMM's batched flag waits wait for the first flag of each batch only" \
-  all_gather_gemm.cu 'if (at < pairs && (needed & (1u << rank_of(at))) != 0) pending |= 1u << j;' 'if (j == 0 && at < pairs && (needed & (1u << rank_of(at))) != 0) pending |= 1u << j;'
+mutant gather-no-sync-before-count emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm+weak "all-gather + GEMM counts a part before the whole block pushed it" \
+  all_gather_gemm.cu $'    __syncthreads(); // every thread\'s stores, before the count\n' ''
+mutant gather-count-relaxed emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm+weak "all-gather + GEMM counts its pushed parts with a relaxed add (no release, no acquire)" \
+  all_gather_gemm.cu 'st.last = atomic_add_acq_rel_gpu(count, 1u) + 1u == gridDim.x;' 'st.last = atomicAdd(count, 1u) + 1u == gridDim.x;'
+mutant gather-flag-by-every-block emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm@random:1 "every block of all-gather + GEMM publishes its rank's gather flag, not the one that completes the count" \
+  all_gather_gemm.cu 'if (st.last) fused::publish(peers, g, fused::kGatherSlot' 'if (true) fused::publish(peers, g, fused::kGatherSlot'
+mutant gather-flag-before-count-read emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm@random:1+weak-random "all-gather + GEMM's flag threads read thread 0's count decision without the barrier" \
+  all_gather_gemm.cu $'    __syncthreads(); // thread 0\'s acquire, before the releases of the flag\n' ''
+mutant gather-count-never-reset emu_gemm_all_reduce::all_gather_gemm_launches_in_a_row_each_get_their_own_inputs "all-gather + GEMM never sets its count back to 0 (the next launch never completes it)" \
+  all_gather_gemm.cu 'if (st.last) *count = 0; // no other block' 'if (false) *count = 0; // no other block'
 mutant gather-split-first-part-only emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm "all-gather + GEMM's parallel split computes only the first part of each tile" \
   all_gather_gemm.cu 'const int units = split_parallel ? tiles * parts : tiles;' 'const int units = tiles;'
 mutant gather-split-word-per-tile-row emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm "all-gather + GEMM's parallel split counts the parts of a tile row's tiles in one word" \

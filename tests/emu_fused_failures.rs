@@ -476,3 +476,61 @@ fn ranks_that_launch_different_shapes_get_a_mismatch() {
         }
     }
 }
+
+/// All-gather + GEMM against a rank that launched something else: another m, a larger grid (3
+/// blocks against 2: another descriptor in its gather flag) and GEMM + reduce-scatter (it
+/// publishes no gather flag, and awaits tile flags rank 0 never publishes: a stalled wait
+/// finds the other's started flag). Every rank gets TPFUSE_ERROR_PEER_MISMATCH at once, not
+/// wrong data or a timeout, and marks its output failed.
+#[test]
+fn all_gather_gemm_against_another_launch_is_a_mismatch() {
+    let _s = session(
+        "emu_fused_failures",
+        "all_gather_gemm_against_another_launch_is_a_mismatch",
+    );
+    let (world, n, k) = (2, 136, 40);
+    // Rank 1's (m, blocks, all-gather + GEMM or not).
+    for (m1, blocks1, gather1) in [(4, 2, true), (2, 3, true), (2, 2, false)] {
+        let case = format!("rank 1 with m {m1}, {blocks1} blocks, all-gather {gather1}");
+        let ranks = Ranks::with_capacity(world, 3, 1_000_000_000, CAPACITY);
+        let p = problem::<bf16>(world, (4, n, k), NONE, base_seed(0xf05e_000c));
+        let mut kept = Vec::new();
+        let start = emulator::now_ns();
+        for r in 0..world {
+            let (m, blocks, gather) = if r == 0 {
+                (2, 2, true)
+            } else {
+                (m1, blocks1, gather1)
+            };
+            let x = DeviceBuffer::from_slice(&p.x[r][..m * k]);
+            let w = DeviceBuffer::from_slice(&p.w[r]);
+            let out_len = if gather { m * n } else { m / world * n };
+            let out = poisoned::<bf16>(out_len);
+            let config = auto_config(m, n, k);
+            let code = if gather {
+                enqueue_all_gather_gemm(config, &ranks, r, &x, &w, &None, &out, (m, n, k), blocks)
+            } else {
+                enqueue_gemm_reduce_scatter(&ranks, r, (&x, &w, &out), (m, n, k), config, blocks)
+            };
+            launched(&format!("{case}: rank {r}"), code);
+            kept.push((x, w, out));
+        }
+        ranks.synchronize();
+        assert!(
+            emulator::now_ns() - start < ranks.timeout_ns / 100,
+            "{case}: the mismatch was noticed at once"
+        );
+        for (r, (_, _, out)) in kept.iter().enumerate() {
+            let word = ranks.error_word(r);
+            assert_eq!(
+                word & 0xff00,
+                abi::TPFUSE_ERROR_PEER_MISMATCH,
+                "{case}, rank {r}: error word {word:#x}"
+            );
+            assert!(
+                out.to_vec().iter().all(|x| x.is_failed_output()),
+                "{case}, rank {r}: out marked failed"
+            );
+        }
+    }
+}

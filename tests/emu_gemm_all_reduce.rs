@@ -398,8 +398,8 @@ fn all_gather_gemm_case<T: TestElement>(
 /// computing one part (12 blocks for 12 units) or several (5 for 18, 3 for 14) and folding what
 /// it finds stored; in forced 16 x 64 tiles at m = 32, where the split's units visit two tile
 /// rows from the rank's own on (the configurations tpfuse_gemm chooses give a split one tile
-/// row); and in forced 16 x 16 tiles (32 threads) of 4 ranks' rows, 17 tiles on 9 blocks: 36
-/// flags a tile, so a thread awaits two at once (await_flags' batch).
+/// row); and in forced 16 x 16 tiles (32 threads) of 4 ranks' rows, 17 tiles on 9 blocks:
+/// four ranks' counts a tile, one a thread.
 const ALL_GATHER_GEMM_CASES: [(usize, i32, Shape, bool, Option<i32>); 11] = [
     (2, 2, (2, 136, 40), true, None),
     (3, 1, (9, 72, 72), false, None),
@@ -497,6 +497,126 @@ fn launches_in_a_row_each_get_their_own_inputs() {
             &finals[0].1[r],
             &finals[1].1[r],
         );
+    }
+}
+
+/// All-gather + GEMM launches in a row on every rank, all in flight before one synchronize,
+/// each with fresh inputs: a rank counts its blocks' pushed parts in one word of its pad, which
+/// the block that completes the count sets back to 0 before it publishes the rank's gather
+/// flag, so each launch's flag must wait for that launch's parts (a flag of the launch before,
+/// or a count left full, would let a tile read the rows before they arrive). Every other launch
+/// splits k in parallel (6 parts of 800 on 32 SMs). Each launch's out bitwise against
+/// all_gather then gemm of the same inputs, and every count back at 0.
+#[test]
+fn all_gather_gemm_launches_in_a_row_each_get_their_own_inputs() {
+    let _s = session(
+        "emu_gemm_all_reduce",
+        "all_gather_gemm_launches_in_a_row_each_get_their_own_inputs",
+    );
+    let (world, steps, blocks, n) = (3, 6, 3, 72);
+    let seed = base_seed(0xf05e_000b);
+    let ranks = Ranks::with_capacity(world, blocks, LONG_TIMEOUT_NS, CAPACITY);
+    // (shape, every rank's x, every rank's w) of each step.
+    type Step = (Shape, Vec<DeviceBuffer<bf16>>, Vec<DeviceBuffer<bf16>>);
+    let inputs: Vec<Step> = (0..steps)
+        .map(|step| {
+            let (m, k) = if step % 2 == 0 { (9, 40) } else { (6, 800) };
+            let data = |what: u64, r: usize, len: usize, bound: f32| {
+                let values =
+                    random_vec(mix_seed(seed, &[step, what, r as u64]), len, -bound, bound);
+                DeviceBuffer::from_slice(&values)
+            };
+            let xs = (0..world).map(|r| data(1, r, m / world * k, 1.0)).collect();
+            let ws = (0..world).map(|r| data(2, r, n * k, 0.2)).collect();
+            ((m, n, k), xs, ws)
+        })
+        .collect();
+    // Every step's fused launches in flight together.
+    let fused: Vec<Vec<DeviceBuffer<bf16>>> = inputs
+        .iter()
+        .map(|((m, n, k), xs, ws)| {
+            (0..world)
+                .map(|r| {
+                    let out = poisoned::<bf16>(m * n);
+                    let config = auto_config(*m, *n, *k);
+                    let code = enqueue_all_gather_gemm(
+                        config,
+                        &ranks,
+                        r,
+                        &xs[r],
+                        &ws[r],
+                        &None,
+                        &out,
+                        (*m, *n, *k),
+                        blocks,
+                    );
+                    launched(&format!("all_gather_gemm rank {r}"), code);
+                    out
+                })
+                .collect()
+        })
+        .collect();
+    ranks.synchronize();
+    // The same steps unfused: all_gather, then gemm.
+    let unfused: Vec<Vec<(DeviceBuffer<bf16>, DeviceBuffer<bf16>)>> = inputs
+        .iter()
+        .map(|((m, n, k), xs, ws)| {
+            (0..world)
+                .map(|r| {
+                    let gathered = poisoned::<bf16>(m * k);
+                    let out = poisoned::<bf16>(m * n);
+                    let bytes = m / world * k * std::mem::size_of::<bf16>();
+                    let (peers, args, stream) = (ranks.peers(), ranks.args(r), ranks.stream(r));
+                    // SAFETY: the buffers hold what the shapes need and are kept until the
+                    // synchronize.
+                    let code = unsafe {
+                        abi::tpfuse_all_gather(
+                            &peers,
+                            &args,
+                            xs[r].ptr().cast(),
+                            gathered.ptr().cast(),
+                            bytes,
+                            stream,
+                        )
+                    };
+                    launched(&format!("all_gather rank {r}"), code);
+                    // SAFETY: as above.
+                    let code = unsafe {
+                        abi::tpfuse_gemm(
+                            <bf16 as tpfuse::Element>::DTYPE,
+                            abi::TPFUSE_GEMM_CONFIG_AUTO,
+                            gathered.ptr().cast(),
+                            ws[r].ptr().cast(),
+                            std::ptr::null(),
+                            std::ptr::null(),
+                            out.ptr().cast(),
+                            *m,
+                            *n,
+                            *k,
+                            stream,
+                        )
+                    };
+                    launched(&format!("gemm rank {r}"), code);
+                    (gathered, out)
+                })
+                .collect()
+        })
+        .collect();
+    ranks.synchronize();
+    let count_word = abi::TPFUSE_SIGNAL_GATHER_COUNT_OFFSET as usize / 4;
+    for (r, pad) in ranks.signals.iter().enumerate() {
+        assert_eq!(pad.to_vec()[count_word], 0, "rank {r}: the gather count");
+    }
+    for step in 0..steps as usize {
+        for r in 0..world {
+            let at = format!("step {step} rank {r}");
+            assert_eq!(ranks.error_word(r), 0, "{at}: a launch failed");
+            assert_same_bits(
+                &format!("{at}: out, fused vs unfused"),
+                &fused[step][r].to_vec(),
+                &unfused[step][r].1.to_vec(),
+            );
+        }
     }
 }
 

@@ -33,8 +33,8 @@ pub struct BlockPhases {
     /// Computing them (the GEMM's mainloop and epilogue).
     pub gemm_ns: u64,
     /// Publishing its flags (thread 0's store into rank 0's pad; the all-gather + GEMM:
-    /// pushing its rows too; a split of k in parallel: marking each part stored, and the
-    /// parts it folds).
+    /// pushing its rows and counting them, the last one's block publishing the rank's flag; a
+    /// split of k in parallel: marking each part stored, and the parts it folds).
     pub publish_ns: u64,
     /// Waiting for other ranks' flags.
     pub wait_ns: u64,

@@ -9,8 +9,9 @@
 //!   slices);
 //! - one signal pad of [`SIGNAL_PAD_BYTES`] (per-block barrier flags, per-block epochs, the
 //!   error word, the fused kernels' flags and their packet area: about 2.4 MiB), zeroed once
-//!   at creation and never reset: the barriers count up, and the packets are cleared by the
-//!   kernel that reads them.
+//!   at creation and never reset: the barriers count up, the fused kernels' counts go back
+//!   to 0 within the launch that raised them, and the packets are cleared by the kernel that
+//!   reads them.
 //!
 //! Three ways fill the table, and the kernels cannot tell them apart:
 //!
