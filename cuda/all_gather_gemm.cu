@@ -202,7 +202,7 @@ int launch_config(const tpfuse_peers &peers, const tpfuse_group_args &g, int con
   if (err != cudaSuccess) return err;
   const uint64_t descriptor = fused::descriptor_of(
       kKindAllGatherGemm,
-      launch_descriptor({kKindAllGatherGemm, sizeof(T), static_cast<uint64_t>(m), static_cast<uint64_t>(n),
+      launch_descriptor({kKindAllGatherGemm, Elem<T>::kDtype, static_cast<uint64_t>(m), static_cast<uint64_t>(n),
                          static_cast<uint64_t>(k), static_cast<uint64_t>(config), static_cast<uint64_t>(grid),
                          bias != nullptr, static_cast<uint64_t>(parts), split_parallel ? 1u : 0u}));
   return launch_result(TPFUSE_LAUNCH_COOPERATIVE(all_gather_gemm, grid, Cfg::kThreads, Cfg::kSmemBytes, stream)(

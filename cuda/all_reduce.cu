@@ -522,7 +522,7 @@ int launch_all_reduce(int algo, const tpfuse_peers &peers, const tpfuse_group_ar
   // with different eps would give different bits. The two-shot's RMSNorm runs in a kernel of
   // its own after, so the two-shot kernel's descriptor carries it for that kernel's sake.
   const uint32_t descriptor =
-      launch_descriptor({kKindAllReduce + static_cast<uint64_t>(algo), sizeof(T), rows, hidden,
+      launch_descriptor({kKindAllReduce + static_cast<uint64_t>(algo), Elem<T>::kDtype, rows, hidden,
                          static_cast<uint64_t>(grid), bias != nullptr, residual != nullptr,
                          gamma != nullptr, gamma != nullptr ? float_bits(eps) : 0});
   if (algo == TPFUSE_ALGO_ONE_SHOT && gamma != nullptr) {

@@ -14,15 +14,20 @@ namespace tpfuse {
 // `half` crate's from_f32 that the CPU reference uses.
 template <typename T> struct Elem;
 
+// kDtype: the element type's TPFUSE_DTYPE_*, which the launch descriptors carry (f16 and bf16
+// have one size: ranks that launch one each must mismatch, not exchange each other's bits).
 template <> struct Elem<float> {
+  static constexpr uint64_t kDtype = TPFUSE_DTYPE_F32;
   static __device__ __forceinline__ float to_f32(float x) { return x; }
   static __device__ __forceinline__ float from_f32(float x) { return x; }
 };
 template <> struct Elem<__half> {
+  static constexpr uint64_t kDtype = TPFUSE_DTYPE_F16;
   static __device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
   static __device__ __forceinline__ __half from_f32(float x) { return __float2half_rn(x); }
 };
 template <> struct Elem<__nv_bfloat16> {
+  static constexpr uint64_t kDtype = TPFUSE_DTYPE_BF16;
   static __device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
   static __device__ __forceinline__ __nv_bfloat16 from_f32(float x) {
     return __float2bfloat16_rn(x);

@@ -588,7 +588,7 @@ int launch_config(Reduction reduction, const tpfuse_peers &peers, const tpfuse_g
   std::memcpy(&eps_bits, &eps, sizeof eps_bits);
   const uint64_t descriptor = fused::descriptor_of(
       reduction.kind,
-      launch_descriptor({reduction.kind, sizeof(T), static_cast<uint64_t>(m), static_cast<uint64_t>(n),
+      launch_descriptor({reduction.kind, Elem<T>::kDtype, static_cast<uint64_t>(m), static_cast<uint64_t>(n),
                          static_cast<uint64_t>(k), static_cast<uint64_t>(config), static_cast<uint64_t>(grid),
                          bias != nullptr, residual != nullptr, gamma != nullptr, eps_bits,
                          static_cast<uint64_t>(parts), split_parallel ? 1u : 0u, packets ? 1u : 0u}));

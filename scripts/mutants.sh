@@ -501,6 +501,12 @@ mutant gather-flag-before-count-read emu_gemm_all_reduce::all_gather_gemm_equals
   all_gather_gemm.cu $'    __syncthreads(); // thread 0\'s acquire, before the releases of the flag\n' ''
 mutant gather-count-never-reset emu_gemm_all_reduce::all_gather_gemm_launches_in_a_row_each_get_their_own_inputs "all-gather + GEMM never sets its count back to 0 (the next launch never completes it)" \
   all_gather_gemm.cu 'if (st.last) *count = 0; // no other block' 'if (false) *count = 0; // no other block'
+mutant descriptor-size-not-type-gather emu_fused_failures::all_gather_gemm_against_another_launch_is_a_mismatch "all-gather + GEMM's descriptor names the element size, not the type (f16 passes for bf16)" \
+  all_gather_gemm.cu 'launch_descriptor({kKindAllGatherGemm, Elem<T>::kDtype,' 'launch_descriptor({kKindAllGatherGemm, sizeof(T),'
+mutant descriptor-size-not-type-fused emu_fused_failures::ranks_that_launch_different_shapes_get_a_mismatch "GEMM + all-reduce's descriptor names the element size, not the type" \
+  gemm_all_reduce.cu 'launch_descriptor({reduction.kind, Elem<T>::kDtype,' 'launch_descriptor({reduction.kind, sizeof(T),'
+mutant descriptor-size-not-type-all-reduce emu_all_reduce::ranks_that_launch_different_sizes_or_grids_get_a_mismatch_not_wrong_data "the all-reduce's descriptor names the element size, not the type" \
+  all_reduce.cu 'static_cast<uint64_t>(algo), Elem<T>::kDtype,' 'static_cast<uint64_t>(algo), sizeof(T),'
 mutant gather-split-first-part-only emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm "all-gather + GEMM's parallel split computes only the first part of each tile" \
   all_gather_gemm.cu 'const int units = split_parallel ? tiles * parts : tiles;' 'const int units = tiles;'
 mutant gather-split-word-per-tile-row emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm "all-gather + GEMM's parallel split counts the parts of a tile row's tiles in one word" \

@@ -36,23 +36,32 @@ impl Ranks {
         out: &DeviceBuffer<f32>,
         n: usize,
     ) {
-        self.plain_all_reduce_on(rank, path, input, out, n, self.blocks);
+        self.plain_all_reduce_on(
+            rank,
+            path,
+            input,
+            out,
+            (n, abi::TPFUSE_DTYPE_F32),
+            self.blocks,
+        );
     }
 
-    /// The same on a grid of `blocks` (which every rank must agree on).
+    /// The same on a grid of `blocks` (which every rank must agree on), of `n` elements of
+    /// `dtype` (a `TPFUSE_DTYPE_*`: the f32 buffers hold them as bits).
     fn plain_all_reduce_on(
         &self,
         rank: usize,
         path: Path,
         input: &DeviceBuffer<f32>,
         out: &DeviceBuffer<f32>,
-        n: usize,
+        (n, dtype): (usize, u32),
         blocks: i32,
     ) {
-        // SAFETY: both buffers hold n elements and live until the caller synchronizes.
+        // SAFETY: both buffers hold n f32 elements (so n of any dtype) and live until the caller
+        // synchronizes.
         let code = unsafe {
             abi::tpfuse_all_reduce(
-                abi::TPFUSE_DTYPE_F32 as i32,
+                dtype as i32,
                 path.algo(),
                 &self.peers(),
                 &abi::tpfuse_group_args {
@@ -662,17 +671,32 @@ fn a_wait_ends_when_the_timer_stands_still() {
     assert!(out.to_vec().iter().all(|x| x.is_failed_output()));
 }
 
-/// Rank 0 launches (n0, blocks0), rank 1 (n1, blocks1): both must fail at once with
-/// TPFUSE_ERROR_PEER_MISMATCH naming both, mark their outputs failed, and tell the host.
-fn mismatch(label: &str, path: Path, (n0, blocks0): (usize, i32), (n1, blocks1): (usize, i32)) {
+/// Rank 0 launches (n0, blocks0) elements of dtype0, rank 1 (n1, blocks1) of dtype1: both must
+/// fail at once with TPFUSE_ERROR_PEER_MISMATCH naming both, mark their outputs failed, and
+/// tell the host.
+fn mismatch(
+    label: &str,
+    path: Path,
+    (n0, blocks0, dtype0): (usize, i32, u32),
+    (n1, blocks1, dtype1): (usize, i32, u32),
+) {
     let ranks = Ranks::new(2, blocks0, LONG_TIMEOUT_NS);
     let input = DeviceBuffer::from_slice(&vec![1.0f32; n0.max(n1)]);
     let outs: Vec<DeviceBuffer<f32>> = (0..2).map(|_| DeviceBuffer::new(n0.max(n1))).collect();
     let start = emulator::now_ns();
-    ranks.plain_all_reduce_on(0, path, &input, &outs[0], n0, blocks0);
-    ranks.plain_all_reduce_on(1, path, &input, &outs[1], n1, blocks1);
+    ranks.plain_all_reduce_on(0, path, &input, &outs[0], (n0, dtype0), blocks0);
+    ranks.plain_all_reduce_on(1, path, &input, &outs[1], (n1, dtype1), blocks1);
     ranks.synchronize();
-    assert_mismatched(label, &ranks, start, [(&outs[0], n0), (&outs[1], n1)]);
+    // The f32 words the outputs' failed elements fill.
+    let words = |n: usize, dtype: u32| {
+        if dtype == abi::TPFUSE_DTYPE_F32 {
+            n
+        } else {
+            n / 2
+        }
+    };
+    let outs = [(&outs[0], words(n0, dtype0)), (&outs[1], words(n1, dtype1))];
+    assert_mismatched(label, &ranks, start, outs);
 }
 
 /// After `ranks.synchronize()`: the two ranks' launches (started at virtual time `start`)
@@ -785,21 +809,35 @@ fn registers_hold_an_sm_and_a_cooperative_grid_past_them_is_refused() {
     }
 }
 
+/// Other sizes, grids or element types (f16 against bf16: the same size) on the two ranks.
 #[test]
 fn ranks_that_launch_different_sizes_or_grids_get_a_mismatch_not_wrong_data() {
     let _s = session(
         "emu_all_reduce",
         "ranks_that_launch_different_sizes_or_grids_get_a_mismatch_not_wrong_data",
     );
+    let f32 = abi::TPFUSE_DTYPE_F32;
     for path in [Path::OneShot, Path::TwoShot] {
         mismatch(
             &format!("{path:?} n 1000 vs 1024"),
             path,
-            (1000, 2),
-            (1024, 2),
+            (1000, 2, f32),
+            (1024, 2, f32),
         );
         // 8000 f32 = 2000 vectors want 4 blocks: the budgets 2 and 4 give different grids.
-        mismatch(&format!("{path:?} grid 2 vs 4"), path, (8000, 2), (8000, 4));
+        mismatch(
+            &format!("{path:?} grid 2 vs 4"),
+            path,
+            (8000, 2, f32),
+            (8000, 4, f32),
+        );
+        // f16 and bf16 elements have one size: the descriptor names the type.
+        mismatch(
+            &format!("{path:?} f16 vs bf16"),
+            path,
+            (1024, 2, abi::TPFUSE_DTYPE_F16),
+            (1024, 2, abi::TPFUSE_DTYPE_BF16),
+        );
     }
 }
 

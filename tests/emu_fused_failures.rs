@@ -10,8 +10,8 @@ mod common;
 use common::assert_same_bits;
 use common::emu::{launched, session, session_with, Ranks};
 use common::fused::*;
-use common::gpu::{base_seed, mix_seed};
-use half::bf16;
+use common::gpu::{base_seed, mix_seed, TestElement};
+use half::{bf16, f16};
 use tpfuse::emulator::{self, abi, DeviceBuffer, Fault};
 use tpfuse::ops::gemm::{select_config, GemmShape};
 use tpfuse::Element;
@@ -429,7 +429,8 @@ fn the_sequence_parallel_kernels_time_out_on_a_missing_rank() {
 }
 
 /// Ranks that launch different shapes (here m = 16 and m = 17: other tiles, another
-/// configuration) get TPFUSE_ERROR_PEER_MISMATCH, and their outputs are marked failed.
+/// configuration), paths or element types get TPFUSE_ERROR_PEER_MISMATCH, and their outputs
+/// are marked failed.
 #[test]
 fn ranks_that_launch_different_shapes_get_a_mismatch() {
     let _s = session(
@@ -475,13 +476,34 @@ fn ranks_that_launch_different_shapes_get_a_mismatch() {
             );
         }
     }
+    // The same shape in f16 on rank 1: f16 and bf16 have one size, the descriptor names the
+    // type.
+    let ranks = Ranks::with_capacity(2, 2, 1_000_000_000, CAPACITY);
+    let seed = base_seed(0xf05e_0005);
+    let p0 = problem::<bf16>(2, (16, 72, 40), BIAS_RESIDUAL, seed);
+    let p1 = problem::<f16>(2, (16, 72, 40), BIAS_RESIDUAL, seed);
+    let (r0, r1) = (residuals(2, &p0), residuals(2, &p1));
+    let b0 = enqueue(&ranks, 0, &p0, Path::Fused, &r0[0]);
+    let b1 = enqueue(&ranks, 1, &p1, Path::Fused, &r1[1]);
+    ranks.synchronize();
+    for r in 0..2 {
+        let word = ranks.error_word(r);
+        assert_eq!(
+            word & 0xff00,
+            abi::TPFUSE_ERROR_PEER_MISMATCH,
+            "f16 against bf16, rank {r}: error word {word:#x}"
+        );
+    }
+    assert!(b0.out.to_vec().iter().all(|x| x.is_failed_output()));
+    assert!(b1.out.to_vec().iter().all(|x| x.is_failed_output()));
 }
 
 /// All-gather + GEMM against a rank that launched something else: another m, a larger grid (3
-/// blocks against 2: another descriptor in its gather flag) and GEMM + reduce-scatter (it
-/// publishes no gather flag, and awaits tile flags rank 0 never publishes: a stalled wait
-/// finds the other's started flag). Every rank gets TPFUSE_ERROR_PEER_MISMATCH at once, not
-/// wrong data or a timeout, and marks its output failed.
+/// blocks against 2: another descriptor in its gather flag), f16 elements against bf16 (the
+/// same size) and GEMM + reduce-scatter (it publishes no gather flag, and awaits tile flags
+/// rank 0 never publishes: a stalled wait finds the other's started flag). Every rank gets
+/// TPFUSE_ERROR_PEER_MISMATCH at once, not wrong data or a timeout, and marks its output
+/// failed.
 #[test]
 fn all_gather_gemm_against_another_launch_is_a_mismatch() {
     let _s = session(
@@ -489,48 +511,83 @@ fn all_gather_gemm_against_another_launch_is_a_mismatch() {
         "all_gather_gemm_against_another_launch_is_a_mismatch",
     );
     let (world, n, k) = (2, 136, 40);
-    // Rank 1's (m, blocks, all-gather + GEMM or not).
-    for (m1, blocks1, gather1) in [(4, 2, true), (2, 3, true), (2, 2, false)] {
-        let case = format!("rank 1 with m {m1}, {blocks1} blocks, all-gather {gather1}");
+    // Rank 1's (m, blocks, all-gather + GEMM or not, f16 or bf16).
+    let cases = [
+        (4, 2, true, false),
+        (2, 3, true, false),
+        (2, 2, true, true),
+        (2, 2, false, false),
+    ];
+    for (m1, blocks1, gather1, f16_1) in cases {
+        let case =
+            format!("rank 1 with m {m1}, {blocks1} blocks, all-gather {gather1}, f16 {f16_1}");
         let ranks = Ranks::with_capacity(world, 3, 1_000_000_000, CAPACITY);
         let p = problem::<bf16>(world, (4, n, k), NONE, base_seed(0xf05e_000c));
-        let mut kept = Vec::new();
+        let mut outs = Vec::new();
         let start = emulator::now_ns();
         for r in 0..world {
-            let (m, blocks, gather) = if r == 0 {
-                (2, 2, true)
+            let (m, blocks, gather, f16) = if r == 0 {
+                (2, 2, true, false)
             } else {
-                (m1, blocks1, gather1)
+                (m1, blocks1, gather1, f16_1)
             };
-            let x = DeviceBuffer::from_slice(&p.x[r][..m * k]);
-            let w = DeviceBuffer::from_slice(&p.w[r]);
-            let out_len = if gather { m * n } else { m / world * n };
-            let out = poisoned::<bf16>(out_len);
-            let config = auto_config(m, n, k);
-            let code = if gather {
-                enqueue_all_gather_gemm(config, &ranks, r, &x, &w, &None, &out, (m, n, k), blocks)
+            let (x, w) = (&p.x[r][..m * k], &p.w[r]);
+            let launch = ((m, n, k), blocks, gather);
+            let (code, failed) = if f16 {
+                let f16_of = |v: &[bf16]| -> Vec<f16> {
+                    v.iter().map(|e| f16::from_f32(e.to_f32())).collect()
+                };
+                enqueue_sequence_parallel(&ranks, r, launch, &f16_of(x), &f16_of(w))
             } else {
-                enqueue_gemm_reduce_scatter(&ranks, r, (&x, &w, &out), (m, n, k), config, blocks)
+                enqueue_sequence_parallel(&ranks, r, launch, x, w)
             };
             launched(&format!("{case}: rank {r}"), code);
-            kept.push((x, w, out));
+            outs.push(failed);
         }
         ranks.synchronize();
         assert!(
             emulator::now_ns() - start < ranks.timeout_ns / 100,
             "{case}: the mismatch was noticed at once"
         );
-        for (r, (_, _, out)) in kept.iter().enumerate() {
+        for (r, out) in outs.iter().enumerate() {
             let word = ranks.error_word(r);
             assert_eq!(
                 word & 0xff00,
                 abi::TPFUSE_ERROR_PEER_MISMATCH,
                 "{case}, rank {r}: error word {word:#x}"
             );
-            assert!(
-                out.to_vec().iter().all(|x| x.is_failed_output()),
-                "{case}, rank {r}: out marked failed"
-            );
+            assert!(out(), "{case}, rank {r}: out marked failed");
         }
     }
+}
+
+/// Rank `r`'s all-gather + GEMM (`gather`) or GEMM + reduce-scatter of x [m / W or m, k] and w
+/// [n, k] on a grid of `blocks`: its code, and whether every element of its out is marked
+/// failed (called after the synchronize; it keeps the buffers until then).
+fn enqueue_sequence_parallel<T: TestElement>(
+    ranks: &Ranks,
+    r: usize,
+    (shape, blocks, gather): (Shape, i32, bool),
+    x: &[T],
+    w: &[T],
+) -> (i32, Box<dyn Fn() -> bool>) {
+    let (m, n, k) = shape;
+    let (x, w) = (DeviceBuffer::from_slice(x), DeviceBuffer::from_slice(w));
+    let out_len = if gather {
+        m * n
+    } else {
+        m / ranks.signals.len() * n
+    };
+    let out = poisoned::<T>(out_len);
+    let config = auto_config(m, n, k);
+    let code = if gather {
+        enqueue_all_gather_gemm(config, ranks, r, &x, &w, &None, &out, shape, blocks)
+    } else {
+        enqueue_gemm_reduce_scatter(ranks, r, (&x, &w, &out), shape, config, blocks)
+    };
+    let failed = move || {
+        let _kept = (&x, &w);
+        out.to_vec().iter().all(|e| e.is_failed_output())
+    };
+    (code, Box::new(failed))
 }
