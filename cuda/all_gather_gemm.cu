@@ -31,8 +31,11 @@
 // over the link, 80 times the gather's bytes for Llama-3-70B's QKV at TP 8, docs/fused-gemm.md.)
 //
 // Ordering: the part's weak stores into rank p's area, by every thread, then __syncthreads,
-// then thread 0's atom.acq_rel.gpu on the count, which releases them; the add that completes
-// the count acquires every earlier add's release (one chain of read-modify-writes), and its
+// then thread 0's atom.acq_rel.sys on the count, which releases them (the model already makes
+// a .gpu release cumulative over them, causality order being transitive; .sys so that
+// correctness does not rest on the hardware honouring that for stores bound for a peer over
+// NVLink or PCIe, which little code exercises); the add that completes the count acquires
+// every earlier add's release (one chain of read-modify-writes), and its
 // block's thread p, after a __syncthreads, stores the flag into rank p's pad with
 // st.release.sys, which carries them all (fused_flags.cuh, "Flags": a counted unit); on rank
 // p, the flag's ld.acquire.sys, then the __syncthreads of fused::passed, orders its block's
@@ -112,7 +115,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // this rank's gather flag to every rank (fused_flags.cuh, "Flags": a counted unit).
     if (threadIdx.x == 0) {
       uint32_t *count = Pad{peers.signals[g.rank]}.gather_count();
-      st.last = atomic_add_acq_rel_gpu(count, 1u) + 1u == gridDim.x;
+      st.last = atomic_add_acq_rel_sys(count, 1u) + 1u == gridDim.x;
       if (st.last) *count = 0; // no other block of this launch adds to it again
     }
     __syncthreads(); // thread 0's acquire, before the releases of the flag

@@ -9,8 +9,8 @@ namespace {
 
 // Two blocks an SM at least: with the thread count alone, ptxas packed the kernel for four
 // (32 registers on sm_90a) and on sm_120a spilled the f32 row it holds in registers
-// (rms_norm_held_segment) to a 16-byte stack frame; with two, 37-64 registers and no stack on
-// every architecture built.
+// (then a row of one segment) to a 16-byte stack frame; with two, 56-64 registers (a row of
+// two segments held: rms_norm_held_row) and no stack on every architecture built.
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 2)
     rms_norm_kernel(const T *x, const T *gamma, float eps, T *out, size_t rows, size_t hidden,

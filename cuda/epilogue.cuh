@@ -93,6 +93,7 @@ template <typename T> struct Epilogue {
 // turns go in rounds of up to eight whose loads are issued together (kInFlight), so a
 // 64- or 128-thread block reads a segment in one load latency, a 32-thread block (the
 // small-m-16x16 tile's, which normalises a decode row alone) in two (four with rounds of four).
+// A row of few segments is held in registers instead (rms_norm_held_row: kHeldSegments).
 template <typename T> constexpr size_t kSegment = static_cast<size_t>(kThreads) * Vec16<T>::kLen;
 
 // Segments of a row of `hidden` elements.
@@ -237,45 +238,67 @@ __device__ __forceinline__ void normalize_segment(const T *x, const T *gamma, fl
   }
 }
 
-// The RMSNorm of a row of one segment (hidden <= kSegment) by a block of kBlock threads whose
-// turns fit one round (kTurns <= kInFlight: 64 threads or more), x == out allowed: x and gamma
-// loaded together once, the squares summed from the registers, then the row normalised from
-// them and stored. One load latency, where segment_sum_of_squares then normalize_segment take
-// two (x read twice). The same bits: the same vectors, trees and warp order. Registers: two
-// vectors a turn (64 in a 64-thread block).
+// The segments of a row of T a block of kBlock threads normalises from registers
+// (rms_norm_held_row): two of 16-bit elements in the standalone kernel's kThreads (a row of
+// 8192 in four vectors a thread, under the 64 registers that two blocks an SM leave it; f32's
+// two, and four of 16-bit elements, spilled there); one where a segment's turns fit a round
+// of kInFlight (f32 in kThreads, and blocks of 64 to 256 threads: the fused GEMM +
+// all-reduce's tiles, where two segments took the 16 x 64 kernel from 140 to 176 registers on
+// sm_90a, from three blocks an SM to two); none in a block of 32 threads.
 template <typename T, int kBlock>
-__device__ __forceinline__ void rms_norm_held_segment(const T *x, const T *gamma, float eps, T *out, size_t hidden) {
-  constexpr int kTurnsHeld = kTurns<kBlock>, kWarps = kThreads / 32;
-  static_assert(kTurnsHeld <= kInFlight<kBlock>, "the segment's turns in one round");
-  TPFUSE_SHARED(float[kWarps], warp_sums);
-  uint4 xs[kTurnsHeld], gs[kTurnsHeld];
+constexpr int kHeldSegments = kBlock >= kThreads && sizeof(T) == 2 ? 2 : kTurns<kBlock> <= kInFlight<kBlock> ? 1 : 0;
+
+// The RMSNorm of a row of at most kHeldSegments segments by a block of kBlock threads, x == out
+// allowed: every vector of x and gamma the thread's turns cover loaded together once, each
+// segment's squares summed from the registers (its tree, stored and added in warp order),
+// the partials added in segment order from 0, then the row normalised from the registers and
+// stored. One load latency, where segment_sum_of_squares then normalize_segment take two per
+// segment (x read twice). The same bits as the loop: the same vectors, trees, orders.
+// Registers: two vectors a turn of each held segment.
+template <typename T, int kBlock>
+__device__ __forceinline__ void rms_norm_held_row(const T *x, const T *gamma, float eps, T *out, size_t hidden) {
+  constexpr int kTurnsOf = kTurns<kBlock>, kHeld = kHeldSegments<T, kBlock> * kTurnsOf;
+  static_assert(kTurnsOf <= kInFlight<kBlock>, "a segment's turns in one round");
+  TPFUSE_SHARED(float[kThreads / 32], warp_sums);
+  // Vector h: segment h / kTurnsOf, turn h % kTurnsOf.
+  const auto at = [](int h) {
+    return static_cast<size_t>(h / kTurnsOf) * kSegment<T> + turn_offset<T, kBlock>(h % kTurnsOf);
+  };
+  uint4 xs[kHeld], gs[kHeld];
 #pragma unroll
-  for (int t = 0; t < kTurnsHeld; ++t) {
-    const size_t i = turn_offset<T, kBlock>(t);
-    if (i < hidden) {
-      xs[t] = ld_global(reinterpret_cast<const uint4 *>(x + i));
-      gs[t] = ld_global(reinterpret_cast<const uint4 *>(gamma + i));
+  for (int h = 0; h < kHeld; ++h) {
+    if (at(h) < hidden) {
+      xs[h] = ld_global(reinterpret_cast<const uint4 *>(x + at(h)));
+      gs[h] = ld_global(reinterpret_cast<const uint4 *>(gamma + at(h)));
     }
   }
+  float sum = 0.f;
 #pragma unroll
-  for (int t = 0; t < kTurnsHeld; ++t) turn_squares<T, kBlock>(warp_sums, t, xs[t], turn_offset<T, kBlock>(t) < hidden);
-  // rms_norm_row's sum: 0 + the one segment's partial (the same value).
-  const float rstd = rstd_of(0.f + warp_sums_total(warp_sums), hidden, eps);
+  for (int s = 0; s < kHeldSegments<T, kBlock>; ++s) {
+    if (static_cast<size_t>(s) * kSegment<T> >= hidden) break; // the same for every thread
 #pragma unroll
-  for (int t = 0; t < kTurnsHeld; ++t) {
-    const size_t i = turn_offset<T, kBlock>(t);
-    if (i < hidden) store16(out + i, normalize_vector(vec_of<T>(xs[t]), vec_of<T>(gs[t]), rstd));
+    for (int t = 0; t < kTurnsOf; ++t) {
+      const int h = s * kTurnsOf + t;
+      turn_squares<T, kBlock>(warp_sums, t, xs[h], at(h) < hidden);
+    }
+    sum += warp_sums_total(warp_sums);
+  }
+  const float rstd = rstd_of(sum, hidden, eps);
+#pragma unroll
+  for (int h = 0; h < kHeld; ++h) {
+    if (at(h) < hidden) store16(out + at(h), normalize_vector(vec_of<T>(xs[h]), vec_of<T>(gs[h]), rstd));
   }
 }
 
 // The RMSNorm of one row, by one block of kBlock threads (x == out allowed): the standalone
-// kernel's, and the fused GEMM + all-reduce's for each row it normalises. A row of one
-// segment in a block of 64 threads or more: from registers (rms_norm_held_segment).
+// kernel's, and the fused GEMM + all-reduce's for each row it normalises. A row of at most
+// kHeldSegments segments: from registers (rms_norm_held_row); a longer one segment by
+// segment, each segment's loads in rounds of kInFlight turns.
 template <typename T, int kBlock = kThreads>
 __device__ __forceinline__ void rms_norm_row(const T *x, const T *gamma, float eps, T *out, size_t hidden) {
-  if constexpr (kTurns<kBlock> <= kInFlight<kBlock>) {
-    if (hidden <= kSegment<T>) {
-      rms_norm_held_segment<T, kBlock>(x, gamma, eps, out, hidden);
+  if constexpr (kHeldSegments<T, kBlock> >= 1) {
+    if (hidden <= static_cast<size_t>(kHeldSegments<T, kBlock>) * kSegment<T>) {
+      rms_norm_held_row<T, kBlock>(x, gamma, eps, out, hidden);
       return;
     }
   }

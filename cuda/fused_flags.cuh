@@ -13,7 +13,9 @@
 //
 // A unit stored by several blocks (the two-shot's slice, the all-gather's whole input) is
 // counted first: each block, after its __syncthreads, adds 1 to a count in its own rank's pad
-// with atom.acq_rel.gpu (thread 0); the add that completes the count sets it back to 0 (no
+// with atom.acq_rel (thread 0; .gpu for the slice, whose stores stay on this GPU; .sys for the
+// all-gather's, which went to every GPU, though the model's transitivity covers them at .gpu
+// too: all_gather_gemm.cu, "Ordering"); the add that completes the count sets it back to 0 (no
 // other block of the launch adds to it again) and, after a __syncthreads, that block publishes
 // the flag. Each add releases its block's stores (cumulative, after the barrier), the
 // completing add acquires every earlier one (the adds to one count are a chain of

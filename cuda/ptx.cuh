@@ -68,17 +68,6 @@ __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t *p) {
 #endif
 }
 
-// fence.acq_rel.sys. After strong reads that observed release stores, an acquire pattern on
-// each of them (PTX ISA, "Memory Consistency Model": a strong read followed by fence.acq_rel
-// or fence.sc): the thread's later accesses come after what those stores released.
-__device__ __forceinline__ void fence_acq_rel_sys() {
-#ifdef TPFUSE_EMULATOR
-  ::tpfuse_emu::fence(::tpfuse_emu::Order::AcqRel, ::tpfuse_emu::Scope::Sys);
-#else
-  asm volatile("fence.acq_rel.sys;" ::: "memory");
-#endif
-}
-
 __device__ __forceinline__ uint64_t ld_relaxed_sys(const uint64_t *p) {
 #ifdef TPFUSE_EMULATOR
   return ::tpfuse_emu::strong_load(p, ::tpfuse_emu::Order::Relaxed, ::tpfuse_emu::Scope::Sys);
@@ -178,6 +167,21 @@ __device__ __forceinline__ uint32_t atomic_add_acq_rel_gpu(uint32_t *p, uint32_t
 #else
   uint32_t old;
   asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+#endif
+}
+
+// atom.acq_rel.sys.global.add.u32: atomic_add_acq_rel_gpu at system scope, for a count whose
+// adds release stores that went to other GPUs (all-gather + GEMM's gather_count: the PTX
+// model makes a .gpu release cumulative over them too; .sys so that correctness does not rest
+// on the hardware honouring that for stores bound for a peer). The count itself lies in this
+// GPU's memory: no peer atomics.
+__device__ __forceinline__ uint32_t atomic_add_acq_rel_sys(uint32_t *p, uint32_t v) {
+#ifdef TPFUSE_EMULATOR
+  return ::tpfuse_emu::atomic_add(p, v, ::tpfuse_emu::Order::AcqRel, ::tpfuse_emu::Scope::Sys);
+#else
+  uint32_t old;
+  asm volatile("atom.acq_rel.sys.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
   return old;
 #endif
 }

@@ -309,13 +309,19 @@ mutant norm-squares-skip-rounds emu_gemm_all_reduce::small_blocks_normalise_long
 mutant norm-normalize-skip-rounds emu_gemm_all_reduce::small_blocks_normalise_long_rows_in_rounds "a small block normalises every other round of turns" \
   epilogue.cuh $'first += kRound) {\n    uint4 xs[kRound], gs[kRound];' $'first += 2 * kRound) {\n    uint4 xs[kRound], gs[kRound];'
 mutant held-norm-gamma-of-turn-0 emu_gemm_all_reduce::blocks_that_hold_a_row_normalise_it_from_registers "a block that holds its row normalises every turn with its first turn's gamma" \
-  epilogue.cuh 'normalize_vector(vec_of<T>(xs[t]), vec_of<T>(gs[t]), rstd));
-  }
-}' 'normalize_vector(vec_of<T>(xs[t]), vec_of<T>(gs[0]), rstd));
-  }
-}'
+  epilogue.cuh 'normalize_vector(vec_of<T>(xs[h]), vec_of<T>(gs[h]), rstd));' 'normalize_vector(vec_of<T>(xs[h]), vec_of<T>(gs[0]), rstd));'
 mutant held-norm-squares-of-turn-0 emu_gemm_all_reduce::blocks_that_hold_a_row_normalise_it_from_registers "a block that holds its row adds its first turn's squares for every turn" \
-  epilogue.cuh 'turn_squares<T, kBlock>(warp_sums, t, xs[t],' 'turn_squares<T, kBlock>(warp_sums, t, xs[0],'
+  epilogue.cuh 'turn_squares<T, kBlock>(warp_sums, t, xs[h],' 'turn_squares<T, kBlock>(warp_sums, t, xs[0],'
+# Rows of two segments held by the standalone kernel (the two-shot's RMSNorm), against the
+# one-shot's segments spread over blocks.
+mutant held-row-first-segment-only emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue "a held row of two segments sums the first segment's squares only" \
+  epilogue.cuh 'if (static_cast<size_t>(s) * kSegment<T> >= hidden) break;' 'if (s > 0) break;'
+mutant held-row-segments-share-vectors emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue "a held row sums the first segment's vectors for every segment" \
+  epilogue.cuh 'const int h = s * kTurnsOf + t;' 'const int h = t;'
+mutant held-row-stores-first-segment-only emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue "a held row of two segments stores its first segment only" \
+  epilogue.cuh $'  for (int h = 0; h < kHeld; ++h) {\n    if (at(h) < hidden) store16(' $'  for (int h = 0; h < kTurnsOf; ++h) {\n    if (at(h) < hidden) store16('
+mutant held-row-one-segment-standalone emu_counters::the_two_shots_rmsnorm_moves_what_the_plan_says_block_by_block "the standalone RMSNorm holds one segment where the plan says two (the same bits, x read twice)" \
+  epilogue.cuh 'constexpr int kHeldSegments = kBlock >= kThreads && sizeof(T) == 2 ? 2 :' 'constexpr int kHeldSegments = kBlock >= kThreads && sizeof(T) == 2 ? 1 :'
 mutant half-warp-sum emu_all_reduce::a_late_rank_within_the_deadline_gives_the_right_result "RMSNorm's warp sum skips the first shuffle" \
   epilogue.cuh 'for (int offset = 16; offset > 0; offset >>= 1)' 'for (int offset = 8; offset > 0; offset >>= 1)'
 mutant all-gather-offset emu_all_reduce::all_gather_every_world "all-gather writes every rank's part at its own offset" \
@@ -494,7 +500,7 @@ mutant gather-push-at-rank-0-rows emu_gemm_all_reduce::all_gather_gemm_equals_al
 mutant gather-no-sync-before-count emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm+weak "all-gather + GEMM counts a part before the whole block pushed it" \
   all_gather_gemm.cu $'    __syncthreads(); // every thread\'s stores, before the count\n' ''
 mutant gather-count-relaxed emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm+weak "all-gather + GEMM counts its pushed parts with a relaxed add (no release, no acquire)" \
-  all_gather_gemm.cu 'st.last = atomic_add_acq_rel_gpu(count, 1u) + 1u == gridDim.x;' 'st.last = atomicAdd(count, 1u) + 1u == gridDim.x;'
+  all_gather_gemm.cu 'st.last = atomic_add_acq_rel_sys(count, 1u) + 1u == gridDim.x;' 'st.last = atomicAdd(count, 1u) + 1u == gridDim.x;'
 mutant gather-flag-by-every-block emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm@random:1 "every block of all-gather + GEMM publishes its rank's gather flag, not the one that completes the count" \
   all_gather_gemm.cu 'if (st.last) fused::publish(peers, g, fused::kGatherSlot' 'if (true) fused::publish(peers, g, fused::kGatherSlot'
 mutant gather-flag-before-count-read emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm@random:1+weak-random "all-gather + GEMM's flag threads read thread 0's count decision without the barrier" \

@@ -405,6 +405,86 @@ fn the_all_reduce_moves_what_the_plan_says_block_by_block() {
     }
 }
 
+/// The two-shot's RMSNorm, its own launch after the two-shot (a block a row), moves per block
+/// what the plan's [`CollectiveLaunch::norm_launch_block_bytes`] says: a row of up to two
+/// segments held in registers (x read once, gamma read, out written), a longer one read twice.
+#[test]
+fn the_two_shots_rmsnorm_moves_what_the_plan_says_block_by_block() {
+    let _session = session_with(
+        FILE,
+        "the_two_shots_rmsnorm_moves_what_the_plan_says_block_by_block",
+        SMS,
+        60_000_000_000,
+    );
+    let gpu = gpu();
+    let world = 2usize;
+    let groups = virtual_group(&gpu.ctx, world, GroupOptions::default());
+    // (rows, hidden): one segment, two (held), three (read twice, the last one short).
+    for (ci, (rows, hidden)) in [(2usize, 4096usize), (2, 8192), (2, 8200)]
+        .into_iter()
+        .enumerate()
+    {
+        let n = rows * hidden;
+        let launch = CollectiveLaunch {
+            algo: AllReduceAlgo::TwoShot,
+            rows,
+            hidden,
+            world,
+            rank: 0,
+            budget: groups[0].blocks(),
+            element_bytes: S,
+            bias: false,
+            residual: true,
+            rmsnorm: true,
+        };
+        let label = format!("{rows} x {hidden}");
+        let seed = 0x7b00 + ci as u64;
+        let ins: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(seed, world, n));
+        let gammas: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(seed ^ 2, world, hidden));
+        let mut residuals: Vec<CudaSlice<bf16>> =
+            upload_ranks(&groups, &inputs(seed ^ 3, world, n));
+        let mut outs: Vec<CudaSlice<bf16>> = poisoned_ranks(&groups, n);
+        let ((), records) = counters::count(|| {
+            round(&groups, &label, |r| {
+                let epilogue = Epilogue {
+                    bias: None,
+                    residual: Some(&mut residuals[r] as &mut dyn DevicePtrMut<bf16>),
+                    norm: Some(RmsNorm {
+                        gamma: &gammas[r],
+                        eps: 1e-5,
+                    }),
+                };
+                ops::all_reduce_fused(
+                    &groups[r],
+                    &ins[r],
+                    epilogue,
+                    &mut outs[r],
+                    Algorithm::TwoShot,
+                )
+                .map(|_| ())
+            });
+        });
+        let norms: Vec<&LaunchCounters> = records
+            .iter()
+            .filter(|rec| rec.kernel.contains("rms_norm"))
+            .collect();
+        assert_eq!(norms.len(), world, "{label}: a RMSNorm launch a rank");
+        for rec in norms {
+            let moved: Vec<u64> = rec
+                .blocks
+                .iter()
+                .map(|c| c.global_read_bytes + c.global_write_bytes)
+                .collect();
+            assert_eq!(
+                moved,
+                launch.norm_launch_block_bytes(),
+                "{label}: bytes per block (held: {})",
+                launch.norm_held()
+            );
+        }
+    }
+}
+
 #[test]
 fn gemm_reads_each_tile_once_without_bank_conflicts() {
     let _session = session_with(

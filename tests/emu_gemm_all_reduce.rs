@@ -100,7 +100,7 @@ fn small_blocks_normalise_long_rows_in_rounds() {
 
 /// On 32 SMs, n = 4096 without a split of k selects small-m-16x64: blocks of 128 threads,
 /// which hold a row of 4096 in registers, four turns of 1024 elements (epilogue.cuh,
-/// rms_norm_held_segment), and normalise it from them.
+/// rms_norm_held_row), and normalise it from them.
 #[test]
 fn blocks_that_hold_a_row_normalise_it_from_registers() {
     long_rows_normalised_by(
@@ -399,7 +399,7 @@ fn all_gather_gemm_case<T: TestElement>(
 /// it finds stored; in forced 16 x 64 tiles at m = 32, where the split's units visit two tile
 /// rows from the rank's own on (the configurations tpfuse_gemm chooses give a split one tile
 /// row); and in forced 16 x 16 tiles (32 threads) of 4 ranks' rows, 17 tiles on 9 blocks:
-/// four ranks' counts a tile, one a thread.
+/// four ranks' gather flags a tile, one a thread.
 const ALL_GATHER_GEMM_CASES: [(usize, i32, Shape, bool, Option<i32>); 11] = [
     (2, 2, (2, 136, 40), true, None),
     (3, 1, (9, 72, 72), false, None),

@@ -4,8 +4,8 @@
 
 use super::profile::DeviceProfile;
 use super::rows::{
-    all_reduce_algo, collective_budget, per_sm, us, Model, PlanRow, COLLECTIVE_THREADS,
-    ELEMENT_BYTES,
+    all_reduce_algo, collective_budget, held_segments, per_sm, us, Model, PlanRow,
+    COLLECTIVE_THREADS, ELEMENT_BYTES,
 };
 use crate::topology::AllReduceAlgo;
 
@@ -165,8 +165,8 @@ impl CollectiveLaunch {
 
     /// The two-shot's RMSNorm, a launch of its own after it (`rms_norm_kernel`: a block per
     /// row, looping past 4096): per block, each of its rows' sum of squares (read), then the
-    /// row normalised (read, gamma read, written); a row of one segment read once with gamma
-    /// and normalised from registers (`rms_norm_held_segment`). Empty without RMSNorm or for
+    /// row normalised (read, gamma read, written); a row it holds read once with gamma and
+    /// normalised from registers (`rms_norm_held_row`, [`Self::norm_held`]). Empty without RMSNorm or for
     /// the one-shot.
     pub fn norm_launch_block_bytes(&self) -> Vec<u64> {
         if !self.rmsnorm || self.algo != AllReduceAlgo::TwoShot {
@@ -182,10 +182,11 @@ impl CollectiveLaunch {
             .collect()
     }
 
-    /// Whether the standalone RMSNorm holds a row in registers (a row of one segment): one
-    /// load phase, not two.
+    /// Whether the standalone RMSNorm holds a row in registers (`rms_norm_held_row`: a row of
+    /// at most two segments of 16-bit elements, one of f32): one load phase, not two a
+    /// segment.
     pub fn norm_held(&self) -> bool {
-        self.per_row() == 1
+        self.per_row() <= held_segments(COLLECTIVE_THREADS, self.element_bytes)
     }
 
     /// Loads each thread of the reduction keeps in flight: a vector from each of the W ranks
@@ -312,7 +313,13 @@ pub fn all_reduce_row(
             busiest_sm_bytes: norm_max as f64,
             peer_share: 0.0,
             streams_weights: false,
-            in_flight: (COLLECTIVE_THREADS * 16) as f64,
+            // A held row: its x and gamma vectors a thread, loaded together; else one vector.
+            in_flight: (COLLECTIVE_THREADS * 16) as f64
+                * if norm_launch.norm_held() {
+                    2.0 * norm_launch.per_row() as f64
+                } else {
+                    1.0
+                },
             chain_s: 0.0,
             rounds: 0,
             // The sum of squares, then the normalisation (a held row: one load phase).

@@ -23,15 +23,28 @@ pub(super) const COLLECTIVE_THREADS: usize = 512;
 /// Turns of a segment a block's RMSNorm issues together (`kInFlight` in `cuda/epilogue.cuh`).
 const NORM_TURNS_IN_FLIGHT: usize = 8;
 
+/// The segments of a row of `element_bytes` elements that a block of `threads` normalises from
+/// registers (`kHeldSegments` in `cuda/epilogue.cuh`): two of 16-bit elements in the
+/// standalone kernel's blocks of `COLLECTIVE_THREADS`, one where a segment's turns fit one
+/// round (blocks of 64 to 256 threads), none in smaller blocks.
+pub(super) fn held_segments(threads: usize, element_bytes: u64) -> usize {
+    let turns = COLLECTIVE_THREADS / threads.max(1);
+    if threads >= COLLECTIVE_THREADS && element_bytes == 2 {
+        2
+    } else if turns <= NORM_TURNS_IN_FLIGHT {
+        1
+    } else {
+        0
+    }
+}
+
 /// Bytes a fused block's RMSNorm of one row moves per element (`rms_norm_row` in
 /// `cuda/epilogue.cuh`, blocks of `threads`): the row read for its sum of squares, read again
-/// with gamma and written (4), or, a row of one segment whose turns fit one round (blocks of
-/// 64 threads or more), read once with gamma and normalised from registers (3:
-/// `rms_norm_held_segment`).
+/// with gamma and written (4), or, a row the block holds in registers ([`held_segments`]),
+/// read once with gamma and normalised from them (3: `rms_norm_held_row`).
 pub(super) fn norm_bytes_per_element(threads: usize, n: usize) -> u64 {
     let segment = COLLECTIVE_THREADS * (16 / ELEMENT_BYTES as usize);
-    let turns = COLLECTIVE_THREADS / threads.max(1);
-    if turns <= NORM_TURNS_IN_FLIGHT && n <= segment {
+    if n <= held_segments(threads, ELEMENT_BYTES) * segment {
         3
     } else {
         4
