@@ -25,7 +25,7 @@
 // A block that gives up (the group was poisoned before it started, or a barrier failed:
 // barrier.cuh) publishes the error word to the host and marks every output element it was
 // responsible for failed (failure.cuh), then returns; it never leaves plausible output.
-// Every launch carries a descriptor (launch_descriptor: the kernel, element size, sizes
+// Every launch carries a descriptor (launch_descriptor: the kernel, element type, sizes
 // and grid) that the first barrier compares across ranks.
 
 #include <cstring>

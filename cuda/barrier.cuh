@@ -152,7 +152,7 @@ __device__ __forceinline__ void publish_error_to_host(const tpfuse_peers &peers,
   if (g.host_error != nullptr) st_release_sys(g.host_error, ld_relaxed_sys(Pad{peers.signals[g.rank]}.error()));
 }
 
-// Host: a 32-bit digest of what a launch is (kernel, element size, sizes, grid), equal on
+// Host: a 32-bit digest of what a launch is (kernel, element type, sizes, grid), equal on
 // every rank exactly when the ranks launched the same thing.
 inline uint32_t launch_descriptor(std::initializer_list<uint64_t> parts) {
   uint64_t h = 0xcbf29ce484222325ull; // FNV-1a over the parts' bytes

@@ -505,6 +505,8 @@ mutant gather-flag-by-every-block emu_gemm_all_reduce::all_gather_gemm_equals_al
   all_gather_gemm.cu 'if (st.last) fused::publish(peers, g, fused::kGatherSlot' 'if (true) fused::publish(peers, g, fused::kGatherSlot'
 mutant gather-flag-before-count-read emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm@random:1+weak-random "all-gather + GEMM's flag threads read thread 0's count decision without the barrier" \
   all_gather_gemm.cu $'    __syncthreads(); // thread 0\'s acquire, before the releases of the flag\n' ''
+mutant gather-empty-share-uncounted emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm "a block of all-gather + GEMM with no share of the input does not count its part (the flag never comes)" \
+  all_gather_gemm.cu $'    if (threadIdx.x == 0) {\n      uint32_t *count' $'    if (threadIdx.x == 0 && begin < end) {\n      uint32_t *count'
 mutant gather-count-never-reset emu_gemm_all_reduce::all_gather_gemm_launches_in_a_row_each_get_their_own_inputs "all-gather + GEMM never sets its count back to 0 (the next launch never completes it)" \
   all_gather_gemm.cu 'if (st.last) *count = 0; // no other block' 'if (false) *count = 0; // no other block'
 mutant descriptor-size-not-type-gather emu_fused_failures::all_gather_gemm_against_another_launch_is_a_mismatch "all-gather + GEMM's descriptor names the element size, not the type (f16 passes for bf16)" \

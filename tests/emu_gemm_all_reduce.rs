@@ -399,9 +399,11 @@ fn all_gather_gemm_case<T: TestElement>(
 /// it finds stored; in forced 16 x 64 tiles at m = 32, where the split's units visit two tile
 /// rows from the rank's own on (the configurations tpfuse_gemm chooses give a split one tile
 /// row); and in forced 16 x 16 tiles (32 threads) of 4 ranks' rows, 17 tiles on 9 blocks:
-/// four ranks' gather flags a tile, one a thread.
-const ALL_GATHER_GEMM_CASES: [(usize, i32, Shape, bool, Option<i32>); 11] = [
+/// four ranks' gather flags a tile, one a thread; and k = 8, a rank's one row one 16-byte
+/// vector on 2 blocks: a block with no share of it still counts its (empty) part.
+const ALL_GATHER_GEMM_CASES: [(usize, i32, Shape, bool, Option<i32>); 12] = [
     (2, 2, (2, 136, 40), true, None),
+    (2, 2, (2, 72, 8), false, None),
     (3, 1, (9, 72, 72), false, None),
     (4, 2, (64, 72, 40), true, None),
     (8, 2, (24, 264, 24), true, None),
