@@ -111,15 +111,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           }
         });
     __syncthreads(); // every thread's stores, before the count
-    // The part counted in this rank's pad; the block whose add completes the count publishes
-    // this rank's gather flag to every rank (fused_flags.cuh, "Flags": a counted unit).
-    if (threadIdx.x == 0) {
-      uint32_t *count = Pad{peers.signals[g.rank]}.gather_count();
-      st.last = atomic_add_acq_rel_sys(count, 1u) + 1u == gridDim.x;
-      if (st.last) *count = 0; // no other block of this launch adds to it again
-    }
-    __syncthreads(); // thread 0's acquire, before the releases of the flag
-    if (st.last) fused::publish(peers, g, fused::kGatherSlot, fused::flag_of(st.epoch, descriptor));
+    // The part counted in this rank's pad (at .sys: its stores went to every GPU); the block
+    // whose add completes the count publishes this rank's gather flag to every rank.
+    fused::publish_counted<true>(peers, g, st, Pad{peers.signals[g.rank]}.gather_count(), 1u, gridDim.x,
+                                 fused::kGatherSlot, descriptor);
   }
   st.clock.mark(fused::kPhasePublish);
 

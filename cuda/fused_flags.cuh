@@ -17,7 +17,7 @@
 // all-gather's, which went to every GPU, though the model's transitivity covers them at .gpu
 // too: all_gather_gemm.cu, "Ordering"); the add that completes the count sets it back to 0 (no
 // other block of the launch adds to it again) and, after a __syncthreads, that block publishes
-// the flag. Each add releases its block's stores (cumulative, after the barrier), the
+// the flag (publish_counted). Each add releases its block's stores (cumulative, after the barrier), the
 // completing add acquires every earlier one (the adds to one count are a chain of
 // read-modify-writes: observation order through atomic operations), and the flag's
 // st.release.sys after the barrier carries them all on, wherever they went (causality order
@@ -227,12 +227,32 @@ __device__ __forceinline__ void publish(const tpfuse_peers &peers, const tpfuse_
   if (threadIdx.x < g.world) st_release_sys(flag_at(Pad{peers.signals[threadIdx.x]}, slot, g.rank), value);
 }
 
+// A counted unit ("Flags"), after the __syncthreads that follows the block's stores: thread 0
+// adds `add` to `count` (this rank's pad; atom.acq_rel at .sys when kSystem, else .gpu); the
+// block whose add brings it to `total` sets it back to 0 (no other block of this launch adds to
+// it again) and, after a __syncthreads (thread 0's acquire, before the releases of the flag),
+// publishes the flag of slot `slot` to every rank. Every thread of the block calls it.
+template <bool kSystem>
+__device__ __forceinline__ void publish_counted(const tpfuse_peers &peers, const tpfuse_group_args &g, BlockState &st,
+                                                uint32_t *count, uint32_t add, uint32_t total, int slot,
+                                                uint64_t descriptor) {
+  if (threadIdx.x == 0) {
+    uint32_t before;
+    if constexpr (kSystem) before = atomic_add_acq_rel_sys(count, add);
+    else before = atomic_add_acq_rel_gpu(count, add);
+    st.last = before + add == total;
+    if (st.last) *count = 0; // no other block of this launch adds to it again
+  }
+  __syncthreads(); // thread 0's acquire, before the releases of the flag
+  if (st.last) publish(peers, g, slot, flag_of(st.epoch, descriptor));
+}
+
 // The calling thread waits for the flag of slot `slot` from rank `src` in this rank's pad:
 // ready, acquired and its descriptor checked; otherwise it reports the failure (unless one is
 // there already) and counts it in st.failed. The block passes a __syncthreads afterwards. A
-// wait for this rank's own flags (the all-gather's own gather flag, published by the
-// rank's block that completed the count) that times out is TPFUSE_ERROR_GRID_TIMEOUT: the rank's blocks were not all
-// resident. Once the error word is set, a wait gives up at once.
+// wait for this rank's own flags (the all-gather's own gather flag, published by the rank's
+// block that completed the count) that times out is TPFUSE_ERROR_GRID_TIMEOUT: the rank's
+// blocks were not all resident. Once the error word is set, a wait gives up at once.
 //
 // A `consequent` wait (the two-shot's slice flags, the one-shot's strip flags) is for a flag whose producer itself waits
 // for other flags: when it stalls, a wait of some block for a tile flag stalls too, and that

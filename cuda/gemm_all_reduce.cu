@@ -274,14 +274,9 @@ __device__ __forceinline__ void reduce_packet_tiles(const Launch<T> &L, const De
 // them, and the block that completes the slice publishes the slice flag to every rank.
 template <typename T> __device__ __forceinline__ void count_slice_tiles(const Launch<T> &L, BlockState &st, int reduced) {
   __syncthreads(); // the tiles' stores, before thread 0's release
-  if (threadIdx.x == 0) {
-    uint32_t *count = Pad{L.peers.signals[L.g.rank]}.slice_count();
-    const uint32_t before = atomic_add_acq_rel_gpu(count, static_cast<uint32_t>(reduced));
-    st.last = before + static_cast<uint32_t>(reduced) == static_cast<uint32_t>(L.slice_tiles);
-    if (st.last) *count = 0; // no other block of this launch adds to it again
-  }
-  __syncthreads(); // thread 0's acquire, before the releases of the flag
-  if (st.last) fused::publish(L.peers, L.g, fused::kSliceSlot, fused::flag_of(st.epoch, L.descriptor));
+  fused::publish_counted<false>(L.peers, L.g, st, Pad{L.peers.signals[L.g.rank]}.slice_count(),
+                                static_cast<uint32_t>(reduced), static_cast<uint32_t>(L.slice_tiles),
+                                fused::kSliceSlot, L.descriptor);
 }
 
 // One-shot with RMSNorm, after the block reduced its tiles: counts each toward its strip (the

@@ -151,10 +151,11 @@ int tpfuse_fp_contraction_probe(const float *abc, float *out, void *stream);
  * TPFUSE_MAX_PHASE_BLOCKS of a fused launch stores, at its end, uint64 fields at these indices
  * of phases[b] in its rank's pad: the launch's epoch (fused_epoch + 1), %globaltimer at the
  * block's start and end (ns), the tiles it computed (the parts of tiles, with a split of k in
- * parallel), and the nanoseconds it spent computing them (GEMM), publishing its flags (the all-gather: pushing its rows and counting them), waiting for other
- * ranks' flags, reducing its tiles (and their epilogue, strip or slice counts), and after
- * that (the dealt RMSNorm rows, the two-shot's gather). Plain stores, for the host to read once the launch is
- * done; a later launch overwrites them. */
+ * parallel), and the nanoseconds it spent computing them (GEMM), publishing its flags (the
+ * all-gather: pushing its rows and counting them), waiting for other ranks' flags, reducing
+ * its tiles (and their epilogue, strip or slice counts), and after that (the dealt RMSNorm
+ * rows, the two-shot's gather). Plain stores, for the host to read once the launch is done; a
+ * later launch overwrites them. */
 #define TPFUSE_MAX_PHASE_BLOCKS 1024
 #define TPFUSE_PHASE_FIELDS 9
 #define TPFUSE_PHASE_EPOCH 0
@@ -179,8 +180,8 @@ int tpfuse_fp_contraction_probe(const float *abc, float *out, void *stream);
 #define TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET (TPFUSE_SIGNAL_DESCRIPTORS_OFFSET + 4 * TPFUSE_MAX_BLOCKS * TPFUSE_MAX_RANKS)
 #define TPFUSE_SIGNAL_FUSED_DONE_OFFSET (TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET + 8)
 #define TPFUSE_SIGNAL_SLICE_COUNT_OFFSET (TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET + 16)
-#define TPFUSE_SIGNAL_SLICE_FLAGS_OFFSET (TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET + 64)
 #define TPFUSE_SIGNAL_GATHER_COUNT_OFFSET (TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET + 20)
+#define TPFUSE_SIGNAL_SLICE_FLAGS_OFFSET (TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET + 64)
 #define TPFUSE_SIGNAL_GATHER_FLAGS_OFFSET (TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET + 128)
 #define TPFUSE_SIGNAL_STRIP_COUNTS_OFFSET (TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET + 256)
 #define TPFUSE_SIGNAL_TILE_FLAGS_OFFSET (TPFUSE_SIGNAL_STRIP_COUNTS_OFFSET + 4 * TPFUSE_MAX_FUSED_TILES)
@@ -201,8 +202,8 @@ int tpfuse_fp_contraction_probe(const float *abc, float *out, void *stream);
  * were not all resident at once). The pad's error word is sticky: nothing clears it, and the
  * barriers' epochs, descriptors, grid count, the fused kernel's epoch, end count, strip
  * counts, slice count, part counts and gather count are only consistent while it is 0 (a
- * launch that fails leaves them as they are); a
- * group whose word is set is rebuilt, never reset. */
+ * launch that fails leaves them as they are); a group whose word is set is rebuilt, never
+ * reset. */
 #define TPFUSE_ERROR_PEER_TIMEOUT 0x100
 #define TPFUSE_ERROR_PEER_MISMATCH 0x200
 #define TPFUSE_ERROR_GRID_TIMEOUT 0x400

@@ -434,8 +434,6 @@ mutant norm-before-row-complete emu_gemm_all_reduce::fused_equals_gemm_then_all_
   gemm_all_reduce.cu '+ 1u == static_cast<uint32_t>(L.tiles_n)) {' '+ 1u == 1u) {'
 mutant strip-count-relaxed emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16+weak-random "the fused strip counts added relaxed (the completing thread acquires no other block's rows)" \
   gemm_all_reduce.cu '    if (atomic_add_acq_rel_gpu(count, 1u) + 1u' '    if (atomicAdd(count, 1u) + 1u'
-mutant slice-count-relaxed emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16+weak-random "the two-shot's slice count added relaxed (the slice flag covers no other block's rows)" \
-  gemm_all_reduce.cu 'atomic_add_acq_rel_gpu(count, static_cast<uint32_t>(reduced))' 'atomicAdd(count, static_cast<uint32_t>(reduced))'
 mutant strip-rows-without-waiting emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "one-shot normalises its dealt rows without waiting for the strip's flag" \
   gemm_all_reduce.cu 'fused::await_flag(L.peers, L.g, deadline, st, flag, L.g.rank, L.descriptor, true);' '(void)flag;'
 mutant strip-flag-weak-store emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16+weak "the strip's flag stored without release" \
@@ -499,16 +497,18 @@ mutant gather-push-at-rank-0-rows emu_gemm_all_reduce::all_gather_gemm_equals_al
   all_gather_gemm.cu 'static_cast<size_t>(g.rank) * part_vectors * 16;' 'static_cast<size_t>(0) * part_vectors * 16;'
 mutant gather-no-sync-before-count emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm+weak "all-gather + GEMM counts a part before the whole block pushed it" \
   all_gather_gemm.cu $'    __syncthreads(); // every thread\'s stores, before the count\n' ''
-mutant gather-count-relaxed emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm+weak "all-gather + GEMM counts its pushed parts with a relaxed add (no release, no acquire)" \
-  all_gather_gemm.cu 'st.last = atomic_add_acq_rel_sys(count, 1u) + 1u == gridDim.x;' 'st.last = atomicAdd(count, 1u) + 1u == gridDim.x;'
-mutant gather-flag-by-every-block emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm@random:1 "every block of all-gather + GEMM publishes its rank's gather flag, not the one that completes the count" \
-  all_gather_gemm.cu 'if (st.last) fused::publish(peers, g, fused::kGatherSlot' 'if (true) fused::publish(peers, g, fused::kGatherSlot'
-mutant gather-flag-before-count-read emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm@random:1+weak-random "all-gather + GEMM's flag threads read thread 0's count decision without the barrier" \
-  all_gather_gemm.cu $'    __syncthreads(); // thread 0\'s acquire, before the releases of the flag\n' ''
+mutant gather-count-relaxed emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm+weak "a counted unit's system-scope adds are relaxed (no release, no acquire): all-gather + GEMM's count" \
+  fused_flags.cuh 'if constexpr (kSystem) before = atomic_add_acq_rel_sys(count, add);' 'if constexpr (kSystem) before = atomicAdd(count, add);'
+mutant slice-count-relaxed emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16+weak "the two-shot's slice count added relaxed, a counted unit's gpu-scope add (the slice flag covers no other block's rows)" \
+  fused_flags.cuh 'else before = atomic_add_acq_rel_gpu(count, add);' 'else before = atomicAdd(count, add);'
+mutant gather-flag-by-every-block emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm@random:1 "every block of a counted unit publishes its flag, not the one that completes the count" \
+  fused_flags.cuh 'if (st.last) publish(peers, g, slot, flag_of(st.epoch, descriptor));' 'if (true) publish(peers, g, slot, flag_of(st.epoch, descriptor));'
+mutant gather-flag-before-count-read emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm@random:1+weak-random "a counted unit's flag threads read thread 0's count decision without the barrier" \
+  fused_flags.cuh $'  __syncthreads(); // thread 0\'s acquire, before the releases of the flag\n' ''
 mutant gather-empty-share-uncounted emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm "a block of all-gather + GEMM with no share of the input does not count its part (the flag never comes)" \
-  all_gather_gemm.cu $'    if (threadIdx.x == 0) {\n      uint32_t *count' $'    if (threadIdx.x == 0 && begin < end) {\n      uint32_t *count'
-mutant gather-count-never-reset emu_gemm_all_reduce::all_gather_gemm_launches_in_a_row_each_get_their_own_inputs "all-gather + GEMM never sets its count back to 0 (the next launch never completes it)" \
-  all_gather_gemm.cu 'if (st.last) *count = 0; // no other block' 'if (false) *count = 0; // no other block'
+  all_gather_gemm.cu 'gather_count(), 1u, gridDim.x,' 'gather_count(), begin < end ? 1u : 0u, gridDim.x,'
+mutant gather-count-never-reset emu_gemm_all_reduce::all_gather_gemm_launches_in_a_row_each_get_their_own_inputs "a counted unit's count never goes back to 0 (the next launch never completes it)" \
+  fused_flags.cuh 'if (st.last) *count = 0; // no other block' 'if (false) *count = 0; // no other block'
 mutant descriptor-size-not-type-gather emu_fused_failures::all_gather_gemm_against_another_launch_is_a_mismatch "all-gather + GEMM's descriptor names the element size, not the type (f16 passes for bf16)" \
   all_gather_gemm.cu 'launch_descriptor({kKindAllGatherGemm, Elem<T>::kDtype,' 'launch_descriptor({kKindAllGatherGemm, sizeof(T),'
 mutant descriptor-size-not-type-fused emu_fused_failures::ranks_that_launch_different_shapes_get_a_mismatch "GEMM + all-reduce's descriptor names the element size, not the type" \
