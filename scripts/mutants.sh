@@ -479,7 +479,7 @@ mutant started-as-rank-0 emu_gemm_all_reduce::launches_in_a_row_each_get_their_o
 mutant two-shot-gather-from-rank-0 emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "two-shot gathers every row from rank 0's area" \
   gemm_all_reduce.cu 'const int owner = row / slice;' 'const int owner = 0;'
 mutant two-shot-slice-flag-early emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "two-shot publishes its slice once the first block counted its tiles" \
-  gemm_all_reduce.cu 'st.last = before + static_cast<uint32_t>(reduced) == static_cast<uint32_t>(L.slice_tiles);' 'st.last = before == 0;'
+  fused_flags.cuh 'st.last = before + add == total;' 'st.last = before == 0;'
 mutant two-shot-gather-without-waiting emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "two-shot gathers without waiting for the slice flags" \
   gemm_all_reduce.cu 'fused::await(peers, g, deadline, st, fused::kSliceSlot, threadIdx.x, descriptor, true);' ';'
 mutant two-shot-peer-residual-kept emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "two-shot leaves the peers' rows of the residual" \
