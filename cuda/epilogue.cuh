@@ -137,8 +137,10 @@ __device__ __forceinline__ float warp_sums_total(const float *warp_sums) {
 // segment go out in rounds of kInFlight turns (registers: kInFlight vectors, two in
 // normalize_segment), not one turn after another. Eight: a 32-thread block's 16 turns in two
 // rounds (four took four rounds, each a dependent L2 latency, twice over: the sum of squares,
-// then the normalisation); the 16 x 16 fused kernel holds 176-188 registers for it on
-// sm_90a (138 with four), under what its 64 KiB of shared memory lets an SM hold anyway.
+// then the normalisation); the 16 x 16 fused kernel held 176-188 registers for it on sm_90a
+// (138 with four), 178-207 with the staged row, under what its 64 KiB of shared memory lets
+// an SM hold anyway. (It now stages its rows in shared memory: these rounds run for rows past
+// its stage.)
 template <int kBlock> constexpr int kTurns = kThreads / kBlock;
 // (The plan's NORM_TURNS_IN_FLIGHT.)
 template <int kBlock> constexpr int kInFlight = kTurns<kBlock> < 8 ? kTurns<kBlock> : 8;
@@ -290,15 +292,101 @@ __device__ __forceinline__ void rms_norm_held_row(const T *x, const T *gamma, fl
   }
 }
 
+// Shared memory a block lends its RMSNorm (the fused GEMM + all-reduce's, once its GEMM is
+// done): `bytes` from `at`, 16-byte aligned. A row of hidden elements is staged there when
+// its x and gamma fit (staged_row_bytes); none by default (the standalone kernel).
+struct NormStage {
+  unsigned char *at = nullptr;
+  size_t bytes = 0;
+};
+
+// Bytes of a staged row: its x, then its gamma.
+template <typename T> __host__ __device__ constexpr size_t staged_row_bytes(size_t hidden) {
+  return 2 * hidden * sizeof(T);
+}
+
+// cp.async of the vectors of elements [0, hidden) of src (global, this GPU's) into dst (shared),
+// thread t copying vectors t, t + kBlock, ...: the vectors rms_norm_staged has thread t read
+// (virtual thread t + j·kBlock's, kSegment a multiple of kBlock vectors), so a thread reads back
+// only its own copies, which its cp.async.wait_group makes visible to it: no barrier between.
+template <typename T, int kBlock> __device__ __forceinline__ void stage_async(T *dst, const T *src, size_t hidden) {
+  constexpr int kVec = Vec16<T>::kLen;
+#pragma unroll 1
+  for (size_t i = static_cast<size_t>(threadIdx.x) * kVec; i < hidden; i += static_cast<size_t>(kBlock) * kVec)
+    cp_async_16(smem_u32(dst + i), src + i, true);
+}
+
+// The RMSNorm of a row staged in shared memory (xs and gs: its x and gamma, hidden elements
+// each; thread t reads vectors t, t + kBlock, ..., which it must have copied or stored itself),
+// into out (global; may be x's row). The
+// segment loop's vectors, trees and orders (segment_sum_of_squares, then normalize_segment),
+// read from shared memory: the same bits, in no load round of its own.
+template <typename T, int kBlock>
+__device__ __forceinline__ void rms_norm_staged(const T *xs, const T *gs, float eps, T *out, size_t hidden) {
+  constexpr int kVec = Vec16<T>::kLen;
+  TPFUSE_SHARED(float[kThreads / 32], warp_sums);
+  const size_t segments = segments_per_row<T>(hidden);
+  float sum = 0.f;
+#pragma unroll 1
+  for (size_t s = 0; s < segments; ++s) {
+#pragma unroll
+    for (int t = 0; t < kTurns<kBlock>; ++t) {
+      const size_t i = s * kSegment<T> + turn_offset<T, kBlock>(t);
+      const bool in = i < hidden;
+      turn_squares<T, kBlock>(warp_sums, t, in ? *reinterpret_cast<const uint4 *>(xs + i) : uint4{}, in);
+    }
+    sum += warp_sums_total(warp_sums);
+  }
+  const float rstd = rstd_of(sum, hidden, eps);
+#pragma unroll 1
+  for (size_t i = static_cast<size_t>(threadIdx.x) * kVec; i < hidden; i += static_cast<size_t>(kBlock) * kVec)
+    store16(out + i, normalize_vector(vec_of<T>(*reinterpret_cast<const uint4 *>(xs + i)),
+                                      vec_of<T>(*reinterpret_cast<const uint4 *>(gs + i)), rstd));
+}
+
+// The RMSNorm of one row of this GPU's memory through `stage` (staged_row_bytes(hidden) fit):
+// x and gamma copied in together (cp.async: every vector in flight at once, no register
+// holds them), then rms_norm_staged. One load round, x read once, for a row of any number of
+// segments that fits; the segment loop takes two rounds a segment (turns past kInFlight more).
+// Ordering: each cp.async reads its source as a weak load of the issuing thread, after
+// everything before it in program order: whatever made x's stores visible to the block before
+// the call (an acquire, then a __syncthreads) orders them before these reads, as it does the
+// loop's ld.global. A thread reads back only its own copies (stage_async), visible to it once
+// its cp.async.wait_group returns. The leading __syncthreads orders this row's copies, whose
+// writes land asynchronously, after every earlier access to the stage (the GEMM's, and the
+// previous row's reads, a thread's own vectors again): bar.sync completes only once the
+// thread's earlier memory accesses are performed, and the thread requests none after it
+// before it completes (PTX ISA, bar.sync).
+template <typename T, int kBlock>
+__device__ __forceinline__ void rms_norm_row_staged(const T *x, const T *gamma, float eps, T *out, size_t hidden,
+                                                    NormStage stage) {
+  T *xs = reinterpret_cast<T *>(stage.at);
+  T *gs = xs + hidden; // hidden is a multiple of the vector: gs is 16-byte aligned
+  __syncthreads();
+  stage_async<T, kBlock>(xs, x, hidden);
+  stage_async<T, kBlock>(gs, gamma, hidden);
+  cp_async_commit();
+  cp_async_wait<0>(); // this thread's copies, the vectors it reads
+  rms_norm_staged<T, kBlock>(xs, gs, eps, out, hidden);
+}
+
 // The RMSNorm of one row, by one block of kBlock threads (x == out allowed): the standalone
 // kernel's, and the fused GEMM + all-reduce's for each row it normalises. A row of at most
-// kHeldSegments segments: from registers (rms_norm_held_row); a longer one segment by
-// segment, each segment's loads in rounds of kInFlight turns.
+// kHeldSegments segments: from registers (rms_norm_held_row); else one that fits `stage`
+// through it (rms_norm_row_staged); else segment by segment, each segment's loads in rounds of
+// kInFlight turns. Every path gives the same bits.
 template <typename T, int kBlock = kThreads>
-__device__ __forceinline__ void rms_norm_row(const T *x, const T *gamma, float eps, T *out, size_t hidden) {
+__device__ __forceinline__ void rms_norm_row(const T *x, const T *gamma, float eps, T *out, size_t hidden,
+                                             NormStage stage = NormStage{}) {
   if constexpr (kHeldSegments<T, kBlock> >= 1) {
     if (hidden <= static_cast<size_t>(kHeldSegments<T, kBlock>) * kSegment<T>) {
       rms_norm_held_row<T, kBlock>(x, gamma, eps, out, hidden);
+      return;
+    }
+  }
+  if constexpr (kBlock < kThreads) { // the fused kernels' blocks (the standalone kernel lends none)
+    if (staged_row_bytes<T>(hidden) <= stage.bytes) {
+      rms_norm_row_staged<T, kBlock>(x, gamma, eps, out, hidden, stage);
       return;
     }
   }

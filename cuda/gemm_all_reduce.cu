@@ -96,7 +96,11 @@
 // a strip flag needs only reductions, which wait only for block flags published before any
 // wait, and the strip waits come after a block's publish and reduction; the cooperative launch
 // keeps every block of the rank resident. A strip wait is consequent (a stall is some block
-// wait's stall, which names the missing rank).
+// wait's stall, which names the missing rank). A row the block cannot hold in registers is
+// normalised through the GEMM's shared memory, past the names (rms_norm_row_staged: x and
+// gamma copied in with cp.async, every vector in flight at once, then the same trees read from
+// there): one load round where the segment loop takes two a segment. The copies are weak loads
+// of the issuing threads, after the acquire and __syncthreads above, as the loop's loads are.
 //
 // Two-shot. Rank r reduces the tiles of its slice of rows, as the reduce-scatter does, and
 // writes the reduced rows h (through the bias and the residual, whose rows of the slice it
@@ -109,7 +113,8 @@
 // barrier). Then every block waits for every rank's slice flag (thread q: rank q's) and
 // copies whole rows b, b + G, ... of out from their owner's area (ld.global.cg), the residual
 // rows of the peers' slices too, and normalises each row with rms_norm_row (the same order as
-// above, so the same bits). No deadlock: a slice flag needs only the rank's reductions, which
+// above, so the same bits); with RMSNorm, a row that fits the stage is copied into shared
+// memory instead, gamma beside it, and normalised from there into out (gather_rows). No deadlock: a slice flag needs only the rank's reductions, which
 // wait only for block flags published before any wait; the gather waits come after a block's
 // publish. The cooperative launch (every block of every rank resident) suffices. A launch that
 // fails leaves slice_count (and the strip counts) short of their reset: harmless, because a
@@ -186,6 +191,9 @@ template <typename T> struct Launch {
 };
 
 using fused::BlockState;
+
+// Shared memory of count_strips' names: one int per tile of a block (at most every tile).
+constexpr size_t kNamesBytes = TPFUSE_MAX_FUSED_TILES * sizeof(int);
 
 // The rows of tile row tm that this rank reduces: [first, end), empty when none.
 template <typename T, int BM> __device__ __forceinline__ Range2 rows_to_reduce(const Launch<T> &L, int tm) {
@@ -286,7 +294,7 @@ template <typename T> __device__ __forceinline__ void count_slice_tiles(const La
 // the strip's first row in completed[j] (shared memory: one int per tile of the block, -1 for
 // none); once every add is done, the whole block normalises each named row.
 template <typename T, typename Cfg>
-__device__ __forceinline__ void count_strips(const Launch<T> &L, BlockState &st, int *completed) {
+__device__ __forceinline__ void count_strips(const Launch<T> &L, BlockState &st, int *completed, NormStage stage) {
   const int grid = static_cast<int>(gridDim.x);
   const int mine = (L.tiles_m * L.tiles_n - static_cast<int>(blockIdx.x) + grid - 1) / grid; // the block's tiles
   __syncthreads(); // the block's reduced stores, before the releases
@@ -310,7 +318,7 @@ __device__ __forceinline__ void count_strips(const Launch<T> &L, BlockState &st,
     const int row = completed[j];
     if (row < 0) continue;
     T *h = L.out + static_cast<size_t>(row) * L.n;
-    rms_norm_row<T, Cfg::kThreads>(h, L.gamma, L.eps, h, static_cast<size_t>(L.n));
+    rms_norm_row<T, Cfg::kThreads>(h, L.gamma, L.eps, h, static_cast<size_t>(L.n), stage);
   }
 }
 
@@ -318,7 +326,8 @@ __device__ __forceinline__ void count_strips(const Launch<T> &L, BlockState &st,
 // strip's first (the block completing a strip normalised that one), each once its strip's
 // flag says every tile of the strip is reduced. False when the block gave up.
 template <typename T, int BM, int kBlock>
-__device__ __forceinline__ bool normalize_dealt_rows(const Launch<T> &L, const Deadline &deadline, BlockState &st) {
+__device__ __forceinline__ bool normalize_dealt_rows(const Launch<T> &L, const Deadline &deadline, BlockState &st,
+                                                     NormStage stage) {
   int awaited = -1; // the strip whose flag this block has acquired
 #pragma unroll 1
   for (int row = blockIdx.x; row < L.m; row += gridDim.x) {
@@ -333,42 +342,65 @@ __device__ __forceinline__ bool normalize_dealt_rows(const Launch<T> &L, const D
       awaited = strip;
     }
     T *h = L.out + static_cast<size_t>(row) * L.n;
-    rms_norm_row<T, kBlock>(h, L.gamma, L.eps, h, static_cast<size_t>(L.n));
+    rms_norm_row<T, kBlock>(h, L.gamma, L.eps, h, static_cast<size_t>(L.n), stage);
   }
   return true;
 }
 
 // Two-shot, the end: waits for every rank's slice flag, then copies rows b, b + G, ... of out
 // from their owner's exchange area (element offset `exchange`), the peers' rows into the
-// residual too, and normalises them. False when the block gave up.
+// residual too, and normalises them. With RMSNorm, a row that fits `stage` is copied there
+// instead of into out, gamma beside it (cp.async, issued first: its loads wait with the
+// peer's), and normalised from there into out (rms_norm_staged): the owner's row read once,
+// and no load round after the copy's; a longer row goes through out (rms_norm_row). False
+// when the block gave up.
 template <typename T, int kBlock>
 __device__ __forceinline__ bool gather_rows(const tpfuse_peers &peers, const tpfuse_group_args &g,
                                             const Deadline &deadline, BlockState &st, uint64_t descriptor,
                                             size_t exchange, T *out, T *residual, const T *gamma, float eps, int m,
-                                            int n) {
+                                            int n, NormStage stage) {
   // Consequent waits: a stalled slice is some tile wait's stall, which names the missing rank.
   if (static_cast<int>(threadIdx.x) < g.world)
     fused::await(peers, g, deadline, st, fused::kSliceSlot, threadIdx.x, descriptor, true);
   if (!fused::passed(st)) return false;
   constexpr int kVec = Vec16<T>::kLen;
   const int slice = m / g.world;
+  const size_t hidden = static_cast<size_t>(n);
+  const bool staged = gamma != nullptr && staged_row_bytes<T>(hidden) <= stage.bytes;
+  T *xs = reinterpret_cast<T *>(stage.at);
+  T *gs = xs + hidden;
 #pragma unroll 1
   for (int row = blockIdx.x; row < m; row += gridDim.x) {
     const int owner = row / slice;
     const size_t at = static_cast<size_t>(row) * n;
     const T *h = static_cast<const T *>(peers.data[owner]) + exchange + at;
     T *peer_residual = residual != nullptr && owner != g.rank ? residual + at : nullptr;
+    T *into = staged ? xs : out + at;
+    if (staged) {
+      __syncthreads(); // the previous row's reads of the stage, before this row's writes
+      stage_async<T, kBlock>(gs, gamma, hidden);
+      cp_async_commit();
+    }
     // Several vectors in flight per thread (copy.cuh): a row waits about one peer latency.
     copy_vectors(
-        threadIdx.x * kVec, n, blockDim.x * kVec,
+        threadIdx.x * kVec, hidden, blockDim.x * kVec,
         [&](size_t v) { return ld_global_cg(reinterpret_cast<const uint4 *>(h + v)); },
         [&](size_t v, const uint4 &x) {
-          st_global(reinterpret_cast<uint4 *>(out + at + v), x);
+          if (staged) {
+            *reinterpret_cast<uint4 *>(into + v) = x;
+          } else {
+            st_global(reinterpret_cast<uint4 *>(into + v), x);
+          }
           if (peer_residual != nullptr) st_global(reinterpret_cast<uint4 *>(peer_residual + v), x);
         });
-    if (gamma != nullptr) {
+    if (staged) {
+      // A thread reads back the vectors it stored and copied itself (copy_vectors' are
+      // stage_async's): its own gamma copies once its wait returns, no barrier.
+      cp_async_wait<0>();
+      rms_norm_staged<T, kBlock>(xs, gs, eps, out + at, hidden);
+    } else if (gamma != nullptr) {
       __syncthreads(); // the row's stores, before the norm reads it whole
-      rms_norm_row<T, kBlock>(out + at, gamma, eps, out + at, static_cast<size_t>(n));
+      rms_norm_row<T, kBlock>(out + at, gamma, eps, out + at, hidden);
     }
   }
   return true;
@@ -457,6 +489,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
                     descriptor,
                     slice_tiles};
   const size_t exchange = exchange_bytes / sizeof(T);
+  // The GEMM's shared memory once its work is done (its last epilogue read it before the tile
+  // loop's last __syncthreads, and no cp.async is pending: gemm_tile waits for all of them):
+  // the names of count_strips (an int per tile of the block), then the RMSNorm's stage
+  // (rms_norm_row, gather_rows).
+  static_assert(kNamesBytes % 16 == 0 && kNamesBytes < Cfg::kSmemBytes, "names, then a stage");
+  const NormStage stage{smem + kNamesBytes, static_cast<size_t>(Cfg::kSmemBytes) - kNamesBytes};
 
   // Produce: the block's tiles back to back, then (by flags) one flag to every rank (slot b:
   // "block b's tiles are stored"). Consume: one wait for every rank's flag of slot b, then the
@@ -497,10 +535,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
       if (L.slice_tiles > 0) {
         count_slice_tiles(L, st, reducing);
       } else if (L.gamma != nullptr) {
-        // The GEMM's shared memory is free: its last epilogue read it before the tile loop's
-        // last __syncthreads, and no cp.async is pending (gemm_tile waits for all of them).
-        static_assert(TPFUSE_MAX_FUSED_TILES * sizeof(int) <= Cfg::kSmemBytes, "a name per tile");
-        count_strips<T, Cfg>(L, st, reinterpret_cast<int *>(smem));
+        count_strips<T, Cfg>(L, st, reinterpret_cast<int *>(smem), stage);
       }
       __syncthreads(); // every warp's share of the reduction, before thread 0 times it
       st.clock.mark(fused::kPhaseReduce);
@@ -509,12 +544,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) gemm_all_reduce_kernel(const
   // The same rule before the strip waits.
   const bool norming = L.gamma != nullptr && st.failed == 0;
   __syncthreads();
-  if (norming) normalize_dealt_rows<T, Cfg::kBlockM, Cfg::kThreads>(L, deadline, st);
+  if (norming) normalize_dealt_rows<T, Cfg::kBlockM, Cfg::kThreads>(L, deadline, st, stage);
   // The same rule before the gather's waits.
   const bool gathering = two_shot && st.failed == 0;
   __syncthreads();
   if (gathering)
-    gather_rows<T, Cfg::kThreads>(peers, g, deadline, st, descriptor, exchange, out, residual, gamma, eps, m, n);
+    gather_rows<T, Cfg::kThreads>(peers, g, deadline, st, descriptor, exchange, out, residual, gamma, eps, m, n,
+                                  stage);
   __syncthreads(); // every warp's rows, before thread 0 times them
   st.clock.mark(fused::kPhaseTail);
 

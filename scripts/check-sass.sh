@@ -55,8 +55,29 @@ if [ ${#objects[@]} -eq 0 ]; then
   exit 1
 fi
 
-status=0
-for obj in "${objects[@]}"; do
+# Each object's check, and the reductions' beside gemm_all_reduce.o, runs as its own job (one
+# per core: each is one single-threaded pipeline); their outputs print in order once all end.
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+jobs_max=$(nproc 2>/dev/null || echo 2)
+throttle() { while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n || true; done; }
+# The same build's reductions (all-reduce and fused kernels), beside each gemm_all_reduce.o:
+# the loads in flight together. First: the longest check (three objects' SASS).
+for i in "${!objects[@]}"; do
+  obj=${objects[$i]}
+  [ "$(basename "$obj")" = gemm_all_reduce.o ] || continue
+  throttle
+  dir=$(dirname "$obj")
+  {
+    echo "== $dir/all_reduce.o, gemm_all_reduce.o, all_gather_gemm.o: reductions and copies"
+    { "$cuobjdump" -sass "$dir/all_reduce.o"; "$cuobjdump" -sass "$obj"; "$cuobjdump" -sass "$dir/all_gather_gemm.o"; } | c++filt |
+      python3 "$root/scripts/sass_reductions.py"
+  } >"$work/$i.reductions.log" 2>&1 || : >"$work/$i.reductions.failed" &
+done
+for i in "${!objects[@]}"; do
+  obj=${objects[$i]}
+  throttle
+  {
   echo "== $obj"
   "$cuobjdump" -sass "$obj" | c++filt | PYTHONPATH="$root/scripts" python3 -c '
 import re, sys
@@ -157,13 +178,15 @@ print("%d kernels on %d architectures (%s)" % (len(rows), len(archs), ", ".join(
 for f in failures:
     print("FAIL " + f)
 sys.exit(1 if failures else 0)
-' "$root/cuda/gemm_sm80.cuh" || status=1
-  # The same build's reductions (all-reduce and fused kernels): the loads in flight together.
-  if [ "$(basename "$obj")" = gemm_all_reduce.o ]; then
-    dir=$(dirname "$obj")
-    echo "== $dir/all_reduce.o, gemm_all_reduce.o, all_gather_gemm.o: reductions and copies"
-    { "$cuobjdump" -sass "$dir/all_reduce.o"; "$cuobjdump" -sass "$obj"; "$cuobjdump" -sass "$dir/all_gather_gemm.o"; } | c++filt |
-      python3 "$root/scripts/sass_reductions.py" || status=1
-  fi
+' "$root/cuda/gemm_sm80.cuh"
+  } >"$work/$i.gemm.log" 2>&1 || : >"$work/$i.gemm.failed" &
+done
+wait
+status=0
+for i in "${!objects[@]}"; do
+  for check in gemm reductions; do
+    [ ! -f "$work/$i.$check.log" ] || cat "$work/$i.$check.log"
+    [ ! -f "$work/$i.$check.failed" ] || status=1
+  done
 done
 exit $status

@@ -130,11 +130,13 @@ run_test() {
   local listed
   listed=$("$bin" --list 2>/dev/null)
   grep -qx "$test: test" <<<"$listed" || { echo "mutants: $binary has no test $test" >&2; return 2; }
+  local built=$SECONDS
   if ! build_library "$name" >"$work/$name/build.log" 2>&1; then
     echo "mutants: $name does not compile:" >&2
     tail -n 20 "$work/$name/build.log" >&2
     return 2
   fi
+  echo $((SECONDS - built)) >"$work/$name.build"
   LD_PRELOAD="$work/$name/out/libtpfuse_emu.so" TPFUSE_EMU_SCHEDULE=$schedule TPFUSE_EMU_SEED=$seed \
     TPFUSE_EMU_MEMORY=$memory timeout 600 "$bin" --exact "$test" >"$work/$name/test.log" 2>&1 || return 1
   return 0
@@ -187,7 +189,7 @@ report() {
     failed+=("$name (does not build or run)")
   else
     caught=$((caught + 1))
-    echo "caught    $name ($what) by $spec in ${secs}s"
+    echo "caught    $name ($what) by $spec in ${secs}s (its build $(cat "$work/$name.build" 2>/dev/null || echo ?)s)"
   fi
 }
 
@@ -304,10 +306,36 @@ mutant one-segment-partial-before-closing-barrier emu_all_reduce::all_reduce_bf1
   $'reduce_held_segment<T, decltype(w)::value>(peers, seg, units.begin, epi, held, h, partial);\n      if (threadIdx.x == 0) st_global(partial_of(seg, static_cast<T *>(peers.data[g.rank]), units.begin), partial);'
 # A block of fewer threads than a segment's vectors (the fused kernels' 32-256) runs its turns
 # in rounds, each issuing its loads together.
-mutant norm-squares-skip-rounds emu_gemm_all_reduce::small_blocks_normalise_long_rows_in_rounds "a small block's sum of squares runs every other round of turns" \
+mutant norm-squares-skip-rounds emu_gemm_all_reduce::rows_past_the_stage_normalise_in_rounds "a small block's sum of squares runs every other round of turns" \
   epilogue.cuh $'first += kRound) {\n    uint4 raw[kRound];' $'first += 2 * kRound) {\n    uint4 raw[kRound];'
-mutant norm-normalize-skip-rounds emu_gemm_all_reduce::small_blocks_normalise_long_rows_in_rounds "a small block normalises every other round of turns" \
+mutant norm-normalize-skip-rounds emu_gemm_all_reduce::rows_past_the_stage_normalise_in_rounds "a small block normalises every other round of turns" \
   epilogue.cuh $'first += kRound) {\n    uint4 xs[kRound], gs[kRound];' $'first += 2 * kRound) {\n    uint4 xs[kRound], gs[kRound];'
+# A row staged in shared memory (the fused kernels' blocks, once their GEMM is done): cp.async
+# of x and gamma, then the segment loop's trees read from there.
+mutant staged-no-wait emu_gemm_all_reduce::small_blocks_normalise_rows_from_shared_memory "a staged row is read before its copies are waited for" \
+  epilogue.cuh $'  cp_async_commit();\n  cp_async_wait<0>(); // this thread\'s copies' '  cp_async_commit(); //'
+# No barrier between a row's copies and its reads: each thread reads back only the vectors it
+# copied (or, gathering, stored) itself. A copy by another thread is then a race.
+mutant staged-copies-by-another-thread emu_gemm_all_reduce::small_blocks_normalise_rows_from_shared_memory "thread t stages the vectors thread kBlock - 1 - t reads, with no barrier between" \
+  epilogue.cuh $'  for (size_t i = static_cast<size_t>(threadIdx.x) * kVec; i < hidden; i += static_cast<size_t>(kBlock) * kVec)\n    cp_async_16(' $'  for (size_t i = static_cast<size_t>(kBlock - 1 - threadIdx.x) * kVec; i < hidden; i += static_cast<size_t>(kBlock) * kVec)\n    cp_async_16('
+mutant gather-staged-by-another-thread emu_gemm_all_reduce::small_blocks_normalise_rows_from_shared_memory "the two-shot's gather stages the vectors another thread reads, with no barrier between" \
+  gemm_all_reduce.cu '        threadIdx.x * kVec, hidden, blockDim.x * kVec,' '        (blockDim.x - 1 - threadIdx.x) * kVec, hidden, blockDim.x * kVec,'
+mutant staged-gamma-over-x emu_gemm_all_reduce::small_blocks_normalise_rows_from_shared_memory "a staged row's gamma is copied over its x" \
+  epilogue.cuh '  T *gs = xs + hidden; // hidden is a multiple of the vector' '  T *gs = xs; // hidden is a multiple of the vector'
+mutant staged-squares-of-segment-0 emu_gemm_all_reduce::rows_of_two_segments_normalise_from_shared_memory "a staged row of two segments sums its first segment's squares twice" \
+  epilogue.cuh '      const size_t i = s * kSegment<T> + turn_offset<T, kBlock>(t);' '      const size_t i = turn_offset<T, kBlock>(t);'
+mutant stage-over-names emu_gemm_all_reduce::a_block_of_three_strips_normalises_them_from_shared_memory "the RMSNorm's stage overlaps count_strips' names of the strips the block completed" \
+  gemm_all_reduce.cu 'const NormStage stage{smem + kNamesBytes,' 'const NormStage stage{smem,'
+# The stage is taken where the plan says (every path gives the same bits: only the counters
+# tell them apart).
+mutant stage-never-used emu_counters::the_fused_rmsnorm_moves_what_the_plan_says_row_by_row "the fused kernels lend their RMSNorm no stage" \
+  gemm_all_reduce.cu 'static_cast<size_t>(Cfg::kSmemBytes) - kNamesBytes};' '0};'
+mutant stage-fit-strict emu_counters::the_fused_rmsnorm_moves_what_the_plan_says_row_by_row "a row that fills the stage exactly goes segment by segment" \
+  epilogue.cuh '    if (staged_row_bytes<T>(hidden) <= stage.bytes) {' '    if (staged_row_bytes<T>(hidden) < stage.bytes) {'
+mutant gather-stage-never-used emu_counters::the_fused_rmsnorm_moves_what_the_plan_says_row_by_row "the two-shot's gather copies into out and normalises there, where its row fits the stage" \
+  gemm_all_reduce.cu '  const bool staged = gamma != nullptr && staged_row_bytes<T>(hidden) <= stage.bytes;' '  const bool staged = false;'
+mutant gather-staged-no-wait emu_gemm_all_reduce::small_blocks_normalise_rows_from_shared_memory "the two-shot's staged gather reads gamma before its copies are waited for" \
+  gemm_all_reduce.cu $'      cp_async_wait<0>();\n      rms_norm_staged<T, kBlock>(xs, gs, eps, out + at, hidden);' '      rms_norm_staged<T, kBlock>(xs, gs, eps, out + at, hidden);'
 mutant held-norm-gamma-of-turn-0 emu_gemm_all_reduce::blocks_that_hold_a_row_normalise_it_from_registers "a block that holds its row normalises every turn with its first turn's gamma" \
   epilogue.cuh 'normalize_vector(vec_of<T>(xs[h]), vec_of<T>(gs[h]), rstd));' 'normalize_vector(vec_of<T>(xs[h]), vec_of<T>(gs[0]), rstd));'
 mutant held-norm-squares-of-turn-0 emu_gemm_all_reduce::blocks_that_hold_a_row_normalise_it_from_registers "a block that holds its row adds its first turn's squares for every turn" \

@@ -44,7 +44,7 @@ use tpfuse::ops::gemm::{
 };
 use tpfuse::ops::gemm_all_reduce::{facts_of, FusedPlan};
 use tpfuse::ops::{self, gemm_all_reduce_with, Algorithm, Epilogue, RmsNorm};
-use tpfuse::plan::{gemm_block_bytes, gemm_split_block_bytes, CollectiveLaunch};
+use tpfuse::plan::{fused_norm_bytes, gemm_block_bytes, gemm_split_block_bytes, CollectiveLaunch};
 use tpfuse::topology::AllReduceAlgo;
 use tpfuse::{GroupOptions, TpGroup};
 
@@ -1043,35 +1043,48 @@ fn the_fused_grid_fills_the_sms_it_is_given() {
     }
 }
 
-/// The fused one-shot's RMSNorm rows, block by block (what `tpfuse::plan::fused_row` charges
-/// each block): the block
-/// that completes a row strip normalises the strip's first row, and the strip's other rows
-/// are dealt over the grid, row r to block r mod G; none normalises a whole strip alone. A
-/// block's rows are what it writes with the norm beyond what it writes without (n elements a
-/// row; the strips' counts and flags add less than half a row).
+/// The fused GEMM + all-reduce's RMSNorm, against the same launch without it, block by block:
+/// one-shot, a block normalises the rows dealt to it and the first rows of the strips it
+/// completes, each moving what the plan says a row moves (`tpfuse::plan::fused_norm_bytes`:
+/// read once from registers or shared memory, or twice segment by segment); two-shot, a
+/// block's gathered rows b, b + G, ... move the plan's gathered bytes instead of a copy's.
+/// The shapes run the 16 x 16 block (32 threads: a row through its stage), 64 x 64 (held in
+/// registers), and 16 x 64 on rows of 11264 (its 44 KiB of stage, exactly) and 11272 (past it:
+/// segment by segment).
 #[test]
-fn the_fused_one_shot_deals_its_rmsnorm_rows_over_the_grid() {
+fn the_fused_rmsnorm_moves_what_the_plan_says_row_by_row() {
     let _session = session_with(
         FILE,
-        "the_fused_one_shot_deals_its_rmsnorm_rows_over_the_grid",
+        "the_fused_rmsnorm_moves_what_the_plan_says_row_by_row",
         SMS,
         60_000_000_000,
     );
     let gpu = gpu();
     // One strip of 16 rows (17 tiles of 16 rows); three strips of 64, 64 and 1 rows (64-row
-    // tiles: 9 tiles; a strip of one row has no flag). A rank's grid is at most 8 SMs' worth.
-    for (world, m, n, k) in [(2usize, 16usize, 264usize, 40usize), (2, 129, 136, 40)] {
-        let groups = virtual_group(&gpu.ctx, world, GroupOptions::default());
+    // tiles: 9 tiles; a strip of one row has no flag); strips of two rows of 11264 and 11272.
+    // A rank's grid is at most 8 SMs' worth.
+    let shapes = [
+        (2usize, 16usize, 264usize, 40usize),
+        (2, 129, 136, 40),
+        (2, 2, 11264, 40),
+        (2, 2, 11272, 40),
+    ];
+    // By flags: a packet's wait is in its loads, which a schedule repeats as it likes.
+    let by_flags = GroupOptions {
+        fused_packets: false,
+        ..GroupOptions::default()
+    };
+    for (world, m, n, k) in shapes {
+        let groups = virtual_group(&gpu.ctx, world, by_flags.clone());
         let shape = GemmShape { m, n, k };
         let xs: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0x9f, world, m * k));
         let ws: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0xaf, world, n * k));
         let gammas: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0xbf, world, n));
         let mut outs: Vec<CudaSlice<bf16>> = poisoned_ranks(&groups, m * n);
-        let label = format!("GEMM + all-reduce one-shot W={world} (m, n, k)=({m}, {n}, {k})");
-        let mut run = |norm: bool| {
+        let mut run = |algorithm: Algorithm, norm: bool, label: &str| {
             let mut plans = Vec::new();
             let ((), recs) = counters::count(|| {
-                plans = round(&groups, &label, |r| {
+                plans = round(&groups, label, |r| {
                     let epilogue = Epilogue {
                         norm: norm.then(|| RmsNorm {
                             gamma: &gammas[r],
@@ -1080,43 +1093,42 @@ fn the_fused_one_shot_deals_its_rmsnorm_rows_over_the_grid() {
                         ..Epilogue::default()
                     };
                     let (x, wt, out) = (&xs[r], &ws[r], &mut outs[r]);
-                    gemm_all_reduce_with(
-                        &groups[r],
-                        x,
-                        wt,
-                        epilogue,
-                        out,
-                        shape,
-                        Algorithm::OneShot,
-                    )
+                    gemm_all_reduce_with(&groups[r], x, wt, epilogue, out, shape, algorithm)
                 });
             });
-            (plans, recs)
-        };
-        let (plans, plain) = run(false);
-        let (_, normed) = run(true);
-        let plan: FusedPlan = plans[0];
-        let (grid, block_m) = (plan.grid, plan.config.info().block_m);
-        let strips = m.div_ceil(block_m);
-        let row_bytes = n as u64 * S;
-        for recs in [&plain, &normed] {
             assert_eq!(recs.len(), world, "{label}: launches");
             assert!(
                 recs.iter()
                     .all(|rec| rec.kernel.contains("gemm_all_reduce")),
                 "{label}: {recs:#?}"
             );
-        }
+            (plans[0], recs)
+        };
+        let block_of = |recs: &[LaunchCounters], rank: usize, label: &str| {
+            recs.iter()
+                .find(|rec| rec.rank == Some(rank))
+                .unwrap_or_else(|| panic!("{label}: no launch of rank {rank}"))
+                .blocks
+                .clone()
+        };
+        let moved = |c: &tpfuse::emulator::counters::BlockCounters| {
+            c.global_read_bytes + c.global_write_bytes
+        };
+        let label = format!("GEMM + all-reduce W={world} (m, n, k)=({m}, {n}, {k})");
+        let row_bytes = n as u64 * S;
+
+        let one_shot = format!("{label} one-shot");
+        let (plan, plain) = run(Algorithm::OneShot, false, &one_shot);
+        let (_, normed) = run(Algorithm::OneShot, true, &one_shot);
+        let (norm, gathered) = fused_norm_bytes(plan.config, n);
+        let (grid, block_m) = (plan.grid, plan.config.info().block_m);
+        let strips = m.div_ceil(block_m);
         for rank in 0..world {
-            let find = |recs: &[LaunchCounters]| {
-                recs.iter()
-                    .find(|rec| rec.rank == Some(rank))
-                    .unwrap_or_else(|| panic!("{label}: no launch of rank {rank}"))
-                    .blocks
-                    .clone()
-            };
-            let (without, with) = (find(&plain), find(&normed));
-            assert_eq!(with.len(), grid, "{label}: blocks");
+            let (without, with) = (
+                block_of(&plain, rank, &one_shot),
+                block_of(&normed, rank, &one_shot),
+            );
+            assert_eq!(with.len(), grid, "{one_shot}: blocks");
             let mut completed = 0;
             for b in 0..grid {
                 let extra = with[b].global_write_bytes - without[b].global_write_bytes;
@@ -1124,11 +1136,41 @@ fn the_fused_one_shot_deals_its_rmsnorm_rows_over_the_grid() {
                 let dealt = (0..m).filter(|r| r % grid == b && r % block_m != 0).count();
                 assert!(
                     rows >= dealt && rows - dealt <= strips,
-                    "{label} rank {rank} block {b}: normalised {rows} rows, dealt {dealt}"
+                    "{one_shot} rank {rank} block {b}: normalised {rows} rows, dealt {dealt}"
+                );
+                assert_eq!(
+                    moved(&with[b]) - moved(&without[b]),
+                    rows as u64 * norm * row_bytes,
+                    "{one_shot} rank {rank} block {b}: {rows} rows of {norm} bytes an element"
                 );
                 completed += rows - dealt;
             }
-            assert_eq!(completed, strips, "{label} rank {rank}: strips' first rows");
+            assert_eq!(
+                completed, strips,
+                "{one_shot} rank {rank}: strips' first rows"
+            );
+        }
+
+        if m % world != 0 {
+            continue;
+        }
+        // Two-shot: without RMSNorm a gathered row is copied (2 bytes an element).
+        let two_shot = format!("{label} two-shot");
+        let (plan, plain) = run(Algorithm::TwoShot, false, &two_shot);
+        let (_, normed) = run(Algorithm::TwoShot, true, &two_shot);
+        for rank in 0..world {
+            let (without, with) = (
+                block_of(&plain, rank, &two_shot),
+                block_of(&normed, rank, &two_shot),
+            );
+            for b in 0..plan.grid {
+                let rows = (0..m).filter(|r| r % plan.grid == b).count() as u64;
+                assert_eq!(
+                    moved(&with[b]) - moved(&without[b]),
+                    rows * (gathered - 2) * row_bytes,
+                    "{two_shot} rank {rank} block {b}: {rows} gathered rows of {gathered} bytes an element"
+                );
+            }
         }
     }
 }

@@ -70,32 +70,121 @@ fn fused_equals_gemm_then_all_reduce_bf16() {
     every_case::<bf16>(base_seed(0xf05e_0001));
 }
 
-/// A row of 4096 (m = 2, k = 40, bf16, residual and RMSNorm) on `sms` SMs of an H100-class
-/// device, which selects `config` for it (asserted: the RMSNorm path under test is that
-/// block size's), fused against the unfused sequence.
-fn long_rows_normalised_by(test: &'static str, sms: u32, config: u32, seed: u64) {
+/// Rows of `n` (m rows, k = 40, bf16, residual and RMSNorm, W = 2, `blocks` blocks a rank) on
+/// `sms` SMs of an H100-class device, which selects `config` for them (asserted: the RMSNorm
+/// path under test is that block size's), fused against the unfused sequence (the two-shot
+/// too where m is even).
+fn rows_normalised_by(
+    test: &'static str,
+    sms: u32,
+    config: u32,
+    (m, n): (usize, usize),
+    blocks: i32,
+    seed: u64,
+) {
     let _s = session_with("emu_gemm_all_reduce", test, sms, deadlock_ns_from_env());
-    let (m, n, k) = (2, 4096, 40);
+    let k = 40;
     // SAFETY: a pure function of its arguments.
     let selected = unsafe { abi::tpfuse_gemm_select(m, n, k, 9, 0, sms as i32) };
     assert_eq!(
         selected, config as i32,
         "the shape selects the block size under test"
     );
-    case::<bf16>(2, 4, (m, n, k), RESIDUAL_NORM, seed);
+    case::<bf16>(2, blocks, (m, n, k), RESIDUAL_NORM, seed);
 }
 
 /// On 132 SMs (an H100's), n = 4096 without a split of k selects small-m-16x16: blocks of 32
-/// threads, which normalise a row of 4096 in two rounds of eight turns (epilogue.cuh,
-/// kInFlight); the session's 32 SMs never select a block that small for a row that long.
+/// threads, which hold no row in registers and stage it in shared memory (epilogue.cuh,
+/// rms_norm_row_staged); the two-shot's gather stages its rows too (gather_rows). The
+/// session's 32 SMs never select a block that small for a row that long.
 #[test]
-fn small_blocks_normalise_long_rows_in_rounds() {
-    long_rows_normalised_by(
-        "small_blocks_normalise_long_rows_in_rounds",
+fn small_blocks_normalise_rows_from_shared_memory() {
+    rows_normalised_by(
+        "small_blocks_normalise_rows_from_shared_memory",
         132,
         abi::TPFUSE_GEMM_CONFIG_SMALL_16X16,
+        (2, 4096),
+        4,
         base_seed(0xf05e_0010),
     );
+}
+
+/// On 400 SMs, n = 12296 selects small-m-16x16, whose 48 KiB of stage hold 12288 elements of
+/// x and gamma: the row goes segment by segment, each segment's 16 turns in two rounds of
+/// eight (epilogue.cuh, kInFlight).
+#[test]
+fn rows_past_the_stage_normalise_in_rounds() {
+    rows_normalised_by(
+        "rows_past_the_stage_normalise_in_rounds",
+        400,
+        abi::TPFUSE_GEMM_CONFIG_SMALL_16X16,
+        (2, 12296),
+        4,
+        base_seed(0xf05e_0013),
+    );
+}
+
+/// On 132 SMs, n = 8192 (Llama-3-70B's hidden size) selects small-m-16x32: blocks of 64
+/// threads (two warps), whose 32 KiB of stage hold a row of 8192 and its gamma exactly. One
+/// block a rank: it normalises the strip's four rows through the stage one after another, and
+/// the two-shot's gather stages them one after another too.
+#[test]
+fn rows_of_two_segments_normalise_from_shared_memory() {
+    rows_normalised_by(
+        "rows_of_two_segments_normalise_from_shared_memory",
+        132,
+        abi::TPFUSE_GEMM_CONFIG_SMALL_16X32,
+        (4, 8192),
+        1,
+        base_seed(0xf05e_0014),
+    );
+}
+
+/// Small-m-16x16 forced at m = 34 (three strips of 16 rows) on one block a rank: the block
+/// completes every strip, naming their first rows in shared memory (count_strips), and
+/// normalises each row through the stage that follows those names; the two-shot's gather stages
+/// the block's 34 rows one after another.
+#[test]
+fn a_block_of_three_strips_normalises_them_from_shared_memory() {
+    let _s = session(
+        "emu_gemm_all_reduce",
+        "a_block_of_three_strips_normalises_them_from_shared_memory",
+    );
+    case_in::<bf16>(
+        Some(abi::TPFUSE_GEMM_CONFIG_SMALL_16X16 as i32),
+        2,
+        1,
+        (34, 264, 40),
+        RESIDUAL_NORM,
+        base_seed(0xf05e_0015),
+    );
+}
+
+/// The tiled blocks, forced at m = 2 on rows past what their threads hold in registers:
+/// tile-128x128 (256 threads, 50 KiB of stage) on a row of 4104 and tile-64x64 (128 threads,
+/// its fused variant's 80 KiB) on a row of 12296, both through the stage.
+#[test]
+fn tiled_blocks_normalise_long_rows_from_shared_memory() {
+    let _s = session(
+        "emu_gemm_all_reduce",
+        "tiled_blocks_normalise_long_rows_from_shared_memory",
+    );
+    for (i, (config, n)) in [
+        (abi::TPFUSE_GEMM_CONFIG_TILE_128X128, 4104),
+        (abi::TPFUSE_GEMM_CONFIG_TILE_64X64, 12296),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        case_in::<bf16>(
+            Some(config as i32),
+            2,
+            2,
+            (2, n, 40),
+            RESIDUAL_NORM,
+            mix_seed(base_seed(0xf05e_0016), &[i as u64]),
+        );
+    }
 }
 
 /// On 32 SMs, n = 4096 without a split of k selects small-m-16x64: blocks of 128 threads,
@@ -103,10 +192,12 @@ fn small_blocks_normalise_long_rows_in_rounds() {
 /// rms_norm_held_row), and normalise it from them.
 #[test]
 fn blocks_that_hold_a_row_normalise_it_from_registers() {
-    long_rows_normalised_by(
+    rows_normalised_by(
         "blocks_that_hold_a_row_normalise_it_from_registers",
         32,
         abi::TPFUSE_GEMM_CONFIG_SMALL_16X64,
+        (2, 4096),
+        4,
         base_seed(0xf05e_0012),
     );
 }

@@ -30,6 +30,6 @@ pub use collective::{all_reduce_row, CollectiveLaunch};
 pub use model::{LayerGemm, ModelShape, BUILTIN_MODELS};
 pub use profile::{DeviceProfile, Link, BUILTIN_DEVICES};
 pub use rows::{
-    fused_row, gemm_block_bytes, gemm_row, gemm_split_block_bytes, plan_model, PlanRow,
-    ELEMENT_BYTES,
+    fused_norm_bytes, fused_row, gemm_block_bytes, gemm_row, gemm_split_block_bytes, plan_model,
+    PlanRow, ELEMENT_BYTES,
 };

@@ -8,8 +8,12 @@ use super::profile::{DeviceProfile, Link};
 use crate::error::Result;
 use crate::group::SPLIT_SCRATCH_BYTES;
 use crate::ops::all_reduce::Algorithm;
-use crate::ops::gemm::{select_config, split_parts, split_scratch_bytes, GemmConfig, GemmShape};
-use crate::ops::gemm_all_reduce::{fused_all_reduce_algo, planned, unfusable, FusedFacts};
+use crate::ops::gemm::{
+    select_config, split_parts, split_scratch_bytes, GemmConfig, GemmConfigInfo, GemmShape,
+};
+use crate::ops::gemm_all_reduce::{
+    fused_all_reduce_algo, planned, unfusable, FusedFacts, MAX_TILES,
+};
 use crate::ops::linear::Fusion;
 use crate::topology::{AllReduceAlgo, AllReduceRule, FusedKernel, FusionRule, SizeLimits};
 use half::bf16;
@@ -38,17 +42,43 @@ pub(super) fn held_segments(threads: usize, element_bytes: u64) -> usize {
     }
 }
 
+/// Whether a fused block of configuration `info` normalises a row of `n` through its shared
+/// memory (`rms_norm_row_staged` in `cuda/epilogue.cuh`): the row's x and gamma fit what the
+/// GEMM leaves after count_strips' names (`kNamesBytes` in `cuda/gemm_all_reduce.cu`).
+fn norm_staged(info: &GemmConfigInfo, n: usize) -> bool {
+    let names = MAX_TILES * std::mem::size_of::<i32>();
+    2 * n * ELEMENT_BYTES as usize <= info.smem_bytes.saturating_sub(names)
+}
+
 /// Bytes a fused block's RMSNorm of one row moves per element (`rms_norm_row` in
-/// `cuda/epilogue.cuh`, blocks of `threads`): the row read for its sum of squares, read again
-/// with gamma and written (4), or, a row the block holds in registers ([`held_segments`]),
-/// read once with gamma and normalised from them (3: `rms_norm_held_row`).
-pub(super) fn norm_bytes_per_element(threads: usize, n: usize) -> u64 {
+/// `cuda/epilogue.cuh`, blocks of `info.threads`): the row read for its sum of squares, read
+/// again with gamma and written (4), or, a row the block holds in registers
+/// ([`held_segments`]) or stages in shared memory ([`norm_staged`]), read once with gamma and
+/// normalised from there (3: `rms_norm_held_row`, `rms_norm_row_staged`).
+fn norm_bytes_per_element(info: &GemmConfigInfo, n: usize) -> u64 {
     let segment = COLLECTIVE_THREADS * (16 / ELEMENT_BYTES as usize);
-    if n <= held_segments(threads, ELEMENT_BYTES) * segment {
+    if n <= held_segments(info.threads, ELEMENT_BYTES) * segment || norm_staged(info, n) {
         3
     } else {
         4
     }
+}
+
+/// Bytes per element the fused GEMM + all-reduce's RMSNorm moves for one row of `n` on the
+/// blocks of `config` (its fused variant, [`GemmConfig::fused_info`]), as [`fused_row`] counts
+/// them:
+/// - one-shot, a row of out normalised in place: read with gamma, then written (3), where the
+///   block holds the row in registers or stages it in its shared memory (`cuda/epilogue.cuh`,
+///   `rms_norm_row`); else read twice (4);
+/// - two-shot, a row gathered from its owner and normalised, its copy included: 3 where it
+///   stages, else 2 + the in-place norm's.
+///
+/// `tests/emu_counters.rs` checks both against the kernel's counters.
+pub fn fused_norm_bytes(config: GemmConfig, n: usize) -> (u64, u64) {
+    let info = config.fused_info();
+    let norm = norm_bytes_per_element(&info, n);
+    let gathered = if norm_staged(&info, n) { 3 } else { 2 + norm };
+    (norm, gathered)
 }
 
 /// The group's CTA budget for the collectives on a real (one process per GPU) group:
@@ -534,8 +564,8 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
     // chains stored, then folded into the running sum, the last fold storing the tile's
     // partial: gemm_split_block_bytes). Per tile (block t mod G): one-shot, the W partials
     // read, bias-free residual read and written, out written; the norm of a row (out read
-    // twice, gamma, out written per element; out read once where the block holds the row:
-    // norm_bytes_per_element): a strip's first row by the block that completes
+    // twice, gamma, out written per element; out read once where the block holds or stages
+    // the row: norm_bytes_per_element): a strip's first row by the block that completes
     // the strip (in the kernel whichever block adds last; here the block of its last column's
     // tile), its other rows dealt over the grid (row r to block r mod G).
     let unit_bytes = if plan.parts_in_parallel {
@@ -543,7 +573,7 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
     } else {
         gemm_block_bytes(config, shape, false, false)
     };
-    let norm = norm_bytes_per_element(config.fused_info().threads, g.n);
+    let (norm, gathered) = fused_norm_bytes(config, g.n);
     let mut per_block = vec![0u64; grid];
     for (unit, bytes) in unit_bytes.iter().enumerate() {
         per_block[unit % grid] += bytes;
@@ -579,7 +609,7 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
     }
     if algo == AllReduceAlgo::TwoShot {
         for row in 0..m {
-            per_block[row % grid] += (2 + norm) * g.n as u64 * s;
+            per_block[row % grid] += gathered * g.n as u64 * s;
         }
     }
     let (max, mean, streaming) = per_sm(&per_block, p.sms);

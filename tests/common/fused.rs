@@ -55,6 +55,8 @@ pub struct Problem<T> {
     pub bias: Option<Vec<T>>,
     pub residual: Option<Vec<T>>,
     pub gamma: Option<Vec<T>>,
+    /// The fused launches' tile configuration: None for `auto_config`'s (what the layers run).
+    pub config: Option<i32>,
 }
 
 pub fn problem<T: TestElement>(
@@ -83,6 +85,7 @@ pub fn problem<T: TestElement>(
         gamma: epi
             .norm
             .then(|| random_vec(mix_seed(seed, &[5]), n, 0.5, 1.5)),
+        config: None,
     }
 }
 
@@ -200,7 +203,7 @@ pub fn try_enqueue<T: TestElement>(
             unsafe {
                 launcher(
                     T::DTYPE,
-                    auto_config(m, n, k),
+                    p.config.unwrap_or_else(|| auto_config(m, n, k)),
                     &peers,
                     &args,
                     ranks.blocks,
@@ -289,11 +292,26 @@ pub fn case<T: TestElement>(
     epi: Epi,
     seed: u64,
 ) {
+    case_in::<T>(None, world, blocks, shape, epi, seed);
+}
+
+/// [`case`] with the fused launches in tile configuration `config` (None: `auto_config`'s).
+/// Any configuration gives the unfused GEMM's bits: a tile's elements each add all of k in
+/// one order, whatever the tile (tpfuse_gemm's contract).
+pub fn case_in<T: TestElement>(
+    config: Option<i32>,
+    world: usize,
+    blocks: i32,
+    shape: (usize, usize, usize),
+    epi: Epi,
+    seed: u64,
+) {
     let label = format!(
-        "{} W={world} blocks={blocks} (m, n, k)={shape:?} {epi:?} seed={seed:#x}",
+        "{} W={world} blocks={blocks} (m, n, k)={shape:?} {epi:?} config={config:?} seed={seed:#x}",
         T::NAME
     );
-    let p = problem::<T>(world, shape, epi, seed);
+    let mut p = problem::<T>(world, shape, epi, seed);
+    p.config = config;
     let mut ranks = Ranks::with_capacity(world, blocks, LONG_TIMEOUT_NS, CAPACITY);
     // The one-shot by packets (these shapes fit the packet area), then by flags.
     let (fused, fused_residuals) = run(&ranks, &p, Path::Fused);
