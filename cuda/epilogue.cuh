@@ -318,9 +318,9 @@ template <typename T, int kBlock> __device__ __forceinline__ void stage_async(T 
 
 // The RMSNorm of a row staged in shared memory (xs and gs: its x and gamma, hidden elements
 // each; thread t reads vectors t, t + kBlock, ..., which it must have copied or stored itself),
-// into out (global; may be x's row). The
-// segment loop's vectors, trees and orders (segment_sum_of_squares, then normalize_segment),
-// read from shared memory: the same bits, in no load round of its own.
+// into out (global; may be x's row). The segment loop's vectors, trees and orders
+// (segment_sum_of_squares, then normalize_segment), read from shared memory: the same bits,
+// in no load round of its own.
 template <typename T, int kBlock>
 __device__ __forceinline__ void rms_norm_staged(const T *xs, const T *gs, float eps, T *out, size_t hidden) {
   constexpr int kVec = Vec16<T>::kLen;

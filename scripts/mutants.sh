@@ -472,7 +472,7 @@ mutant strip-counts-first-pass-only emu_gemm_all_reduce::fused_equals_gemm_then_
   gemm_all_reduce.cu 'for (int j = threadIdx.x; j < mine; j += blockDim.x) {' 'for (int j = threadIdx.x; j < mine; j += mine) {'
 mutant strip-one-row-per-block emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "one-shot normalises only the first row dealt to each block" \
   gemm_all_reduce.cu 'for (int row = blockIdx.x; row < L.m; row += gridDim.x) {' 'for (int row = blockIdx.x; row < L.m; row += L.m) {'
-mutant strip-rows-on-block-0 emu_counters::the_fused_one_shot_deals_its_rmsnorm_rows_over_the_grid "one-shot normalises every dealt row on block 0 (the same bits, one block's chain)" \
+mutant strip-rows-on-block-0 emu_counters::the_fused_rmsnorm_moves_what_the_plan_says_row_by_row "one-shot normalises every dealt row on block 0 (the same bits, one block's chain)" \
   gemm_all_reduce.cu 'for (int row = blockIdx.x; row < L.m; row += gridDim.x) {' 'for (int row = blockIdx.x == 0 ? 0 : L.m; row < L.m; ++row) {'
 mutant strip-first-row-skipped emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "the block completing a strip leaves its first row" \
   gemm_all_reduce.cu '    if (row < 0) continue;' '    continue;'
