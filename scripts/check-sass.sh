@@ -11,7 +11,9 @@
 #     (DEPBAR.LE SB0, N) leaving N = STAGES - 2 groups outstanding, and every commit group
 #     (the LDGSTS between two LDGDEPBAR, in the text's order: the prologue's and the main
 #     loop's) holding one k-slice of A and B per thread, so that STAGES - 1 slices are in
-#     flight per block, as tpfuse::plan counts,
+#     flight per block, as tpfuse::plan counts (the GEMM's copies carry their zero-fill
+#     predicate; a commit group of copies without it is the fused GEMM + all-reduce's RMSNorm
+#     stage of a row, allowed in that kernel alone and left out of the GEMM's count),
 # on every architecture (gemm_split_kernel too), and prints the counts and each block's bytes
 # in flight; and, beside each build's gemm_all_reduce.o, that the reductions and copies of all_reduce.o
 # and gemm_all_reduce.o issue every rank's loads with the epilogue's before the first use
@@ -94,21 +96,26 @@ if not CONFIGS:
     print("found no TileConfig line in %s" % sys.argv[1])
     sys.exit(1)
 counts = {}
-# Per function: the deepest cp.async wait, the LDGSTS of each commit group, their widths.
+# Per function: the deepest cp.async wait, the LDGSTS of each commit group (the GEMM'"'"'s copies,
+# with their zero-fill predicate: cp_async_16 of a tile edge), their widths, and the commit
+# groups of whole copies (no zero-fill operand: the fused kernels'"'"' RMSNorm stage of a row,
+# cuda/epilogue.cuh, which is not the GEMM'"'"'s pipeline).
 depbar, groups, widths = {}, {}, {}
 for arch, func, _, op, operands in instructions(sys.stdin):
     key = (arch, func)
     if op is None:  # the header of a function
         counts.setdefault(key, {})
-        depbar[key], groups[key], widths[key] = -1, [0], Counter()
+        depbar[key], groups[key], widths[key] = -1, [[0, 0]], Counter()
         continue
     c = counts[key]
     c[op] = c.get(op, 0) + 1
     if op.startswith("LDGSTS"):
-        groups[key][-1] += 1
+        groups[key][-1][0] += 1
+        if re.search(r",\s*!?P[0-6T]\s*$", operands):
+            groups[key][-1][1] += 1
         widths[key][op.rsplit(".", 1)[-1]] += 1
     elif op == "LDGDEPBAR":
-        groups[key].append(0)
+        groups[key].append([0, 0])
     elif op == "DEPBAR.LE":
         w = re.match(r"\s*SB0,\s*(0x[0-9a-f]+|\d+)", operands)
         if w:
@@ -141,7 +148,11 @@ for (arch, func), c in sorted(counts.items()):
     else:
         bm, bn, bk, threads, stages = CONFIGS[config]
         slice_loads = (bm + bn) * bk * 2 // 16 // threads  # 16-byte cp.async per thread
-        committed = Counter(n for n in groups[(arch, func)] if n)
+        # A group of whole copies only is a RMSNorm stage (the fused GEMM + all-reduce'"'"'s alone).
+        whole = [n for n, fill in groups[(arch, func)] if n and not fill]
+        if whole and kernel != "gemm_all_reduce_kernel<":
+            problems.append("%d commit groups of copies without zero-fill" % len(whole))
+        committed = Counter(n for n, fill in groups[(arch, func)] if fill)
         per_group = committed.most_common(1)[0][0] if committed else 0
         if len(committed) > 1:
             problems.append("commit groups of %s LDGSTS" % "/".join(str(n) for n in sorted(committed)))
