@@ -344,10 +344,12 @@ __device__ __forceinline__ void rms_norm_staged(const T *xs, const T *gs, float 
                                       vec_of<T>(*reinterpret_cast<const uint4 *>(gs + i)), rstd));
 }
 
-// The RMSNorm of one row of this GPU's memory through `stage` (staged_row_bytes(hidden) fit):
-// x and gamma copied in together (cp.async: every vector in flight at once, no register
-// holds them), then rms_norm_staged. One load round, x read once, for a row of any number of
-// segments that fits; the segment loop takes two rounds a segment (turns past kInFlight more).
+// The RMSNorm of one row through `stage` (staged_row_bytes(hidden) fit), into out: gamma
+// copied in (cp.async), the row put beside it by fill(xs) (each thread the vectors stage_async
+// gives it: cp.async of them, or its own stores), then rms_norm_staged. Every vector in
+// flight at once, no register holding them: one load round, x read once, for a row of any
+// number of segments that fits, where the segment loop takes two rounds a segment (turns
+// past kInFlight more).
 // Ordering: each cp.async reads its source as a weak load of the issuing thread, after
 // everything before it in program order: whatever made x's stores visible to the block before
 // the call (an acquire, then a __syncthreads) orders them before these reads, as it does the
@@ -357,17 +359,25 @@ __device__ __forceinline__ void rms_norm_staged(const T *xs, const T *gs, float 
 // previous row's reads, a thread's own vectors again): bar.sync completes only once the
 // thread's earlier memory accesses are performed, and the thread requests none after it
 // before it completes (PTX ISA, bar.sync).
-template <typename T, int kBlock>
-__device__ __forceinline__ void rms_norm_row_staged(const T *x, const T *gamma, float eps, T *out, size_t hidden,
-                                                    NormStage stage) {
+template <typename T, int kBlock, typename Fill>
+__device__ __forceinline__ void rms_norm_through_stage(NormStage stage, const T *gamma, float eps, T *out,
+                                                       size_t hidden, Fill fill) {
   T *xs = reinterpret_cast<T *>(stage.at);
   T *gs = xs + hidden; // hidden is a multiple of the vector: gs is 16-byte aligned
   __syncthreads();
-  stage_async<T, kBlock>(xs, x, hidden);
   stage_async<T, kBlock>(gs, gamma, hidden);
+  fill(xs);
   cp_async_commit();
   cp_async_wait<0>(); // this thread's copies, the vectors it reads
   rms_norm_staged<T, kBlock>(xs, gs, eps, out, hidden);
+}
+
+// The RMSNorm of one row of this GPU's memory through `stage`: x copied in with gamma.
+template <typename T, int kBlock>
+__device__ __forceinline__ void rms_norm_row_staged(const T *x, const T *gamma, float eps, T *out, size_t hidden,
+                                                    NormStage stage) {
+  rms_norm_through_stage<T, kBlock>(stage, gamma, eps, out, hidden,
+                                    [&](T *xs) { stage_async<T, kBlock>(xs, x, hidden); });
 }
 
 // The RMSNorm of one row, by one block of kBlock threads (x == out allowed): the standalone

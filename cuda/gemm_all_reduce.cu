@@ -350,10 +350,10 @@ __device__ __forceinline__ bool normalize_dealt_rows(const Launch<T> &L, const D
 // Two-shot, the end: waits for every rank's slice flag, then copies rows b, b + G, ... of out
 // from their owner's exchange area (element offset `exchange`), the peers' rows into the
 // residual too, and normalises them. With RMSNorm, a row that fits `stage` is copied there
-// instead of into out, gamma beside it (cp.async, issued first: its loads wait with the
-// peer's), and normalised from there into out (rms_norm_staged): the owner's row read once,
-// and no load round after the copy's; a longer row goes through out (rms_norm_row). False
-// when the block gave up.
+// instead of into out, gamma beside it (rms_norm_through_stage: gamma's cp.async issued first,
+// its loads wait with the peer's), and normalised from there into out: the owner's row read
+// once, and no load round after the copy's; a longer row goes through out (rms_norm_row).
+// False when the block gave up.
 template <typename T, int kBlock>
 __device__ __forceinline__ bool gather_rows(const tpfuse_peers &peers, const tpfuse_group_args &g,
                                             const Deadline &deadline, BlockState &st, uint64_t descriptor,
@@ -367,40 +367,36 @@ __device__ __forceinline__ bool gather_rows(const tpfuse_peers &peers, const tpf
   const int slice = m / g.world;
   const size_t hidden = static_cast<size_t>(n);
   const bool staged = gamma != nullptr && staged_row_bytes<T>(hidden) <= stage.bytes;
-  T *xs = reinterpret_cast<T *>(stage.at);
-  T *gs = xs + hidden;
 #pragma unroll 1
   for (int row = blockIdx.x; row < m; row += gridDim.x) {
     const int owner = row / slice;
     const size_t at = static_cast<size_t>(row) * n;
     const T *h = static_cast<const T *>(peers.data[owner]) + exchange + at;
     T *peer_residual = residual != nullptr && owner != g.rank ? residual + at : nullptr;
-    T *into = staged ? xs : out + at;
+    // The row into `into` (the stage, or out), the peers' rows into the residual too. Several
+    // vectors in flight per thread (copy.cuh): a row waits about one peer latency. A thread
+    // stores the vectors stage_async would give it, so it reads back only its own.
+    const auto copy_row = [&](T *into) {
+      copy_vectors(
+          threadIdx.x * kVec, hidden, blockDim.x * kVec,
+          [&](size_t v) { return ld_global_cg(reinterpret_cast<const uint4 *>(h + v)); },
+          [&](size_t v, const uint4 &x) {
+            if (staged) {
+              *reinterpret_cast<uint4 *>(into + v) = x;
+            } else {
+              st_global(reinterpret_cast<uint4 *>(into + v), x);
+            }
+            if (peer_residual != nullptr) st_global(reinterpret_cast<uint4 *>(peer_residual + v), x);
+          });
+    };
     if (staged) {
-      __syncthreads(); // the previous row's reads of the stage, before this row's writes
-      stage_async<T, kBlock>(gs, gamma, hidden);
-      cp_async_commit();
-    }
-    // Several vectors in flight per thread (copy.cuh): a row waits about one peer latency.
-    copy_vectors(
-        threadIdx.x * kVec, hidden, blockDim.x * kVec,
-        [&](size_t v) { return ld_global_cg(reinterpret_cast<const uint4 *>(h + v)); },
-        [&](size_t v, const uint4 &x) {
-          if (staged) {
-            *reinterpret_cast<uint4 *>(into + v) = x;
-          } else {
-            st_global(reinterpret_cast<uint4 *>(into + v), x);
-          }
-          if (peer_residual != nullptr) st_global(reinterpret_cast<uint4 *>(peer_residual + v), x);
-        });
-    if (staged) {
-      // A thread reads back the vectors it stored and copied itself (copy_vectors' are
-      // stage_async's): its own gamma copies once its wait returns, no barrier.
-      cp_async_wait<0>();
-      rms_norm_staged<T, kBlock>(xs, gs, eps, out + at, hidden);
-    } else if (gamma != nullptr) {
-      __syncthreads(); // the row's stores, before the norm reads it whole
-      rms_norm_row<T, kBlock>(out + at, gamma, eps, out + at, hidden);
+      rms_norm_through_stage<T, kBlock>(stage, gamma, eps, out + at, hidden, copy_row);
+    } else {
+      copy_row(out + at);
+      if (gamma != nullptr) {
+        __syncthreads(); // the row's stores, before the norm reads it whole
+        rms_norm_row<T, kBlock>(out + at, gamma, eps, out + at, hidden);
+      }
     }
   }
   return true;
