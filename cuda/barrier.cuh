@@ -234,8 +234,9 @@ public:
   // by __syncthreads; the adds of one location form a release sequence, so the last adder
   // acquires every earlier block's writes). The last arriver sets the count back to 0 (no
   // block of this launch adds again, and the next launch on the stream starts after this
-  // one ends) and stores generation + 1 with st.release.sys; the others spin on the
-  // generation (relaxed), then acquire it once, under the launch's deadline like every wait.
+  // one ends) and stores generation + 1 with st.release.gpu (only this rank's blocks read
+  // either: ptx.cuh); the others spin on the generation (relaxed), then acquire it once,
+  // under the launch's deadline like every wait.
   // A __syncthreads then orders the whole block after thread 0's acquire.
   __device__ bool meet_rank_blocks() {
     __syncthreads();
@@ -244,8 +245,8 @@ public:
       uint32_t *generation = own_.grid_generation();
       const uint32_t seen = ld_acquire_sys(generation);
       if (atomic_add_acq_rel_gpu(count, 1u) + 1u == gridDim.x) {
-        st_release_sys(count, 0u);
-        st_release_sys(generation, seen + 1u);
+        st_release_gpu(count, 0u);
+        st_release_gpu(generation, seen + 1u);
       } else {
         bool met = true;
         for (uint32_t spins = 0; ld_relaxed_sys(generation) == seen; ++spins) {

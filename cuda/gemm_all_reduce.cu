@@ -87,11 +87,12 @@
 // after every add and a __syncthreads the block normalises the strip's first row (rms_norm_row: the
 // standalone kernel's order, so the bits do not depend on which block does it). The strip's
 // other rows are spread over the grid: when the strip has more than one row, that thread also
-// stores the launch's flag into strip_flags[s] of this rank's pad (st.release.sys, after its
-// acquire in program order: cumulative over every tile's stores it acquired), and once a block
-// has counted its tiles, it normalises rows b, b + G, ... that are not a strip's first, each
-// after thread 0 waited for its strip's flag (await_flag: ld.relaxed spin, ld.acquire, then
-// the __syncthreads of passed(): the rows' loads come after). So a block normalises its share
+// stores the launch's flag into strip_flags[s] of this rank's pad (st.release.gpu: only this
+// rank's blocks read it; after its acquire in program order: cumulative over every tile's
+// stores it acquired, ptx.cuh), and once a block has counted its tiles, it normalises rows
+// b, b + G, ... that are not a strip's first, each after thread 0 waited for its strip's flag
+// (await_flag: ld.relaxed spin, ld.acquire, then the __syncthreads of passed(): the rows' loads
+// come after). So a block normalises its share
 // of the rows (m / G rounded up) and the first rows of the strips it completes. No deadlock:
 // a strip flag needs only reductions, which wait only for block flags published before any
 // wait, and the strip waits come after a block's publish and reduction; the cooperative launch
@@ -307,7 +308,7 @@ __device__ __forceinline__ void count_strips(const Launch<T> &L, BlockState &st,
     if (atomic_add_acq_rel_gpu(count, 1u) + 1u == static_cast<uint32_t>(L.tiles_n)) {
       *count = 0; // no other block of this launch adds to it again
       // The strip's other rows, for the blocks they are dealt to (after the acquire above).
-      if (span.rows > 1) st_release_sys(own.strip_flag(span.tm), fused::flag_of(st.epoch, L.descriptor));
+      if (span.rows > 1) st_release_gpu(own.strip_flag(span.tm), fused::flag_of(st.epoch, L.descriptor));
       named = span.first;
     }
     completed[j] = named;

@@ -86,6 +86,30 @@ __device__ __forceinline__ void st_release_sys(uint64_t *p, uint64_t v) {
 #endif
 }
 
+// ---- Release at GPU scope: a flag only this GPU's threads read (the one-shot's strip flags,
+// the meeting of a rank's blocks). Its scope includes every reader, so a reader's acquire,
+// .gpu or .sys, synchronises with it (PTX ISA, "Memory Consistency Model: Scope" and
+// "Morally strong operations"); what the writer releases is its own stores and, by
+// cumulativity, those it acquired, wherever they came from (causality order is transitive).
+// It compiles to MEMBAR.GPU where .sys is MEMBAR.SYS, which also waits for the thread's
+// earlier memory operations to be visible to the host and the peers. A flag a peer reads
+// stays .sys.
+__device__ __forceinline__ void st_release_gpu(uint32_t *p, uint32_t v) {
+#ifdef TPFUSE_EMULATOR
+  ::tpfuse_emu::strong_store(p, v, ::tpfuse_emu::Order::Release, ::tpfuse_emu::Scope::Gpu);
+#else
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void st_release_gpu(uint64_t *p, uint64_t v) {
+#ifdef TPFUSE_EMULATOR
+  ::tpfuse_emu::strong_store(p, v, ::tpfuse_emu::Order::Release, ::tpfuse_emu::Scope::Gpu);
+#else
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+#endif
+}
+
 // Two naturally aligned 64-bit words of a 16-byte aligned pair, relaxed at system scope in one
 // vector instruction: the fused GEMM + all-reduce's packets (gemm_all_reduce.cu, "Packets").
 // A vector access is one memory operation per element, in an unspecified order (PTX ISA,

@@ -464,9 +464,11 @@ mutant strip-count-relaxed emu_gemm_all_reduce::fused_equals_gemm_then_all_reduc
 mutant strip-rows-without-waiting emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "one-shot normalises its dealt rows without waiting for the strip's flag" \
   gemm_all_reduce.cu 'fused::await_flag(L.peers, L.g, deadline, st, flag, L.g.rank, L.descriptor, true);' '(void)flag;'
 mutant strip-flag-weak-store emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16+weak "the strip's flag stored without release" \
-  gemm_all_reduce.cu 'st_release_sys(own.strip_flag(span.tm), fused::flag_of(st.epoch, L.descriptor));' '*own.strip_flag(span.tm) = fused::flag_of(st.epoch, L.descriptor);'
+  gemm_all_reduce.cu 'st_release_gpu(own.strip_flag(span.tm), fused::flag_of(st.epoch, L.descriptor));' '*own.strip_flag(span.tm) = fused::flag_of(st.epoch, L.descriptor);'
+mutant strip-flag-cta emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16+weak "the strip's flag (st.release.gpu, u64) released at CTA scope: the other blocks' acquires do not synchronise with it" \
+  ptx.cuh $'Order::Release, ::tpfuse_emu::Scope::Gpu);\n#else\n  asm volatile("st.release.gpu.global.u64' $'Order::Release, ::tpfuse_emu::Scope::Cta);\n#else\n  asm volatile("st.release.cta.global.u64'
 mutant strip-flag-every-tile emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "the strip's flag published by every thread that counted one of its tiles" \
-  gemm_all_reduce.cu $'    if (atomic_add_acq_rel_gpu(count, 1u) + 1u' $'    st_release_sys(own.strip_flag(span.tm), fused::flag_of(st.epoch, L.descriptor));\n    if (atomic_add_acq_rel_gpu(count, 1u) + 1u'
+  gemm_all_reduce.cu $'    if (atomic_add_acq_rel_gpu(count, 1u) + 1u' $'    st_release_gpu(own.strip_flag(span.tm), fused::flag_of(st.epoch, L.descriptor));\n    if (atomic_add_acq_rel_gpu(count, 1u) + 1u'
 mutant strip-counts-first-pass-only emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "a block counts toward their strips only as many of its tiles as it has threads" \
   gemm_all_reduce.cu 'for (int j = threadIdx.x; j < mine; j += blockDim.x) {' 'for (int j = threadIdx.x; j < mine; j += mine) {'
 mutant strip-one-row-per-block emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "one-shot normalises only the first row dealt to each block" \
@@ -586,7 +588,9 @@ mutant release-sys-to-gpu emu_all_reduce::all_gather_every_world+weak "st.releas
 mutant acquire-sys-to-gpu emu_all_reduce::all_gather_every_world+weak "ld.acquire.sys made ld.acquire.gpu (peers on other GPUs)" \
   ptx.cuh $'Order::Acquire, ::tpfuse_emu::Scope::Sys);\n#else\n  uint32_t v;\n  asm volatile("ld.acquire.sys.global.u32' $'Order::Acquire, ::tpfuse_emu::Scope::Gpu);\n#else\n  uint32_t v;\n  asm volatile("ld.acquire.gpu.global.u32'
 mutant meet-generation-relaxed emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue+weak "the rank's blocks meet on a generation stored relaxed, not release" \
-  barrier.cuh '        st_release_sys(generation, seen + 1u);' '        st_relaxed_sys(generation, seen + 1u);'
+  barrier.cuh '        st_release_gpu(generation, seen + 1u);' '        st_relaxed_sys(generation, seen + 1u);'
+mutant meet-generation-cta emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue+weak "the rank's blocks meet on a generation (st.release.gpu, u32) released at CTA scope" \
+  ptx.cuh $'Order::Release, ::tpfuse_emu::Scope::Gpu);\n#else\n  asm volatile("st.release.gpu.global.u32' $'Order::Release, ::tpfuse_emu::Scope::Cta);\n#else\n  asm volatile("st.release.cta.global.u32'
 mutant counter-acq-rel-relaxed emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue+weak "atom.acq_rel.gpu made atom.relaxed.gpu (the blocks' meeting and the fused counters)" \
   ptx.cuh $'::tpfuse_emu::Order::AcqRel, ::tpfuse_emu::Scope::Gpu);\n#else\n  uint32_t old;\n  asm volatile("atom.acq_rel.gpu' $'::tpfuse_emu::Order::Relaxed, ::tpfuse_emu::Scope::Gpu);\n#else\n  uint32_t old;\n  asm volatile("atom.relaxed.gpu'
 mutant counter-gpu-to-cta emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue+weak "atom.acq_rel.gpu made atom.acq_rel.cta (blocks of one rank)" \
