@@ -589,7 +589,7 @@ mutant acquire-sys-to-gpu emu_all_reduce::all_gather_every_world+weak "ld.acquir
   ptx.cuh $'Order::Acquire, ::tpfuse_emu::Scope::Sys);\n#else\n  uint32_t v;\n  asm volatile("ld.acquire.sys.global.u32' $'Order::Acquire, ::tpfuse_emu::Scope::Gpu);\n#else\n  uint32_t v;\n  asm volatile("ld.acquire.gpu.global.u32'
 mutant meet-generation-relaxed emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue+weak "the rank's blocks meet on a generation stored relaxed, not release" \
   barrier.cuh '        st_release_gpu(generation, seen + 1u);' '        st_relaxed_sys(generation, seen + 1u);'
-mutant meet-generation-cta emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue+weak "the rank's blocks meet on a generation (st.release.gpu, u32) released at CTA scope" \
+mutant meet-generation-cta emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue+weak "the rank's blocks meet on a count and generation (st.release.gpu, u32) released at CTA scope (the generation's acquire catches it)" \
   ptx.cuh $'Order::Release, ::tpfuse_emu::Scope::Gpu);\n#else\n  asm volatile("st.release.gpu.global.u32' $'Order::Release, ::tpfuse_emu::Scope::Cta);\n#else\n  asm volatile("st.release.cta.global.u32'
 mutant counter-acq-rel-relaxed emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue+weak "atom.acq_rel.gpu made atom.relaxed.gpu (the blocks' meeting and the fused counters)" \
   ptx.cuh $'::tpfuse_emu::Order::AcqRel, ::tpfuse_emu::Scope::Gpu);\n#else\n  uint32_t old;\n  asm volatile("atom.acq_rel.gpu' $'::tpfuse_emu::Order::Relaxed, ::tpfuse_emu::Scope::Gpu);\n#else\n  uint32_t old;\n  asm volatile("atom.relaxed.gpu'

@@ -10,35 +10,50 @@ mod common;
 use common::assert_same_bits;
 use common::emu::{launched, session, session_with, Ranks};
 use common::fused::*;
-use common::gpu::{base_seed, mix_seed, TestElement};
+use common::gpu::{base_seed, mix_seed, random_vec, TestElement};
 use half::{bf16, f16};
 use tpfuse::emulator::{self, abi, DeviceBuffer, Fault};
 use tpfuse::ops::gemm::{select_config, GemmShape};
 use tpfuse::Element;
 
-/// Every rank's launch counter set to `start` and every tile flag set to a launch long past
-/// (`stale` launches before the next one), in the pads' layout (tpfuse.h).
+/// Every rank's launch counter set to `start` and every flag a fused launch waits for (tile,
+/// strip, slice and gather flags, and the started words) set to a launch long past (`stale`
+/// launches before the next one), in the pads' layout (tpfuse.h).
 fn age_pads(ranks: &mut Ranks, start: u64, stale: u64) {
     let epoch_word = abi::TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET as usize / 4;
-    let flags_word = abi::TPFUSE_SIGNAL_TILE_FLAGS_OFFSET as usize / 4;
-    let flags = (abi::TPFUSE_MAX_FUSED_TILES * abi::TPFUSE_MAX_RANKS) as usize;
+    let tiles = (abi::TPFUSE_MAX_FUSED_TILES * abi::TPFUSE_MAX_RANKS) as usize;
+    let strips = abi::TPFUSE_MAX_FUSED_TILES as usize;
+    let ranks_max = abi::TPFUSE_MAX_RANKS as usize;
+    let regions = [
+        (abi::TPFUSE_SIGNAL_TILE_FLAGS_OFFSET, tiles),
+        (abi::TPFUSE_SIGNAL_STRIP_FLAGS_OFFSET, strips),
+        (abi::TPFUSE_SIGNAL_SLICE_FLAGS_OFFSET, ranks_max),
+        (abi::TPFUSE_SIGNAL_GATHER_FLAGS_OFFSET, ranks_max),
+        (abi::TPFUSE_SIGNAL_STARTED_OFFSET, ranks_max),
+    ];
     let old_epoch = (start + 1).wrapping_sub(stale) & ((1 << 40) - 1);
     let flag = old_epoch << 24 | 0x00ab_cdef;
     for pad in ranks.signals.iter_mut() {
         let mut words = pad.to_vec();
         words[epoch_word] = start as u32;
         words[epoch_word + 1] = (start >> 32) as u32;
-        for f in 0..flags {
-            words[flags_word + 2 * f] = flag as u32;
-            words[flags_word + 2 * f + 1] = (flag >> 32) as u32;
+        for &(offset, count) in &regions {
+            let first = offset as usize / 4;
+            for f in 0..count {
+                words[first + 2 * f] = flag as u32;
+                words[first + 2 * f + 1] = (flag >> 32) as u32;
+            }
         }
         pad.copy_from(&words);
     }
 }
 
-/// Launch counters past 32 bits, and tile flags left by a launch 2^39 + 7 launches ago (a tile
-/// index unused that long): such a flag is not ready (a window of "at or after this launch"
-/// would take it for this launch's and read the peer's tile before it is there).
+/// Launch counters past 32 bits, and flags left by a launch 2^39 + 7 launches ago (a tile
+/// index, strip or slice unused that long): such a flag is not ready (a window of "at or
+/// after this launch" would take it for this launch's and read the peer's tile, or the rows,
+/// before they are there). The one-shot's 16 rows make one strip whose dealt rows wait for its
+/// flag; the two-shot's 18 rows, three slices; then an all-gather + GEMM, which waits for
+/// every rank's gather flag.
 #[test]
 fn a_flag_of_a_long_past_launch_is_not_ready() {
     let _s = session(
@@ -51,12 +66,15 @@ fn a_flag_of_a_long_past_launch_is_not_ready() {
     ranks.packet_bytes = 0;
     age_pads(&mut ranks, (1 << 33) + 5, (1 << 39) + 7);
     let seed = base_seed(0xf05e_0006);
-    for step in 0..3 {
-        let p = problem::<bf16>(world, (16, 136, 40), ALL, mix_seed(seed, &[step]));
-        let (fused, fused_res) = run(&ranks, &p, Path::Fused);
+    for (step, (path, m)) in [(Path::Fused, 16), (Path::TwoShot, 18), (Path::Fused, 16)]
+        .into_iter()
+        .enumerate()
+    {
+        let p = problem::<bf16>(world, (m, 136, 40), ALL, mix_seed(seed, &[step as u64]));
+        let (fused, fused_res) = run(&ranks, &p, path);
         let (unfused, unfused_res) = run(&ranks, &p, Path::Unfused);
         for r in 0..world {
-            let at = format!("step {step} rank {r}");
+            let at = format!("step {step} ({path:?}, m = {m}) rank {r}");
             assert_same_bits(
                 &format!("{at}: out"),
                 &fused[r].out.to_vec(),
@@ -68,6 +86,49 @@ fn a_flag_of_a_long_past_launch_is_not_ready() {
                 unfused_res[r].as_ref().expect("residual"),
             );
         }
+    }
+    // All-gather + GEMM, after the GEMM + all-reduce launches: the same bits as on fresh pads.
+    let fresh = Ranks::with_capacity(world, 2, LONG_TIMEOUT_NS, CAPACITY);
+    let gathered = |ranks: &Ranks| -> Vec<Vec<bf16>> {
+        let (m, n, k) = (6, 136, 40);
+        let config = auto_config(m, n, k);
+        let seed = mix_seed(seed, &[7]);
+        let kept: Vec<_> = (0..world)
+            .map(|r| {
+                let x = DeviceBuffer::from_slice(&random_vec::<bf16>(
+                    mix_seed(seed, &[1, r as u64]),
+                    m / world * k,
+                    -1.0,
+                    1.0,
+                ));
+                let w = DeviceBuffer::from_slice(&random_vec::<bf16>(
+                    mix_seed(seed, &[2, r as u64]),
+                    n * k,
+                    -0.3,
+                    0.3,
+                ));
+                let out = poisoned::<bf16>(m * n);
+                let code =
+                    enqueue_all_gather_gemm(config, ranks, r, &x, &w, &None, &out, (m, n, k), 2);
+                launched(&format!("all-gather + GEMM rank {r}"), code);
+                (x, w, out)
+            })
+            .collect();
+        ranks.synchronize();
+        (0..world)
+            .map(|r| {
+                assert_eq!(ranks.error_word(r), 0, "all-gather + GEMM rank {r}: failed");
+                kept[r].2.to_vec()
+            })
+            .collect()
+    };
+    let (aged, fresh) = (gathered(&ranks), gathered(&fresh));
+    for r in 0..world {
+        assert_same_bits(
+            &format!("all-gather + GEMM rank {r}: aged pads vs fresh"),
+            &aged[r],
+            &fresh[r],
+        );
     }
 }
 
