@@ -467,6 +467,8 @@ mutant strip-flag-weak-store emu_gemm_all_reduce::fused_equals_gemm_then_all_red
   gemm_all_reduce.cu 'st_release_gpu(own.strip_flag(span.tm), fused::flag_of(st.epoch, L.descriptor));' '*own.strip_flag(span.tm) = fused::flag_of(st.epoch, L.descriptor);'
 mutant strip-flag-cta emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16+weak "the strip's flag (st.release.gpu, u64) released at CTA scope: the other blocks' acquires do not synchronise with it" \
   ptx.cuh $'Order::Release, ::tpfuse_emu::Scope::Gpu);\n#else\n  asm volatile("st.release.gpu.global.u64' $'Order::Release, ::tpfuse_emu::Scope::Cta);\n#else\n  asm volatile("st.release.cta.global.u64'
+mutant gather-residual-own-rows emu_counters::the_fused_gemm_all_reduce_moves_what_the_plan_says_block_by_block "the two-shot's gather writes its own slice's rows into the residual again (the same bits: only the counters show it)" \
+  gemm_all_reduce.cu 'residual != nullptr && owner != g.rank ? residual + at : nullptr' 'residual != nullptr ? residual + at : nullptr'
 mutant strip-flag-every-tile emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "the strip's flag published by every thread that counted one of its tiles" \
   gemm_all_reduce.cu $'    if (atomic_add_acq_rel_gpu(count, 1u) + 1u' $'    st_release_gpu(own.strip_flag(span.tm), fused::flag_of(st.epoch, L.descriptor));\n    if (atomic_add_acq_rel_gpu(count, 1u) + 1u'
 mutant strip-counts-first-pass-only emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "a block counts toward their strips only as many of its tiles as it has threads" \

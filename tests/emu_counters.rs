@@ -44,7 +44,9 @@ use tpfuse::ops::gemm::{
 };
 use tpfuse::ops::gemm_all_reduce::{facts_of, FusedPlan};
 use tpfuse::ops::{self, gemm_all_reduce_with, Algorithm, Epilogue, RmsNorm};
-use tpfuse::plan::{fused_norm_bytes, gemm_block_bytes, gemm_split_block_bytes, CollectiveLaunch};
+use tpfuse::plan::{
+    fused_block_bytes, fused_norm_bytes, gemm_block_bytes, gemm_split_block_bytes, CollectiveLaunch,
+};
 use tpfuse::topology::AllReduceAlgo;
 use tpfuse::{GroupOptions, TpGroup};
 
@@ -1040,6 +1042,97 @@ fn the_fused_grid_fills_the_sms_it_is_given() {
     );
     for rec in &recs {
         assert_eq!(rec.blocks.len(), plans[0].grid, "{label}: blocks");
+    }
+}
+
+/// The fused GEMM + all-reduce moves, block by block, what the plan says
+/// (`tpfuse::plan::fused_block_bytes`: its GEMM units, its reduction of each tile, the
+/// two-shot's gathered rows), by flags, with a residual: one-shot and two-shot, with and
+/// without RMSNorm, on tiles of 16 x 64 (one strip), 64 x 64 (three strips, the last of one
+/// row, and edge tiles) and 16 x 16. With RMSNorm the one-shot's strips' first rows go to
+/// whichever block completes the strip (the plan: the block of its last column's tile), so
+/// there each rank's total is checked (the rows block by block:
+/// `the_fused_rmsnorm_moves_what_the_plan_says_row_by_row`). Not k split in parallel: the
+/// fused kernel's folds of a tile's parts move bytes in the order its parts finish (the plan
+/// counts the forward schedule's), in total too.
+#[test]
+fn the_fused_gemm_all_reduce_moves_what_the_plan_says_block_by_block() {
+    let _session = session_with(
+        FILE,
+        "the_fused_gemm_all_reduce_moves_what_the_plan_says_block_by_block",
+        SMS,
+        60_000_000_000,
+    );
+    let gpu = gpu();
+    let by_flags = GroupOptions {
+        fused_packets: false,
+        ..GroupOptions::default()
+    };
+    for (world, m, n, k) in [
+        (2usize, 16usize, 264usize, 40usize),
+        (3, 129, 136, 40),
+        (4, 16, 72, 24),
+    ] {
+        let groups = virtual_group(&gpu.ctx, world, by_flags.clone());
+        let shape = GemmShape { m, n, k };
+        let xs: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0x9c, world, m * k));
+        let ws: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0xac, world, n * k));
+        let gammas: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0xbc, world, n));
+        let mut residuals: Vec<CudaSlice<bf16>> =
+            upload_ranks(&groups, &inputs(0xcc, world, m * n));
+        let mut outs: Vec<CudaSlice<bf16>> = poisoned_ranks(&groups, m * n);
+        for algorithm in [Algorithm::OneShot, Algorithm::TwoShot] {
+            if algorithm == Algorithm::TwoShot && m % world != 0 {
+                continue;
+            }
+            for norm in [false, true] {
+                let label = format!(
+                    "GEMM + all-reduce {algorithm:?} W={world} (m, n, k)=({m}, {n}, {k}) \
+                     RMSNorm {norm}"
+                );
+                let mut plans = Vec::new();
+                let ((), recs) = counters::count(|| {
+                    plans = round(&groups, &label, |r| {
+                        let epilogue = Epilogue {
+                            residual: Some(&mut residuals[r]),
+                            norm: norm.then(|| RmsNorm {
+                                gamma: &gammas[r],
+                                eps: 1e-5,
+                            }),
+                            ..Epilogue::default()
+                        };
+                        let (x, wt, out) = (&xs[r], &ws[r], &mut outs[r]);
+                        gemm_all_reduce_with(&groups[r], x, wt, epilogue, out, shape, algorithm)
+                    });
+                });
+                let plan: FusedPlan = plans[0];
+                assert!(!plan.packets, "{label}: by flags");
+                assert!(!plan.parts_in_parallel, "{label}: no split in parallel");
+                assert_eq!(recs.len(), world, "{label}: launches");
+                for rec in &recs {
+                    let rank = rec.rank.expect("a group's launch");
+                    let l = format!(
+                        "{label} rank {rank} ({:?}, {} parts)",
+                        plan.config, plan.parts
+                    );
+                    let want = fused_block_bytes(&plan, shape, world, rank, norm);
+                    let got: Vec<u64> = rec
+                        .blocks
+                        .iter()
+                        .map(|c| c.global_read_bytes + c.global_write_bytes)
+                        .collect();
+                    if norm && algorithm == Algorithm::OneShot {
+                        assert_eq!(
+                            got.iter().sum::<u64>(),
+                            want.iter().sum::<u64>(),
+                            "{l}: the blocks' bytes together"
+                        );
+                    } else {
+                        assert_eq!(got, want, "{l}: bytes block by block");
+                    }
+                }
+            }
+        }
     }
 }
 

@@ -22,14 +22,15 @@
 //! ```
 
 mod collective;
+mod fused;
 mod model;
 mod profile;
 mod rows;
 
 pub use collective::{all_reduce_row, CollectiveLaunch};
+pub use fused::{fused_block_bytes, fused_norm_bytes, fused_row};
 pub use model::{LayerGemm, ModelShape, BUILTIN_MODELS};
 pub use profile::{DeviceProfile, Link, BUILTIN_DEVICES};
 pub use rows::{
-    fused_norm_bytes, fused_row, gemm_block_bytes, gemm_row, gemm_split_block_bytes, plan_model,
-    PlanRow, ELEMENT_BYTES,
+    gemm_block_bytes, gemm_row, gemm_split_block_bytes, plan_model, PlanRow, ELEMENT_BYTES,
 };

@@ -3,20 +3,14 @@
 //! bytes in flight, synchronisation rounds and a modelled time.
 
 use super::collective::all_reduce_row;
+use super::fused::{fused_row, not_fused};
 use super::model::{LayerGemm, ModelShape};
 use super::profile::{DeviceProfile, Link};
 use crate::error::Result;
 use crate::group::SPLIT_SCRATCH_BYTES;
-use crate::ops::all_reduce::Algorithm;
-use crate::ops::gemm::{
-    select_config, split_parts, split_scratch_bytes, GemmConfig, GemmConfigInfo, GemmShape,
-};
-use crate::ops::gemm_all_reduce::{
-    fused_all_reduce_algo, planned, unfusable, FusedFacts, MAX_TILES,
-};
+use crate::ops::gemm::{select_config, split_parts, split_scratch_bytes, GemmConfig, GemmShape};
 use crate::ops::linear::Fusion;
-use crate::topology::{AllReduceAlgo, AllReduceRule, FusedKernel, FusionRule, SizeLimits};
-use half::bf16;
+use crate::topology::{AllReduceAlgo, AllReduceRule, SizeLimits};
 
 /// Bytes of one element: the plan assumes 16-bit activations and weights (f16 / bf16).
 pub const ELEMENT_BYTES: u64 = 2;
@@ -40,45 +34,6 @@ pub(super) fn held_segments(threads: usize, element_bytes: u64) -> usize {
     } else {
         0
     }
-}
-
-/// Whether a fused block of configuration `info` normalises a row of `n` through its shared
-/// memory (`rms_norm_row_staged` in `cuda/epilogue.cuh`): the row's x and gamma fit what the
-/// GEMM leaves after count_strips' names (`kNamesBytes` in `cuda/gemm_all_reduce.cu`).
-fn norm_staged(info: &GemmConfigInfo, n: usize) -> bool {
-    let names = MAX_TILES * std::mem::size_of::<i32>();
-    2 * n * ELEMENT_BYTES as usize <= info.smem_bytes.saturating_sub(names)
-}
-
-/// Bytes a fused block's RMSNorm of one row moves per element (`rms_norm_row` in
-/// `cuda/epilogue.cuh`, blocks of `info.threads`): the row read for its sum of squares, read
-/// again with gamma and written (4), or, a row the block holds in registers
-/// ([`held_segments`]) or stages in shared memory ([`norm_staged`]), read once with gamma and
-/// normalised from there (3: `rms_norm_held_row`, `rms_norm_row_staged`).
-fn norm_bytes_per_element(info: &GemmConfigInfo, n: usize) -> u64 {
-    let segment = COLLECTIVE_THREADS * (16 / ELEMENT_BYTES as usize);
-    if n <= held_segments(info.threads, ELEMENT_BYTES) * segment || norm_staged(info, n) {
-        3
-    } else {
-        4
-    }
-}
-
-/// Bytes per element the fused GEMM + all-reduce's RMSNorm moves for one row of `n` on the
-/// blocks of `config` (its fused variant, [`GemmConfig::fused_info`]), as [`fused_row`] counts
-/// them:
-/// - one-shot, a row of out normalised in place: read with gamma, then written (3), where the
-///   block holds the row in registers or stages it in its shared memory (`cuda/epilogue.cuh`,
-///   `rms_norm_row`); else read twice (4);
-/// - two-shot, a row gathered from its owner and normalised, its copy included: 3 where it
-///   stages, else 2 + the in-place norm's.
-///
-/// `tests/emu_counters.rs` checks both against the kernel's counters.
-pub fn fused_norm_bytes(config: GemmConfig, n: usize) -> (u64, u64) {
-    let info = config.fused_info();
-    let norm = norm_bytes_per_element(&info, n);
-    let gathered = if norm_staged(&info, n) { 3 } else { 2 + norm };
-    (norm, gathered)
 }
 
 /// The group's CTA budget for the collectives on a real (one process per GPU) group:
@@ -206,7 +161,7 @@ fn part_begin(k: usize, parts: usize, p: usize) -> usize {
 
 /// The live rows and columns of tile `tile` (in `tile_of_block`'s order) of `shape` in
 /// `config`'s tiles, and the tile's column index.
-fn tile_extent(config: GemmConfig, shape: GemmShape, tile: usize) -> (u64, u64, usize) {
+pub(super) fn tile_extent(config: GemmConfig, shape: GemmShape, tile: usize) -> (u64, u64, usize) {
     let info = config.info();
     let (tiles_m, tiles_n) = (
         shape.m.div_ceil(info.block_m),
@@ -220,7 +175,7 @@ fn tile_extent(config: GemmConfig, shape: GemmShape, tile: usize) -> (u64, u64, 
 
 /// The tile `(tile_m, tile_n)` block `block` computes: `tile_of_block` of
 /// `cuda/gemm_sm80.cuh` (groups of 8 tile rows, walked down before right).
-fn tile_of_block(block: usize, tiles_m: usize, tiles_n: usize) -> (usize, usize) {
+pub(super) fn tile_of_block(block: usize, tiles_m: usize, tiles_n: usize) -> (usize, usize) {
     const GROUP: usize = 8;
     let per_group = GROUP * tiles_n;
     let group = block / per_group;
@@ -259,7 +214,7 @@ fn registers_of(arch: &str, names: &[&str]) -> usize {
 /// the kernel's static) and registers (the most of its instantiations; 255, the most its
 /// launch bounds allow, where the build has no ptxas report for `p`'s architecture, so never
 /// more blocks than the GPU holds).
-fn fused_blocks_per_sm(config: GemmConfig, p: &DeviceProfile) -> usize {
+pub(super) fn fused_blocks_per_sm(config: GemmConfig, p: &DeviceProfile) -> usize {
     const KERNEL: &str = "gemm_all_reduce_kernel";
     let info = config.fused_info();
     let registers = match registers_of(p.arch, &[KERNEL, config_struct(config)]) {
@@ -288,18 +243,18 @@ fn config_struct(config: GemmConfig) -> &'static str {
 }
 
 /// What a launch's blocks keep in flight on one busy SM.
-struct InFlight {
+pub(super) struct InFlight {
     /// Blocks of the launch one SM runs at once.
-    resident: usize,
+    pub(super) resident: usize,
     /// Bytes in flight per SM.
-    bytes: u64,
+    pub(super) bytes: u64,
 }
 
 /// A GEMM's loads in flight: each block has `stages - 1` k-slices of its live `A` rows and
 /// its `B` rows on the way (the `cp.async` ring of `gemm_sm80.cuh`), or all of its slices
 /// when its `k` (`block_k`: a part's, for a parallel split) has fewer. `fused`: a fused
 /// kernel's, which runs its own variant of the configuration.
-fn gemm_in_flight(
+pub(super) fn gemm_in_flight(
     config: GemmConfig,
     (m, block_k): (usize, usize),
     blocks: usize,
@@ -382,13 +337,13 @@ pub(super) fn us(seconds: f64) -> f64 {
 
 /// The chain of dependent `mma.sync` one block runs over `k` (one accumulator chain per
 /// output element, `k / 16` steps), seconds; `tiles` such chains one after another.
-fn chain_seconds(k: usize, tiles: usize, p: &DeviceProfile) -> f64 {
+pub(super) fn chain_seconds(k: usize, tiles: usize, p: &DeviceProfile) -> f64 {
     (k.div_ceil(16) * tiles) as f64 * p.mma_latency_cycles / p.clock_hz
 }
 
 /// What a row's choice says of its split of k into `parts`, run `parallel` or not (empty
 /// without a split).
-fn split_choice(parts: usize, parallel: bool) -> String {
+pub(super) fn split_choice(parts: usize, parallel: bool) -> String {
     match (parts, parallel) {
         (1, _) => String::new(),
         (_, true) => format!("; k in {parts} parts, in parallel"),
@@ -472,7 +427,7 @@ pub(super) fn all_reduce_algo(bytes: usize, tp: usize, p: &DeviceProfile) -> All
 }
 
 /// The all-reduce rule's limits for `tp` ranks on `p`'s link (`None`: no custom kernels).
-fn limits(tp: usize, p: &DeviceProfile) -> Option<SizeLimits> {
+pub(super) fn limits(tp: usize, p: &DeviceProfile) -> Option<SizeLimits> {
     let rule = AllReduceRule::default();
     match p.link {
         Link::NvSwitch => rule.nvlink_limits(tp),
@@ -484,228 +439,6 @@ fn limits(tp: usize, p: &DeviceProfile) -> Option<SizeLimits> {
 /// persistent grid's SMs every SM, as `TpGroup::fused_blocks` on a real group; the blocks an
 /// SM holds from the kernels' resources in the ptxas report of `p`'s architecture, as the
 /// occupancy API counts them on a GPU).
-fn fused_facts(tp: usize, p: &DeviceProfile) -> FusedFacts {
-    let blocks_per_sm = GemmConfig::ALL.map(|config| fused_blocks_per_sm(config, p));
-    FusedFacts {
-        device: 0,
-        world: tp,
-        capacity: crate::group::GroupOptions::default().capacity_bytes,
-        compute_capability: p.compute_capability,
-        sms: p.sms,
-        blocks: p.sms,
-        group_sms: (p.sms, p.sms),
-        blocks_per_sm,
-        // The default options: one block an SM (TpGroup's).
-        gather_blocks_per_sm: [1; 5],
-        one_shot_below: limits(tp, p).map(|l| l.one_shot_below),
-        packet_bytes: crate::group::PACKET_HALF_BYTES,
-    }
-}
-
-/// Why a row-parallel layer at `m` on `tp` ranks of `p` does not fuse under `fusion` (None:
-/// it fuses), by [`FusionRule`] and what the fused kernel takes (a layer that forces fusion
-/// on a shape the kernel cannot take gets an error; its row says why).
-fn not_fused(
-    g: &LayerGemm,
-    m: usize,
-    tp: usize,
-    p: &DeviceProfile,
-    fusion: Fusion,
-) -> Option<String> {
-    if tp < 2 {
-        return Some("one rank: nothing to reduce".into());
-    }
-    let refused = || {
-        if limits(tp, p).is_none() {
-            return Some(format!("no custom kernels for {tp} ranks over PCIe"));
-        }
-        unfusable::<bf16>(GemmShape { m, n: g.n, k: g.k }, &fused_facts(tp, p))
-    };
-    match fusion {
-        Fusion::Unfused => Some("Fusion::Unfused".into()),
-        Fusion::Fused => refused().map(|why| format!("Fusion::Fused refused: {why}")),
-        Fusion::Auto => {
-            let max_m = FusionRule::default().max_m(FusedKernel::RowParallel);
-            if max_m == 0 {
-                return Some("Fusion::Auto: slower fused on an H200, docs/performance.md".into());
-            }
-            if m > max_m {
-                return Some(format!("Fusion::Auto: m = {m} is past the rule's {max_m}"));
-            }
-            let shape = GemmShape { m, n: g.n, k: g.k };
-            if planned(shape, &fused_facts(tp, p), FusedKernel::RowParallel)
-                .is_ok_and(|plan| plan.parts > 1 && !plan.parts_in_parallel)
-            {
-                return Some("Fusion::Auto: fused, the parts would run one after another".into());
-            }
-            refused()
-        }
-    }
-}
-
-/// The row of a fused row-parallel layer: GEMM + all-reduce + residual + RMSNorm in one
-/// persistent launch (`cuda/gemm_all_reduce.cu`).
-pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Option<PlanRow> {
-    let shape = GemmShape { m, n: g.n, k: g.k };
-    let facts = fused_facts(tp, p);
-    // The launch's plan: the GEMM's tiles, and a persistent grid of as many blocks as the SMs
-    // hold at once.
-    let plan = planned(shape, &facts, FusedKernel::RowParallel).ok()?;
-    let (config, tiles, grid, parts) = (plan.config, plan.tiles, plan.grid, plan.parts);
-    let info = config.info();
-    let tiles_n = g.n.div_ceil(info.block_n);
-    let s = ELEMENT_BYTES;
-    let w = tp as u64;
-    let bytes = (m * g.n) as u64 * s;
-    let algo = fused_all_reduce_algo::<bf16>(shape, &facts, Algorithm::Auto).ok()?;
-    let packets = plan.reducing(algo, shape, &facts).packets;
-    // Per unit (block u mod G): a tile's GEMM, its A rows and B rows, its partial stored; or,
-    // with the parts in parallel, a part of a tile (the tile's rows over the part's k, its f32
-    // chains stored, then folded into the running sum, the last fold storing the tile's
-    // partial: gemm_split_block_bytes). Per tile (block t mod G): one-shot, the W partials
-    // read, bias-free residual read and written, out written; the norm of a row (out read
-    // twice, gamma, out written per element; out read once where the block holds or stages
-    // the row: norm_bytes_per_element): a strip's first row by the block that completes
-    // the strip (in the kernel whichever block adds last; here the block of its last column's
-    // tile), its other rows dealt over the grid (row r to block r mod G).
-    let unit_bytes = if plan.parts_in_parallel {
-        gemm_split_block_bytes(config, shape, parts, false, false)
-    } else {
-        gemm_block_bytes(config, shape, false, false)
-    };
-    let (norm, gathered) = fused_norm_bytes(config, g.n);
-    let mut per_block = vec![0u64; grid];
-    for (unit, bytes) in unit_bytes.iter().enumerate() {
-        per_block[unit % grid] += bytes;
-    }
-    for tile in 0..tiles {
-        let (rows, cols, tn) = tile_extent(config, shape, tile);
-        let out = rows * cols * s;
-        let reduce = match algo {
-            // By packets (twice the partial's bytes): the W ranks' read, then cleared; the
-            // residual read and written, out written. The tile's producer (the block of its
-            // last part) stores W ranks' packets where the exchange took one partial.
-            AllReduceAlgo::OneShot if packets => {
-                let producer = if plan.parts_in_parallel {
-                    (parts - 1) * tiles + tile
-                } else {
-                    tile
-                };
-                per_block[producer % grid] += (2 * w - 1) * out;
-                (4 * w + 3) * out
-            }
-            AllReduceAlgo::OneShot => (w + 3) * out,
-            _ => (w + 3) * out / w,
-        };
-        per_block[tile % grid] += reduce;
-        if tn + 1 == tiles_n && algo == AllReduceAlgo::OneShot {
-            per_block[tile % grid] += norm * g.n as u64 * s;
-        }
-    }
-    if algo == AllReduceAlgo::OneShot {
-        for row in (0..m).filter(|row| row % info.block_m != 0) {
-            per_block[row % grid] += norm * g.n as u64 * s;
-        }
-    }
-    if algo == AllReduceAlgo::TwoShot {
-        for row in 0..m {
-            per_block[row % grid] += gathered * g.n as u64 * s;
-        }
-    }
-    let (max, mean, streaming) = per_sm(&per_block, p.sms);
-    // The block's ring runs through every part of k without draining; with the parts in
-    // parallel, through its part.
-    let block_k = if plan.parts_in_parallel {
-        g.k.div_ceil(parts)
-    } else {
-        g.k
-    };
-    let flight = gemm_in_flight(
-        config,
-        (m, block_k),
-        grid,
-        p,
-        "gemm_all_reduce_kernel",
-        true,
-    );
-    let peer_bytes = match algo {
-        AllReduceAlgo::OneShot if packets => 2.0 * (w - 1) as f64 * bytes as f64,
-        AllReduceAlgo::OneShot => (w - 1) as f64 * bytes as f64,
-        _ => 2.0 * (w - 1) as f64 / w as f64 * bytes as f64,
-    };
-    let total: u64 = per_block.iter().sum();
-    // A block computes its units back to back, publishes one flag (with the parts in
-    // parallel: the block folding a tile's last part publishes the tile), waits once for every
-    // rank's (per tile), then reduces all its tiles with their loads dealt over its threads
-    // (cuda/gemm_all_reduce.cu): one round, one peer read (the reduction's loads issued once
-    // the GEMM is done: exposed; by packets none, the partials come with the round), and a
-    // pipeline fill for each unit after the first (each
-    // unit's ring starts empty; the first fill is every GEMM's, which the streaming term
-    // leaves out for the GEMM alone too); then, one-shot, the strip's flag for the dealt rows
-    // (a strip of more than one row), two-shot the slices'. (The kernel measured on an H200,
-    // which published, awaited and reduced each tile between its GEMM tiles, spent about
-    // 3.7 us per tile on them: docs/performance.md, "Second H200 run".) Folding the parts, as
-    // in the GEMM alone's row, counts in the busiest SM's bytes only.
-    let units_per_block = unit_bytes.len().div_ceil(grid);
-    let rounds = 1 + match algo {
-        AllReduceAlgo::OneShot if m == 1 => 0,
-        _ => 1,
-    };
-    // Two-shot: the gather's peer read too, after the slice flags (a thread keeps its
-    // vectors of a row in flight together: cuda/copy.cuh). Packets: none, the partials
-    // arrive with the round (cuda/packets.cuh).
-    let peer_reads = match algo {
-        AllReduceAlgo::TwoShot => 2,
-        _ if packets => 0,
-        _ => 1,
-    };
-    let serial_s =
-        (units_per_block - 1) as f64 * p.streaming_latency_s + peer_reads as f64 * p.peer_latency_s;
-    let minimum = ((g.n * g.k + m * g.k + 3 * m * g.n) as u64 * s) as f64;
-    let floor = (minimum / p.dram_bytes_per_s).max(peer_bytes / p.link_bytes_per_s) + p.round_s;
-    let model = Model {
-        launches: 1,
-        dram_bytes: minimum,
-        peer_bytes,
-        busiest_sm_bytes: max as f64,
-        peer_share: peer_bytes / total as f64,
-        streams_weights: true,
-        in_flight: flight.bytes as f64,
-        chain_s: chain_seconds(block_k, units_per_block, p),
-        rounds,
-        serial_s,
-    };
-    let name = if algo == AllReduceAlgo::OneShot {
-        "one-shot"
-    } else {
-        "two-shot"
-    };
-    Some(PlanRow {
-        layer: g.layer.to_string(),
-        op: "gemm_all_reduce".into(),
-        m,
-        n: g.n,
-        k: g.k,
-        tp,
-        config: format!("{} {name}", config.name()),
-        split_k: parts,
-        blocks: grid,
-        sms: p.sms,
-        sms_streaming: streaming,
-        bytes_per_sm_max: max,
-        bytes_per_sm_mean: mean,
-        bytes_in_flight_per_sm: flight.bytes,
-        sync_rounds: rounds,
-        floor_us: us(floor),
-        model_us: us(model.seconds(p)),
-        choice: format!(
-            "fused{}{}",
-            if packets { ", packets" } else { "" },
-            split_choice(parts, plan.parts_in_parallel)
-        ),
-    })
-}
-
 /// Every row of one layer of `model` on `tp` ranks of `p`, for each `m` of `ms`: per `m`,
 /// the four GEMMs in order, a row-parallel one as its fused row or as its GEMM row followed
 /// by its all-reduce row, as a row-parallel layer with `fusion` runs it
