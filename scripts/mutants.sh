@@ -28,6 +28,10 @@ unset TPFUSE_TEST_SEED
 # A mutant that hangs a wait without a deadline is reported after 1 s of virtual time
 # instead of the default 60 s.
 export TPFUSE_EMU_DEADLOCK_NS=${TPFUSE_EMU_DEADLOCK_NS:-1000000000}
+# Likewise the deadline of the tests' launches on raw ranks (tests/common/emu.rs, Ranks): a
+# mutant that leaves a flag unanswered fails at 1 s of virtual time instead of 60 (the
+# emulator spins through a wait's virtual minute: 75 s of a run for started-window-one-ahead).
+export TPFUSE_TEST_TIMEOUT_NS=${TPFUSE_TEST_TIMEOUT_NS:-1000000000}
 
 echo "mutants: building the emulator tests" >&2
 # With the environment the emulator suite built them in: build.rs reruns when the emulator's
