@@ -204,7 +204,7 @@ if wanted baseline; then
   apply baseline
   build_library baseline >"$work/baseline/build.log" 2>&1 ||
     { echo "mutants: the unmutated cuda/ does not compile" >&2; tail -n 20 "$work/baseline/build.log" >&2; exit 1; }
-  specs=$(sed -n 's/^mutant [^ ]* \(emu_[a-z_]*::[^ ]*\) .*/\1/p' scripts/mutants.sh | sort -u)
+  specs=$(sed -n 's/^mutant [^ ]* \([a-z]*_[a-z_]*::[^ ]*\) .*/\1/p' scripts/mutants.sh | sort -u)
   i=0
   for spec in $specs; do
     i=$((i + 1))
