@@ -92,8 +92,8 @@
 // stores it acquired, ptx.cuh), and once a block has counted its tiles, it normalises rows
 // b, b + G, ... that are not a strip's first, each after thread 0 waited for its strip's flag
 // (await_flag: ld.relaxed spin, ld.acquire, then the __syncthreads of passed(): the rows' loads
-// come after). So a block normalises its share
-// of the rows (m / G rounded up) and the first rows of the strips it completes. No deadlock:
+// come after). So a block normalises its share of the rows (m / G rounded up) and the first
+// rows of the strips it completes. No deadlock:
 // a strip flag needs only reductions, which wait only for block flags published before any
 // wait, and the strip waits come after a block's publish and reduction; the cooperative launch
 // keeps every block of the rank resident. A strip wait is consequent (a stall is some block
@@ -115,7 +115,8 @@
 // copies whole rows b, b + G, ... of out from their owner's area (ld.global.cg), the residual
 // rows of the peers' slices too, and normalises each row with rms_norm_row (the same order as
 // above, so the same bits); with RMSNorm, a row that fits the stage is copied into shared
-// memory instead, gamma beside it, and normalised from there into out (gather_rows). No deadlock: a slice flag needs only the rank's reductions, which
+// memory instead, gamma beside it, and normalised from there into out (gather_rows). No
+// deadlock: a slice flag needs only the rank's reductions, which
 // wait only for block flags published before any wait; the gather waits come after a block's
 // publish. The cooperative launch (every block of every rank resident) suffices. A launch that
 // fails leaves slice_count (and the strip counts) short of their reset: harmless, because a

@@ -1045,6 +1045,20 @@ fn the_fused_grid_fills_the_sms_it_is_given() {
     }
 }
 
+/// The fused launches' epilogue here: no bias, `residual` where given, RMSNorm by `gamma`
+/// where `norm`.
+fn norm_epilogue<'a>(
+    residual: Option<&'a mut CudaSlice<bf16>>,
+    gamma: &'a CudaSlice<bf16>,
+    norm: bool,
+) -> Epilogue<'a, bf16> {
+    Epilogue {
+        residual: residual.map(|r| r as &mut dyn DevicePtrMut<bf16>),
+        norm: norm.then_some(RmsNorm { gamma, eps: 1e-5 }),
+        ..Epilogue::default()
+    }
+}
+
 /// The fused GEMM + all-reduce moves, block by block, what the plan says
 /// (`tpfuse::plan::fused_block_bytes`: its GEMM units, its reduction of each tile, the
 /// two-shot's gathered rows), by flags, with a residual: one-shot and two-shot, with and
@@ -1093,14 +1107,7 @@ fn the_fused_gemm_all_reduce_moves_what_the_plan_says_block_by_block() {
                 let mut plans = Vec::new();
                 let ((), recs) = counters::count(|| {
                     plans = round(&groups, &label, |r| {
-                        let epilogue = Epilogue {
-                            residual: Some(&mut residuals[r]),
-                            norm: norm.then(|| RmsNorm {
-                                gamma: &gammas[r],
-                                eps: 1e-5,
-                            }),
-                            ..Epilogue::default()
-                        };
+                        let epilogue = norm_epilogue(Some(&mut residuals[r]), &gammas[r], norm);
                         let (x, wt, out) = (&xs[r], &ws[r], &mut outs[r]);
                         gemm_all_reduce_with(&groups[r], x, wt, epilogue, out, shape, algorithm)
                     });
@@ -1178,13 +1185,7 @@ fn the_fused_rmsnorm_moves_what_the_plan_says_row_by_row() {
             let mut plans = Vec::new();
             let ((), recs) = counters::count(|| {
                 plans = round(&groups, label, |r| {
-                    let epilogue = Epilogue {
-                        norm: norm.then(|| RmsNorm {
-                            gamma: &gammas[r],
-                            eps: 1e-5,
-                        }),
-                        ..Epilogue::default()
-                    };
+                    let epilogue = norm_epilogue(None, &gammas[r], norm);
                     let (x, wt, out) = (&xs[r], &ws[r], &mut outs[r]);
                     gemm_all_reduce_with(&groups[r], x, wt, epilogue, out, shape, algorithm)
                 });

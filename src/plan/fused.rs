@@ -6,7 +6,7 @@ use super::model::LayerGemm;
 use super::profile::DeviceProfile;
 use super::rows::{
     chain_seconds, fused_blocks_per_sm, gemm_block_bytes, gemm_in_flight, gemm_split_block_bytes,
-    held_segments, limits, per_sm, split_choice, tile_extent, tile_of_block, us, Model, PlanRow,
+    held_segments, limits, per_sm, split_choice, tile_extent, us, Model, PlanRow,
     COLLECTIVE_THREADS, ELEMENT_BYTES,
 };
 use crate::ops::all_reduce::Algorithm;
@@ -106,7 +106,7 @@ pub fn fused_block_bytes(
     let slice = m / world;
     let (slice_begin, slice_end) = (rank * slice, (rank + 1) * slice);
     for tile in 0..tiles {
-        let (rows, cols, tn) = tile_extent(config, shape, tile);
+        let (rows, cols, tm, tn) = tile_extent(config, shape, tile);
         let out = rows * cols * s;
         let reduce = match algo {
             AllReduceAlgo::OneShot if plan.packets => {
@@ -119,7 +119,6 @@ pub fn fused_block_bytes(
                 (4 * w + 3) * out
             }
             AllReduceAlgo::TwoShot => {
-                let (tm, _) = tile_of_block(tile, m.div_ceil(info.block_m), tiles_n);
                 let first = tm * info.block_m;
                 let end = (first + rows as usize).min(slice_end);
                 let mine = end.saturating_sub(first.max(slice_begin)) as u64;
@@ -222,13 +221,9 @@ pub fn fused_row(g: &LayerGemm, m: usize, tp: usize, p: &DeviceProfile) -> Optio
     let w = tp as u64;
     let bytes = (m * g.n) as u64 * s;
     let algo = fused_all_reduce_algo::<bf16>(shape, &facts, Algorithm::Auto).ok()?;
-    let packets = plan.reducing(algo, shape, &facts).packets;
-    // What each block moves (fused_block_bytes), with the layer's residual and RMSNorm.
-    let reducing = FusedPlan {
-        all_reduce: Some(algo),
-        packets,
-        ..plan
-    };
+    let reducing = plan.reducing(algo, shape, &facts);
+    let packets = reducing.packets;
+    // What each block moves, with the layer's residual and RMSNorm.
     let per_block = fused_block_bytes(&reducing, shape, tp, 0, true);
     let (max, mean, streaming) = per_sm(&per_block, p.sms);
     // The block's ring runs through every part of k without draining; with the parts in

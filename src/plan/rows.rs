@@ -107,7 +107,7 @@ pub fn gemm_block_bytes(
     let per_output = 1 + u64::from(bias) + u64::from(residual);
     (0..tiles_m * tiles_n)
         .map(|b| {
-            let (rows, cols, _) = tile_extent(config, shape, b);
+            let (rows, cols, _, _) = tile_extent(config, shape, b);
             ((rows + cols) * k as u64 + per_output * rows * cols) * ELEMENT_BYTES
         })
         .collect()
@@ -135,7 +135,7 @@ pub fn gemm_split_block_bytes(
     let per_output = 1 + u64::from(bias) + u64::from(residual);
     (0..tiles * parts)
         .map(|b| {
-            let (rows, cols, _) = tile_extent(config, shape, b % tiles);
+            let (rows, cols, _, _) = tile_extent(config, shape, b % tiles);
             let part = b / tiles;
             let part_k =
                 (part_begin(k, parts, part + 1).min(k) - part_begin(k, parts, part)) as u64;
@@ -160,8 +160,12 @@ fn part_begin(k: usize, parts: usize, p: usize) -> usize {
 }
 
 /// The live rows and columns of tile `tile` (in `tile_of_block`'s order) of `shape` in
-/// `config`'s tiles, and the tile's column index.
-pub(super) fn tile_extent(config: GemmConfig, shape: GemmShape, tile: usize) -> (u64, u64, usize) {
+/// `config`'s tiles, and the tile's row and column indices.
+pub(super) fn tile_extent(
+    config: GemmConfig,
+    shape: GemmShape,
+    tile: usize,
+) -> (u64, u64, usize, usize) {
     let info = config.info();
     let (tiles_m, tiles_n) = (
         shape.m.div_ceil(info.block_m),
@@ -170,12 +174,12 @@ pub(super) fn tile_extent(config: GemmConfig, shape: GemmShape, tile: usize) -> 
     let (tm, tn) = tile_of_block(tile, tiles_m, tiles_n);
     let rows = info.block_m.min(shape.m - tm * info.block_m) as u64;
     let cols = info.block_n.min(shape.n - tn * info.block_n) as u64;
-    (rows, cols, tn)
+    (rows, cols, tm, tn)
 }
 
 /// The tile `(tile_m, tile_n)` block `block` computes: `tile_of_block` of
 /// `cuda/gemm_sm80.cuh` (groups of 8 tile rows, walked down before right).
-pub(super) fn tile_of_block(block: usize, tiles_m: usize, tiles_n: usize) -> (usize, usize) {
+fn tile_of_block(block: usize, tiles_m: usize, tiles_n: usize) -> (usize, usize) {
     const GROUP: usize = 8;
     let per_group = GROUP * tiles_n;
     let group = block / per_group;
@@ -245,7 +249,7 @@ fn config_struct(config: GemmConfig) -> &'static str {
 /// What a launch's blocks keep in flight on one busy SM.
 pub(super) struct InFlight {
     /// Blocks of the launch one SM runs at once.
-    pub(super) resident: usize,
+    resident: usize,
     /// Bytes in flight per SM.
     pub(super) bytes: u64,
 }

@@ -12,9 +12,9 @@
 #define __global__
 #define __device__
 #define __host__
-// TPFUSE_EMU_INLINE_AS_ASKED (scripts/mutants.sh): the compiler inlines what it chooses, as
-// nvcc may; at -O0 that halves the kernel units' compile time (no code is copied into every
-// caller). The meaning of the code is the same.
+// TPFUSE_EMU_INLINE_AS_ASKED (scripts/mutants.sh, scripts/emulator-asan.sh): the compiler
+// inlines what it chooses, as nvcc may; at -O0 that halves the kernel units' compile time (no
+// code is copied into every caller). The meaning of the code is the same.
 #ifdef TPFUSE_EMU_INLINE_AS_ASKED
 #define __forceinline__ inline
 #else
