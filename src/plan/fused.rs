@@ -79,6 +79,10 @@ pub fn fused_norm_bytes(config: GemmConfig, n: usize) -> (u64, u64) {
 ///   residual.
 ///
 /// `tests/emu_counters.rs` checks it block by block against the kernel's counters, by flags.
+///
+/// # Panics
+///
+/// When `world` is 0 (a plan's group has at least one rank).
 pub fn fused_block_bytes(
     plan: &FusedPlan,
     shape: GemmShape,
