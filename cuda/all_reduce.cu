@@ -4,19 +4,20 @@
 //
 // Every kernel follows the same shape, with the barriers of barrier.cuh between phases:
 //
-//   one-shot    stage -> | -> reduce all ranks' staging, epilogue -> | -> (RMSNorm: sums of
+//   one-shot    stage -> | -> reduce all ranks' staging, epilogue -> (RMSNorm: sums of
 //               squares of the block's row segments -> the rank's blocks meet -> normalise;
-//               rows of one segment: each normalised from registers before the second |;
-//               a block of one segment of a longer row keeps it and its sum of squares in
-//               registers across the second | and the meeting)
-//   two-shot    stage -> | -> reduce own slice, epilogue, publish -> | -> gather slices -> |
-//   all-gather  stage -> | -> copy every rank's staging -> |
-//   reduce-sc.  stage -> | -> reduce own slice -> |
+//               rows of one segment: each normalised from registers; a block of one segment
+//               of a longer row keeps it and its sum of squares in registers across the
+//               meeting) -> finished
+//   two-shot    stage -> | -> reduce own slice, epilogue, publish -> | -> gather slices -> finished
+//   all-gather  stage -> | -> copy every rank's staging -> finished
+//   reduce-sc.  stage -> | -> reduce own slice -> finished
 //
 // "stage" copies this rank's input into its own staging buffer; every other rank reads it
-// only after the next barrier. The closing barrier guarantees that no rank still reads a
-// staging buffer when its owner's next launch overwrites it (launches on one stream run in
-// order, so a launch starts only after all blocks of the previous one passed it).
+// only after the next barrier. There is no closing barrier: "finished" announces the launch
+// to every rank, and a rank's next launch stores nothing before every peer has finished this
+// one (barrier.cuh, "Finished launches"), so no peer still reads a staging buffer or a result
+// area when its owner's next launch overwrites it.
 //
 // Block b of every rank handles the same part of the data, so the barrier of block b with
 // block b of the peers is all the ordering that part needs. Reductions add in rank order
@@ -139,50 +140,47 @@ template <typename T> struct Segments {
 };
 
 // One-shot RMSNorm of the block's units, after the reduction wrote h into out: each unit's
-// partial sum of squares into the first 4 bytes of the unit's own part of this rank's staging,
-// the blocks of the rank meet, then each unit's row sum is the row's partials added in segment
-// order (the standalone kernel's order: the same bits), and the unit is normalised.
+// partial sum of squares into float u of this rank's result area (`partials`), the blocks of
+// the rank meet, then each unit's row sum is the row's partials added in segment order (the
+// standalone kernel's order: the same bits), and the unit is normalised.
 //
-// Where the partials live. A unit's staging bytes are read by one block of each peer (the
-// block with this block's index: every rank shares the units out alike) until that block
-// reaches the closing barrier, and written by this block only (copy_range). So once this
-// block has passed the closing barrier, no peer reads the unit's staging any more (the
-// barrier's acquire of every peer's release orders their reads before), and this rank's
-// other blocks never touch it: the partial overwrites nothing anyone reads. Readers of a
-// row's partials (other blocks of this rank) read them after meet_rank_blocks, which orders
-// every block's partial stores before (barrier.cuh). No peer writes this rank's staging in a
-// later launch either (fused_flags.cuh, "Exchange areas"), and this rank's next launch
-// starts once this one has ended. (Byte 4u of the staging, the old place, lay in an earlier
-// block's range, which a peer's block may still have been reading, or which this rank's own
-// late block copied over the partial.)
-template <typename T> __device__ __forceinline__ float *partial_of(const Segments<T> &seg, T *staging, size_t u) {
-  return reinterpret_cast<float *>(staging + seg.begin(u)); // 16-byte aligned: hidden and
-                                                             // kSegment are whole vectors
+// Where the partials live. Not in the staging, which peers may still be reading in this
+// launch (there is no closing barrier). The result area: the one-shot's peers never read it,
+// and no other launch touches it meanwhile. A peer's earlier launch that read or wrote it
+// (a two-shot's gather, a fused kernel's exchange half) has ended: this block passed the first
+// barrier with every peer, which that peer reached in this launch. A peer's later launch
+// writes it only after this rank finished this one (barrier.cuh, "Finished launches";
+// fused_flags.cuh, "Exchange areas"). Each partial is written by the block of its unit
+// only, and read by the rank's blocks after meet_rank_blocks, which orders every block's
+// partial stores before (barrier.cuh). A unit is at least one 16-byte vector, so the units'
+// floats fit in the result area (capacity bytes, as the staging).
+__device__ __forceinline__ float *partials_of(const tpfuse_peers &peers, const tpfuse_group_args &g) {
+  return reinterpret_cast<float *>(static_cast<char *>(peers.data[g.rank]) + g.capacity);
 }
 
 // The sum of squares of unit u's row: its segments' partials added in segment order from 0
 // (the standalone kernel's order), read after the rank's blocks met.
 template <typename T>
-__device__ __forceinline__ float row_sum_of_partials(const Segments<T> &seg, T *staging, size_t u) {
+__device__ __forceinline__ float row_sum_of_partials(const Segments<T> &seg, const float *partials, size_t u) {
   const size_t first = seg.row(u) * seg.per_row;
   float sum = 0.f;
-  for (size_t s = 0; s < seg.per_row; ++s) sum += ld_global(partial_of(seg, staging, first + s));
+  for (size_t s = 0; s < seg.per_row; ++s) sum += ld_global(partials + first + s);
   return sum;
 }
 
 template <typename T>
 __device__ __forceinline__ bool normalize_units(BlockBarrier &barrier, const Segments<T> &seg, Range units,
-                                                T *staging, const T *gamma, float eps, T *out) {
+                                                float *partials, const T *gamma, float eps, T *out) {
   // A unit's elements were written in reduce_range by other threads of the block where the
   // range crosses a short last segment: this barrier orders those writes before the reads.
   __syncthreads();
   for (size_t u = units.begin; u < units.end; ++u) {
     const float partial = segment_sum_of_squares(out, seg.begin(u), seg.end(u));
-    if (threadIdx.x == 0) st_global(partial_of(seg, staging, u), partial);
+    if (threadIdx.x == 0) st_global(partials + u, partial);
   }
   if (!barrier.meet_rank_blocks()) return false;
   for (size_t u = units.begin; u < units.end; ++u) {
-    const float rstd = rstd_of(row_sum_of_partials(seg, staging, u), seg.hidden, eps);
+    const float rstd = rstd_of(row_sum_of_partials(seg, partials, u), seg.hidden, eps);
     normalize_segment(out, gamma, rstd, out, seg.row(u) * seg.hidden, seg.begin(u), seg.end(u));
   }
   return true;
@@ -213,8 +211,8 @@ __device__ __forceinline__ void reduce_and_normalize_rows(const tpfuse_peers &pe
 
 // One-shot with RMSNorm over rows of several segments, for a block whose share is one segment
 // u: thread t reduces vector t of it into `h` (`held` when the vector lies in the segment) and
-// the block adds their squares with the segment's tree into `partial`, before the closing
-// barrier; normalize_held_segment finishes after it. The same bits as normalize_units.
+// the block adds their squares with the segment's tree into `partial`; normalize_held_segment
+// finishes. The same bits as normalize_units.
 template <typename T, int W>
 __device__ __forceinline__ void reduce_held_segment(const tpfuse_peers &peers, const Segments<T> &seg, size_t u,
                                                     const Epilogue<T> &epi, bool held, Vec16<T> &h,
@@ -223,18 +221,17 @@ __device__ __forceinline__ void reduce_held_segment(const tpfuse_peers &peers, c
   partial = held_sum_of_squares(h, held);
 }
 
-// After the closing barrier: the segment's partial into its staging (where normalize_units
-// keeps it, and why that is safe), the rank's blocks meet, then the row's partials added in
-// segment order and the held vector normalised and stored (out written once). False when the
-// meeting failed.
+// After reduce_held_segment: the segment's partial into the result area (partials_of says why
+// that is safe), the rank's blocks meet, then the row's partials added in segment order and
+// the held vector normalised and stored (out written once). False when the meeting failed.
 template <typename T>
 __device__ __forceinline__ bool normalize_held_segment(BlockBarrier &barrier, const Segments<T> &seg, size_t u,
-                                                       T *staging, bool held, const Vec16<T> &h, float partial,
+                                                       float *partials, bool held, const Vec16<T> &h, float partial,
                                                        const Vec16<T> &gamma_held, float eps, T *out) {
-  if (threadIdx.x == 0) st_global(partial_of(seg, staging, u), partial);
+  if (threadIdx.x == 0) st_global(partials + u, partial);
   const bool met = barrier.meet_rank_blocks(); // the other segments' partials, stored before
   if (!met) return false;
-  const float rstd = rstd_of(row_sum_of_partials(seg, staging, u), seg.hidden, eps);
+  const float rstd = rstd_of(row_sum_of_partials(seg, partials, u), seg.hidden, eps);
   if (held) store16(out + seg.begin(u) + threadIdx.x * Vec16<T>::kLen, normalize_vector(h, gamma_held, rstd));
   return true;
 }
@@ -245,8 +242,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                     const __grid_constant__ tpfuse_group_args g, uint32_t descriptor, const T *input,
                     const T *bias, T *residual, const T *gamma, float eps, T *out, size_t rows,
                     size_t hidden) {
-  TPFUSE_SHARED(int, failures);
-  BlockBarrier barrier(peers, g, descriptor, &failures);
+  TPFUSE_SHARED(BarrierState, state);
+  BlockBarrier barrier(peers, g, descriptor, &state);
   const size_t n = rows * hidden;
   // An even share of 16-byte vectors; with RMSNorm an even share of row segments.
   const Segments<T> seg{hidden, segments_per_row<T>(hidden)};
@@ -258,7 +255,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // With RMSNorm the reduced vectors stay in registers where the block holds whole rows of one
   // segment (whole_rows) or one segment of longer rows (one_segment); the thread's gamma
   // vector (its column's: the same in every row of a whole-rows block) is loaded now, before
-  // the barriers.
+  // the barrier.
   const bool whole_rows = gamma != nullptr && seg.per_row == 1;
   const bool one_segment = gamma != nullptr && seg.per_row > 1 && units.end - units.begin == 1;
   const size_t gamma_col = units.begin % seg.per_row * kSegment<T> + threadIdx.x * Vec16<T>::kLen;
@@ -281,15 +278,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   } else {
     reduce_range(peers, g.world, 0, r, epi, out, static_cast<T *>(nullptr));
   }
-  if (!barrier.arrive_and_wait()) return give_up(barrier, out, residual, r);
-  barrier.commit();
-  if (gamma == nullptr || whole_rows) return;
-  // The partials go into the units' own staging (normalize_units says why that is safe).
-  T *partials_at = static_cast<T *>(peers.data[g.rank]);
-  const bool normalized = one_segment ? normalize_held_segment(barrier, seg, units.begin, partials_at, held, h,
-                                                               partial, gamma_held, eps, out)
-                                      : normalize_units(barrier, seg, units, partials_at, gamma, eps, out);
-  if (!normalized) give_up(barrier, out, residual, r);
+  if (gamma != nullptr && !whole_rows) {
+    float *partials = partials_of(peers, g);
+    const bool normalized = one_segment ? normalize_held_segment(barrier, seg, units.begin, partials, held, h,
+                                                                 partial, gamma_held, eps, out)
+                                        : normalize_units(barrier, seg, units, partials, gamma, eps, out);
+    if (!normalized) return give_up(barrier, out, residual, r);
+  }
+  barrier.finish();
 }
 
 // Slice p of the data (rank p reduces it), and block b's chunk of it, in elements.
@@ -372,8 +368,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     two_shot_kernel(const __grid_constant__ tpfuse_peers peers,
                     const __grid_constant__ tpfuse_group_args g, uint32_t descriptor, const T *input,
                     const T *bias, T *residual, T *out, size_t rows, size_t hidden) {
-  TPFUSE_SHARED(int, failures);
-  BlockBarrier barrier(peers, g, descriptor, &failures);
+  TPFUSE_SHARED(BarrierState, state);
+  BlockBarrier barrier(peers, g, descriptor, &state);
   const size_t n = rows * hidden;
   if (barrier.poisoned()) return give_up_chunks(barrier, g.world, out, residual, n);
   T *staging = static_cast<T *>(peers.data[g.rank]);
@@ -388,16 +384,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   with_world(g.world, [&](auto w) {
     gather_chunks<T, decltype(w)::value>(peers, g.rank, result_offset, n, out, residual);
   });
-  if (!barrier.arrive_and_wait()) return give_up_chunks(barrier, g.world, out, residual, n);
-  barrier.commit();
+  barrier.finish();
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
     all_gather_kernel(const __grid_constant__ tpfuse_peers peers,
                       const __grid_constant__ tpfuse_group_args g, uint32_t descriptor,
                       const uint4 *input, uint4 *out, size_t len_vectors) {
-  TPFUSE_SHARED(int, failures);
-  BlockBarrier barrier(peers, g, descriptor, &failures);
+  TPFUSE_SHARED(BarrierState, state);
+  BlockBarrier barrier(peers, g, descriptor, &state);
   const Range r = share(len_vectors, blockIdx.x, gridDim.x);
   // Gives up: this block's range of every rank's part of out.
   const auto give_up_gather = [&] {
@@ -424,8 +419,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (p < g.world) st_global(dst + i, v[p]);
     }
   }
-  if (!barrier.arrive_and_wait()) return give_up_gather();
-  barrier.commit();
+  barrier.finish();
 }
 
 template <typename T>
@@ -433,8 +427,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     reduce_scatter_kernel(const __grid_constant__ tpfuse_peers peers,
                           const __grid_constant__ tpfuse_group_args g, uint32_t descriptor,
                           const T *input, T *out, size_t len) {
-  TPFUSE_SHARED(int, failures);
-  BlockBarrier barrier(peers, g, descriptor, &failures);
+  TPFUSE_SHARED(BarrierState, state);
+  BlockBarrier barrier(peers, g, descriptor, &state);
   T *staging = static_cast<T *>(peers.data[g.rank]);
   const size_t units = (len + Vec16<T>::kLen - 1) / Vec16<T>::kLen;
   const Range part = element_range<T>(share(units, blockIdx.x, gridDim.x), len);
@@ -446,8 +440,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Reduce slice `rank` (offset rank * len in every staging buffer) into out[0, len).
   reduce_range(peers, g.world, static_cast<size_t>(g.rank) * len, part,
                Epilogue<T>{nullptr, nullptr, 1}, out, static_cast<T *>(nullptr));
-  if (!barrier.arrive_and_wait()) return give_up(barrier, out, static_cast<T *>(nullptr), part);
-  barrier.commit();
+  barrier.finish();
 }
 
 // The kinds of launch a descriptor tells apart.

@@ -21,6 +21,36 @@
 //
 // Flags only grow, so they are never reset and a replayed CUDA graph works.
 //
+// Finished launches (no closing barrier). A rank's staging and result area are read by its
+// peers during a collective launch, and its next launch rewrites them. Instead of a barrier
+// at the end of every launch (each rank waiting for the slowest before its launch may end: a
+// round across GPUs on the critical path), a rank announces that it finished, and its next
+// launch waits for every peer's announcement before it writes anything a peer reads. The
+// announcement travels while the stream runs other work (attention, the next GEMM), so the
+// wait normally finds it there.
+//
+//   1. The end of a collective launch (finish): every thread of the block has done its memory
+//      operations, reads of peers' buffers included (__syncthreads); thread 0 adds 1 to this
+//      rank's `finishing` with atom.acq_rel.gpu (it releases the block's operations, ordered
+//      before it by the barrier; the adds to one location form a release sequence, so the add
+//      that completes the count acquires every earlier block's). That block sets `finishing`
+//      back to 0 (no block of the launch adds again) and `finished_count` to F + 1 (F, its
+//      value, is what the launch read: the previous launch wrote it and has ended), and after
+//      a __syncthreads, thread p (p < world) stores F + 1 into finished[rank] of rank p's pad
+//      with st.release.sys (cumulative: it carries what thread 0 acquired).
+//   2. The start of every custom launch, collective (BlockBarrier) or fused (fused::begin),
+//      before its first store to any buffer a peer reads: thread p (p < world) waits until
+//      finished[p] of this rank's pad holds F or more (wrap-safe), then loads it once more
+//      with ld.acquire.sys. So every rank has finished every collective launch this rank has,
+//      and its reads of this rank's buffers there are ordered before this launch's writes
+//      (causality order is transitive across the .gpu and .sys pairs; a read that precedes a
+//      write in causality order cannot read it: PTX ISA, "Memory Consistency Model",
+//      coherence axioms). Every rank makes the same collective launches (the first barrier
+//      compares descriptors), so the counts agree; a rank that made fewer is a timeout.
+//
+// A block that gives up does not count: the error word is then set for good, and every later
+// launch of the group gives up at its start, before any wait (poisoned()).
+//
 // Deadlines. Every wait of a launch ends by start + timeout_ns of %globaltimer, with a
 // %clock64 backstop of backstop_cycles (tpfuse.h): Deadline below.
 //
@@ -43,7 +73,10 @@
 
 namespace tpfuse {
 
-static_assert(TPFUSE_SIGNAL_GRID_GENERATION_OFFSET + 4 <= TPFUSE_SIGNAL_DESCRIPTORS_OFFSET,
+static_assert(TPFUSE_SIGNAL_GRID_GENERATION_OFFSET + 4 <= TPFUSE_SIGNAL_FINISHING_OFFSET &&
+                  TPFUSE_SIGNAL_FINISHING_OFFSET + 4 <= TPFUSE_SIGNAL_FINISHED_COUNT_OFFSET &&
+                  TPFUSE_SIGNAL_FINISHED_COUNT_OFFSET + 4 <= TPFUSE_SIGNAL_FINISHED_OFFSET &&
+                  TPFUSE_SIGNAL_FINISHED_OFFSET + 4 * TPFUSE_MAX_RANKS <= TPFUSE_SIGNAL_DESCRIPTORS_OFFSET,
               "the words after the error word fit before the descriptors");
 static_assert(TPFUSE_SIGNAL_SLICE_COUNT_OFFSET + 4 <= TPFUSE_SIGNAL_GATHER_COUNT_OFFSET &&
                   TPFUSE_SIGNAL_GATHER_COUNT_OFFSET + 4 <= TPFUSE_SIGNAL_SLICE_FLAGS_OFFSET &&
@@ -62,6 +95,10 @@ struct Pad {
   __host__ __device__ uint32_t *error() const { return base + TPFUSE_SIGNAL_ERROR_OFFSET / 4; }
   __device__ uint32_t *grid_count() const { return base + TPFUSE_SIGNAL_GRID_COUNT_OFFSET / 4; }
   __device__ uint32_t *grid_generation() const { return base + TPFUSE_SIGNAL_GRID_GENERATION_OFFSET / 4; }
+  // Finished launches (above).
+  __device__ uint32_t *finishing() const { return base + TPFUSE_SIGNAL_FINISHING_OFFSET / 4; }
+  __device__ uint32_t *finished_count() const { return base + TPFUSE_SIGNAL_FINISHED_COUNT_OFFSET / 4; }
+  __device__ uint32_t *finished(int src) const { return base + TPFUSE_SIGNAL_FINISHED_OFFSET / 4 + src; }
   __device__ uint32_t *descriptor(int block, int src) const {
     return base + TPFUSE_SIGNAL_DESCRIPTORS_OFFSET / 4 + block * TPFUSE_MAX_RANKS + src;
   }
@@ -152,6 +189,27 @@ __device__ __forceinline__ void publish_error_to_host(const tpfuse_peers &peers,
   if (g.host_error != nullptr) st_release_sys(g.host_error, ld_relaxed_sys(Pad{peers.signals[g.rank]}.error()));
 }
 
+// Step 2 of "Finished launches", for thread `peer` (< world) of a block: true once rank `peer`
+// has finished every collective launch this rank finished (acquired); false, reported as
+// TPFUSE_ERROR_PEER_TIMEOUT | peer unless the error word holds a failure already, at the
+// deadline or once the error word is set. The caller's block passes a __syncthreads after.
+__device__ __forceinline__ bool await_peer_finished(const tpfuse_peers &peers, const tpfuse_group_args &g,
+                                                    const Deadline &deadline, int peer) {
+  const Pad own{peers.signals[g.rank]};
+  // This rank's previous collective launch wrote it, and has ended (stream order).
+  const uint32_t count = *own.finished_count();
+  const uint32_t *flag = own.finished(peer);
+  for (uint32_t spins = 0; static_cast<int32_t>(ld_relaxed_sys(flag) - count) < 0; ++spins) {
+    if ((spins & 1023u) != 1023u) continue;
+    if (ld_relaxed_sys(own.error()) != 0 || deadline.expired()) {
+      if (ld_relaxed_sys(own.error()) == 0) report_failure(peers, g, TPFUSE_ERROR_PEER_TIMEOUT | static_cast<uint32_t>(peer));
+      return false;
+    }
+  }
+  (void)ld_acquire_sys(flag); // the acquire: orders this launch's stores after the peer's reads
+  return true;
+}
+
 // Host: a 32-bit digest of what a launch is (kernel, element type, sizes, grid), equal on
 // every rank exactly when the ranks launched the same thing.
 inline uint32_t launch_descriptor(std::initializer_list<uint64_t> parts) {
@@ -165,20 +223,32 @@ inline uint32_t launch_descriptor(std::initializer_list<uint64_t> parts) {
   return static_cast<uint32_t>(h ^ (h >> 32));
 }
 
-// One launch's view of the barriers of its block. `failures` is a __shared__ int of the
-// kernel: it counts this block's failed waits (1 from the start when the group was already
-// poisoned) and is never reset within a launch, so no thread can read a stale value.
+// A block's barrier state, in the kernel's shared memory: `failures` counts the block's failed
+// waits (1 from the start when the group was already poisoned) and is never reset within a
+// launch, so no thread can read a stale value; `last` says the block finished the launch last.
+struct BarrierState {
+  int failures;
+  int last;
+};
+
+// One launch's view of the barriers of its block (`state`: a __shared__ BarrierState of the
+// kernel). Constructing it also waits for the peers' finished launches (step 2 above): a
+// kernel stores nothing before.
 class BlockBarrier {
 public:
   __device__ BlockBarrier(const tpfuse_peers &peers, const tpfuse_group_args &g, uint32_t descriptor,
-                          int *failures)
-      : peers_(peers), g_(g), own_{peers.signals[g.rank]}, failures_(failures), descriptor_(descriptor),
-        deadline_(g) {
+                          BarrierState *state)
+      : peers_(peers), g_(g), own_{peers.signals[g.rank]}, failures_(&state->failures), last_(&state->last),
+        descriptor_(descriptor), deadline_(g) {
     // Only this block of this rank touches counters[b]; the previous launch on the stream
     // wrote it and has finished.
     epoch_ = *own_.counter(blockIdx.x);
     first_ = epoch_;
     if (threadIdx.x == 0) *failures_ = ld_relaxed_sys(own_.error()) != 0 ? 1 : 0;
+    __syncthreads();
+    // No barrier inside: a waiter that reads a failure counted by another skips its wait.
+    const int peer = threadIdx.x;
+    if (peer < g.world && *failures_ == 0 && !await_peer_finished(peers, g, deadline_, peer)) atomicAdd(failures_, 1);
     __syncthreads();
   }
 
@@ -270,9 +340,23 @@ public:
     return *failures_ == 0;
   }
 
-  // Stores the epoch for the next launch; call once, after the last barrier passed.
-  __device__ void commit() const {
-    if (threadIdx.x == 0) *own_.counter(blockIdx.x) = epoch_;
+  // The end of a block that passed all its waits, from every thread, after its last memory
+  // operation: stores the epoch for the next launch, and counts the block finished; the
+  // rank's last block announces the launch to every rank (step 1 of "Finished launches").
+  __device__ void finish() const {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      *own_.counter(blockIdx.x) = epoch_;
+      *last_ = atomic_add_acq_rel_gpu(own_.finishing(), 1u) + 1u == gridDim.x;
+      if (*last_) {
+        *own_.finishing() = 0;
+        *own_.finished_count() += 1;
+      }
+    }
+    __syncthreads(); // thread 0's acquire, before the releases below
+    if (*last_ && static_cast<int>(threadIdx.x) < g_.world) {
+      st_release_sys(Pad{peers_.signals[threadIdx.x]}.finished(g_.rank), *own_.finished_count());
+    }
   }
 
   // Call once per block when the block gives up (poisoned() or a barrier failed), from every
@@ -289,6 +373,7 @@ private:
   const tpfuse_group_args &g_;
   Pad own_;
   int *failures_;
+  int *last_;
   uint32_t descriptor_;
   uint32_t epoch_;
   uint32_t first_;          // the epoch at the start of the launch

@@ -55,17 +55,15 @@
 // started launch E - 1 (begin's started flags, acquired), so every rank had finished launch
 // E - 2 (stream order), its reads (and packet clears) of every area of E's parity included.
 // No closing barrier is needed. The other
-// custom kernels (all_reduce.cu) write no other rank's memory; they touch their result half
-// only between their first barrier (when every peer is in that launch, hence done with the
-// fused one before) and their closing barrier, and after the closing barrier only their own
-// staging (one-shot's RMSNorm partials): so a peer that passed the closing barrier and
-// pushes into this rank's result half overlaps nothing, and the fused kernels and they never
-// share an area. The fused kernels' parallel split of k also writes its own rank's
-// staging half (the parts' f32 partials, fused_split.cuh): a peer reads that half only
-// inside an all_reduce.cu launch, between its first and closing barriers, which this rank
-// passed before it started the fused launch, and no fused kernel reads another rank's
-// staging. (Both rest on the sticky error word: after a failure no launch of the group
-// produces anything.)
+// custom kernels (all_reduce.cu) write no other rank's memory, and touch their own result
+// area only after their first barrier (when every peer is in that launch, hence done with the
+// fused one before). Their peers read a rank's staging and result area until they finish the
+// collective launch, and begin waits, before a fused block stores anything, until every peer
+// has finished every collective launch this rank has (barrier.cuh, "Finished launches"). So
+// neither a fused kernel's pushes into a peer's result half nor its parallel split of k,
+// which writes its own rank's staging half (the parts' f32 partials, fused_split.cuh),
+// overlaps a collective's reads; and no fused kernel reads another rank's staging. (Both
+// rest on the sticky error word: after a failure no launch of the group produces anything.)
 //
 // Failures. A wait ends at the launch's deadline (barrier.cuh, Deadline: from the block's
 // start, so it covers the block's whole share of the GEMM too) or when the rank's error word
@@ -175,6 +173,11 @@ __device__ __forceinline__ bool started_otherwise(const Pad &own, int src, uint6
 // may start after q finished E. q's started[] of E - 1 was stored before q waited for anything in E - 1, so the
 // wait needs nothing that waits for it; it was stored at least one launch ago, so it has
 // usually arrived, and its first load is issued with the epoch's.
+//
+// The same waiters then wait for rank q's finished collective launches (barrier.cuh,
+// "Finished launches": q no longer reads this rank's staging and result area, which this
+// launch may write). q announced them before it could start anything after them, so this wait
+// too needs nothing that waits for it.
 __device__ __forceinline__ bool started_since(uint64_t v, uint64_t epoch) {
   return (((v >> kDescriptorBits) - epoch) & kEpochMask) <= 2;
 }
@@ -216,6 +219,7 @@ __device__ __forceinline__ void begin(const tpfuse_peers &peers, const tpfuse_gr
       }
       seen = ld_acquire_sys(own.started(threadIdx.x));
     }
+    if (st.failed == 0 && !await_peer_finished(peers, g, deadline, threadIdx.x)) atomicAdd(&st.failed, 1);
   }
   __syncthreads();
 }

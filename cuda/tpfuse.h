@@ -80,7 +80,8 @@ int tpfuse_fp_contraction_probe(const float *abc, float *out, void *stream);
  * Every rank of a group owns, in memory every other rank can address (CUDA IPC, peer
  * access, or one GPU for virtual ranks):
  *   - a data buffer of 2 * capacity bytes: staging at offset 0 (each rank's input is copied
- *     there by its own kernel), result at offset capacity (two-shot's reduced slices);
+ *     there by its own kernel), result at offset capacity (two-shot's reduced slices, the
+ *     one-shot's RMSNorm partials);
  *   - a signal pad of TPFUSE_SIGNAL_PAD_BYTES, zeroed once at creation:
  *       uint32 flags[TPFUSE_MAX_BLOCKS][TPFUSE_MAX_RANKS]  flag[b][src]: the last barrier
  *                                                         value block b of rank src reached
@@ -89,6 +90,13 @@ int tpfuse_fp_contraction_probe(const float *abc, float *out, void *stream);
  *       uint32 error                                       0, or TPFUSE_ERROR_* | peer
  *       uint32 grid_count, grid_generation                 the barrier of one rank's blocks
  *                                                         (one-shot RMSNorm), barrier.cuh
+ *       uint32 finishing (at +12)                          blocks of this rank's collective
+ *                                                         launch that finished (back to 0 once
+ *                                                         all have)
+ *       uint32 finished_count (at +16)                     collective launches this rank finished
+ *       uint32 finished[TPFUSE_MAX_RANKS] (at +32)         finished[src]: collective launches
+ *                                                         rank src finished (barrier.cuh,
+ *                                                         "Finished launches")
  *       (padding to 256 bytes)
  *       uint32 descriptors[TPFUSE_MAX_BLOCKS][TPFUSE_MAX_RANKS]  descriptors[b][src]: what
  *                                                         block b of rank src launched last
@@ -176,6 +184,9 @@ int tpfuse_fp_contraction_probe(const float *abc, float *out, void *stream);
 #define TPFUSE_SIGNAL_ERROR_OFFSET (TPFUSE_SIGNAL_COUNTERS_OFFSET + 4 * TPFUSE_MAX_BLOCKS)
 #define TPFUSE_SIGNAL_GRID_COUNT_OFFSET (TPFUSE_SIGNAL_ERROR_OFFSET + 4)
 #define TPFUSE_SIGNAL_GRID_GENERATION_OFFSET (TPFUSE_SIGNAL_ERROR_OFFSET + 8)
+#define TPFUSE_SIGNAL_FINISHING_OFFSET (TPFUSE_SIGNAL_ERROR_OFFSET + 12)
+#define TPFUSE_SIGNAL_FINISHED_COUNT_OFFSET (TPFUSE_SIGNAL_ERROR_OFFSET + 16)
+#define TPFUSE_SIGNAL_FINISHED_OFFSET (TPFUSE_SIGNAL_ERROR_OFFSET + 32)
 #define TPFUSE_SIGNAL_DESCRIPTORS_OFFSET (TPFUSE_SIGNAL_ERROR_OFFSET + 256)
 #define TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET (TPFUSE_SIGNAL_DESCRIPTORS_OFFSET + 4 * TPFUSE_MAX_BLOCKS * TPFUSE_MAX_RANKS)
 #define TPFUSE_SIGNAL_FUSED_DONE_OFFSET (TPFUSE_SIGNAL_FUSED_EPOCH_OFFSET + 8)

@@ -222,9 +222,20 @@ if wanted baseline; then
   echo "baseline  unmutated cuda/ passes the $(wc -w <<<"$specs") catchers"
 fi
 
-mutant closing-barrier emu_all_reduce::a_late_rank_within_the_deadline_gives_the_right_result "one-shot without its closing barrier" \
-  all_reduce.cu $'  }\n  if (!barrier.arrive_and_wait()) return give_up(barrier, out, residual, r);\n  barrier.commit();\n  if (gamma' \
-  $'  }\n  barrier.commit();\n  if (gamma'
+# No barrier closes a collective launch (barrier.cuh, "Finished launches"): a rank's next
+# launch waits for its peers' announcements instead. Only the pct schedule runs a rank whole
+# launches ahead of a peer that still reads its staging.
+mutant no-finished-wait emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue@pct:1 "a collective launch stages before its peers finished the one before" \
+  barrier.cuh 'if (peer < g.world && *failures_ == 0 && !await_peer_finished(' 'if (false && !await_peer_finished('
+mutant finish-announces-nothing emu_all_reduce::all_gather_every_world "the rank's last block does not announce the launch it finished" \
+  barrier.cuh 'st_release_sys(Pad{peers_.signals[threadIdx.x]}.finished(g_.rank), *own_.finished_count());' ''
+mutant finished-count-stays emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue@pct:1 "the rank's count of finished launches never grows (every wait passes at once)" \
+  barrier.cuh '        *own_.finished_count() += 1;' ''
+mutant finished-flag-gpu emu_all_reduce::all_gather_every_world+weak "the finished launch announced with st.release.gpu (peers on other GPUs)" \
+  barrier.cuh 'st_release_sys(Pad{peers_.signals[threadIdx.x]}.finished(g_.rank), *own_.finished_count());' \
+  'st_release_gpu(Pad{peers_.signals[threadIdx.x]}.finished(g_.rank), *own_.finished_count());'
+mutant fused-begin-skips-finished emu_gemm_all_reduce::an_all_gather_gemm_right_after_a_one_shot_rmsnorm_overlaps_nothing@pct:1 "a fused launch pushes into a peer's result area before the peers finished the all-reduce before" \
+  fused_flags.cuh 'if (st.failed == 0 && !await_peer_finished(' 'if (false && !await_peer_finished('
 mutant first-barrier emu_all_reduce::a_late_rank_within_the_deadline_gives_the_right_result "one-shot reads peers before they staged" \
   all_reduce.cu $'copy_range(input, static_cast<T *>(peers.data[g.rank]), r);\n  if (!barrier.arrive_and_wait()) return give_up(barrier, out, residual, r);' \
   $'copy_range(input, static_cast<T *>(peers.data[g.rank]), r);'
@@ -271,12 +282,11 @@ mutant all-gather-from-rank-0 emu_all_reduce::all_gather_every_world "all-gather
   all_reduce.cu 'if (p < g.world) v[p] = ld_global_cg(static_cast<const uint4 *>(peers.data[p]) + i);' \
   'if (p < g.world) v[p] = ld_global_cg(static_cast<const uint4 *>(peers.data[0]) + i);'
 mutant partials-reversed emu_all_reduce::all_reduce_f32_every_world_path_and_epilogue "one-shot adds a row's segment partials in reverse (fused and unfused bits differ)" \
-  all_reduce.cu 'partial_of(seg, staging, first + s)' 'partial_of(seg, staging, first + seg.per_row - 1 - s)'
-# The outside reader's race (issue 21): one float per unit from the start of the staging, inside
-# an earlier block's range, which a peer's block may still read, or this rank's late block copy
-# over the partial. Only the pct schedule shows it.
-mutant partials-at-staging-start emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue@pct:1 "one-shot keeps unit u's RMSNorm partial at byte 4u of its staging" \
-  all_reduce.cu 'return reinterpret_cast<float *>(staging + seg.begin(u));' 'return reinterpret_cast<float *>(staging) + u;'
+  all_reduce.cu 'sum += ld_global(partials + first + s);' 'sum += ld_global(partials + first + seg.per_row - 1 - s);'
+# The outside reader's race (issue 21), and the closing barrier's absence: the partials in
+# the staging, which a peer's block may still read. Only the pct schedule shows it.
+mutant partials-in-staging emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue@pct:1 "one-shot keeps unit u's RMSNorm partial at byte 4u of its staging" \
+  all_reduce.cu 'return reinterpret_cast<float *>(static_cast<char *>(peers.data[g.rank]) + g.capacity);' 'return static_cast<float *>(peers.data[g.rank]);'
 mutant no-rank-meet emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue "one-shot normalises before the rank's other blocks wrote their partials" \
   all_reduce.cu 'if (!barrier.meet_rank_blocks()) return false;' ''
 # A row of one RMSNorm segment: one-shot normalises it in one block, from registers.
@@ -306,9 +316,6 @@ mutant one-segment-gamma-of-segment-0 emu_all_reduce::all_reduce_bf16_every_worl
 mutant one-segment-grid-of-vectors emu_counters::the_all_reduce_moves_what_the_plan_says_block_by_block "rows of 4096 + 2048 get 512-vector blocks, some of two segments (the same bits, more bytes)" \
   all_reduce.cu '    if (per_row > 1) grid = static_cast<int>(units < static_cast<size_t>(g.blocks) ? units : g.blocks);
     else if' '    if'
-mutant one-segment-partial-before-closing-barrier emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue@pct:1 "a block of one segment stores its partial into its staging while the peers may still read it" \
-  all_reduce.cu 'reduce_held_segment<T, decltype(w)::value>(peers, seg, units.begin, epi, held, h, partial);' \
-  $'reduce_held_segment<T, decltype(w)::value>(peers, seg, units.begin, epi, held, h, partial);\n      if (threadIdx.x == 0) st_global(partial_of(seg, static_cast<T *>(peers.data[g.rank]), units.begin), partial);'
 # A block of fewer threads than a segment's vectors (the fused kernels' 32-256) runs its turns
 # in rounds, each issuing its loads together.
 mutant norm-squares-skip-rounds emu_gemm_all_reduce::rows_past_the_stage_normalise_in_rounds "a small block's sum of squares runs every other round of turns" \
@@ -523,9 +530,6 @@ mutant scatter-rank-0-rows emu_gemm_all_reduce::fused_equals_gemm_then_all_reduc
   gemm_all_reduce.cu 'const int row_begin = reduction.scatter ? g.rank * slice : 0;' 'const int row_begin = 0;'
 mutant gather-without-waiting emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm "all-gather + GEMM reads the peers' rows without waiting for their gather flags" \
   all_gather_gemm.cu '    if (needed != 0) {' '    if (false) {'
-mutant norm-partials-in-result-half emu_gemm_all_reduce::an_all_gather_gemm_right_after_a_one_shot_rmsnorm_overlaps_nothing "one-shot keeps its RMSNorm partials where all-gather + GEMM pushes" \
-  all_reduce.cu 'T *partials_at = static_cast<T *>(peers.data[g.rank]);' \
-  'T *partials_at = static_cast<T *>(peers.data[g.rank]) + g.capacity / sizeof(T);'
 mutant gather-push-own-area-only emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm "all-gather + GEMM pushes a rank's rows into its own area only" \
   all_gather_gemm.cu 'for (int j = 1; j <= g.world; ++j) {' 'for (int j = g.world; j <= g.world; ++j) {'
 mutant gather-push-at-rank-0-rows emu_gemm_all_reduce::all_gather_gemm_equals_all_gather_then_gemm "all-gather + GEMM pushes every rank's rows to rank 0's rows" \
@@ -574,9 +578,9 @@ mutant residual-over-the-link emu_counters::two_shot_reads_twice_the_peers_share
   'if (residual != nullptr) st_global(reinterpret_cast<uint4 *>(residual + at), ld_global_cg(reinterpret_cast<const uint4 *>(static_cast<const T *>(peers.data[first + j]) + result_offset + at)));'
 mutant no-swizzle emu_counters::gemm_reads_each_tile_once_without_bank_conflicts "the GEMM's shared memory unswizzled (bank conflicts, same results)" \
   gemm_sm80.cuh 'return kChunks == 8 ? (row & 7) : ((row >> 1) & 3);' 'return 0;'
-mutant extra-barrier emu_counters::a_decode_message_launches_only_the_blocks_it_needs "one-shot passes a third barrier" \
-  all_reduce.cu $'  if (!barrier.arrive_and_wait()) return give_up(barrier, out, residual, r);\n  barrier.commit();\n  if (gamma' \
-  $'  if (!barrier.arrive_and_wait()) return give_up(barrier, out, residual, r);\n  if (!barrier.arrive_and_wait()) return give_up(barrier, out, residual, r);\n  barrier.commit();\n  if (gamma'
+mutant extra-barrier emu_counters::a_decode_message_launches_only_the_blocks_it_needs "one-shot passes a second barrier" \
+  all_reduce.cu $'    if (!normalized) return give_up(barrier, out, residual, r);\n  }\n  barrier.finish();' \
+  $'    if (!normalized) return give_up(barrier, out, residual, r);\n  }\n  if (!barrier.arrive_and_wait()) return give_up(barrier, out, residual, r);\n  barrier.finish();'
 mutant embedding-positive-zero-mask emu_vocab_embedding::lookup_copies_the_rank_s_rows_and_masks_the_rest "another rank's tokens written as +0.0 (the sum loses -0.0)" \
   vocab_embedding.cu 'id < vocab ? uint16_t{0x8000} : nan_bits' 'id < vocab ? uint16_t{0x0000} : nan_bits'
 mutant embedding-padding-row-looked-up emu_vocab_embedding::lookup_copies_the_rank_s_rows_and_masks_the_rest "an id past the vocabulary reads the rank's padding row" \

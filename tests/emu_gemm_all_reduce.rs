@@ -713,11 +713,12 @@ fn all_gather_gemm_launches_in_a_row_each_get_their_own_inputs() {
     }
 }
 
-/// A one-shot all-reduce with RMSNorm, then all-gather + GEMM, in a row on every rank: a rank
-/// that passed the all-reduce's closing barrier pushes its rows into the peers' result halves
-/// while they may still normalise, so the all-reduce must keep nothing there (its partials
-/// once lived at the start of the result half, where rank 0's rows land at even epochs).
-/// Every launch's bits against the same launch run alone.
+/// A one-shot all-reduce with RMSNorm, then all-gather + GEMM, in a row on every rank: the
+/// all-reduce keeps its RMSNorm partials at the start of the rank's result area, where rank 0's
+/// rows land at even epochs, and its peers read its staging, where the all-gather + GEMM's
+/// split keeps its f32 partials, until they finish: a rank that finished the all-reduce must
+/// wait for every peer's announcement before it pushes or stages (barrier.cuh, "Finished
+/// launches"). Every launch's bits against the same launch run alone.
 #[test]
 fn an_all_gather_gemm_right_after_a_one_shot_rmsnorm_overlaps_nothing() {
     let _s = session(
@@ -732,7 +733,7 @@ fn an_all_gather_gemm_right_after_a_one_shot_rmsnorm_overlaps_nothing() {
     let norm = Epi { norm: true, ..NONE };
     let p = problem::<bf16>(world, (16, 8192, 16), norm, mix_seed(seed, &[1]));
     // k splits in parallel (6 parts on 32 SMs): the all-gather + GEMM's f32 partials in the
-    // rank's staging half, where the one-shot keeps its RMSNorm partials and its input.
+    // rank's staging half, where the one-shot stages its input.
     let gather: Shape = (4, 72, 800);
     let (m, n, k) = gather;
     let xs: Vec<DeviceBuffer<bf16>> = (0..world)

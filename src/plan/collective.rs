@@ -214,14 +214,16 @@ impl CollectiveLaunch {
         }
     }
 
-    /// Synchronisation rounds on the critical path: the one-shot's two barriers (and the
-    /// meeting of the rank's blocks, RMSNorm over several segments a row), the two-shot's
-    /// three.
+    /// Synchronisation rounds on the critical path: the one-shot's barrier (and the meeting
+    /// of the rank's blocks, RMSNorm over several segments a row), the two-shot's two. No
+    /// barrier closes a launch: the next custom launch waits for the peers' announcements that
+    /// they finished this one (`cuda/barrier.cuh`, "Finished launches"), which travel while
+    /// the stream runs the layer's other kernels, so the model charges that wait nothing.
     pub fn rounds(&self) -> usize {
         match self.algo {
-            AllReduceAlgo::OneShot if self.rmsnorm && !self.whole_rows() => 3,
-            AllReduceAlgo::OneShot => 2,
-            AllReduceAlgo::TwoShot => 3,
+            AllReduceAlgo::OneShot if self.rmsnorm && !self.whole_rows() => 2,
+            AllReduceAlgo::OneShot => 1,
+            AllReduceAlgo::TwoShot => 2,
             AllReduceAlgo::Nccl => 0,
         }
     }
