@@ -44,12 +44,13 @@
 //      with ld.acquire.sys. So every rank has finished every collective launch this rank has,
 //      and its reads of this rank's buffers there are ordered before this launch's writes
 //      (causality order is transitive across the .gpu and .sys pairs; a read that precedes a
-//      write in causality order cannot read it: PTX ISA, "Memory Consistency Model",
-//      coherence axioms). Every rank makes the same collective launches (the first barrier
+//      write in causality order cannot read it: PTX ISA, "Memory Consistency Model", the
+//      Causality axiom). Every rank makes the same collective launches (the first barrier
 //      compares descriptors), so the counts agree; a rank that made fewer is a timeout.
 //
 // A block that gives up does not count: the error word is then set for good, and every later
-// launch of the group gives up at its start, before any wait (poisoned()).
+// launch of the group gives up at its start (poisoned()), or, when the word arrives while it
+// waits, at its next look at the word, bounded by the deadline either way.
 //
 // Deadlines. Every wait of a launch ends by start + timeout_ns of %globaltimer, with a
 // %clock64 backstop of backstop_cycles (tpfuse.h): Deadline below.
@@ -252,7 +253,8 @@ public:
     __syncthreads();
   }
 
-  // Whether the group was poisoned when this block started (the same answer in every thread).
+  // Whether the group was poisoned when this block started, or its wait for the peers'
+  // finished launches failed (the same answer in every thread).
   __device__ bool poisoned() const { return *failures_ != 0; }
 
   // Passes the next barrier; false when a peer did not arrive before the launch's deadline,

@@ -55,7 +55,7 @@
 // started launch E - 1 (begin's started flags, acquired), so every rank had finished launch
 // E - 2 (stream order), its reads (and packet clears) of every area of E's parity included.
 // No closing barrier is needed. The other
-// custom kernels (all_reduce.cu) write no other rank's memory, and touch their own result
+// custom kernels (all_reduce.cu) write no other rank's data buffer, and touch their own result
 // area only after their first barrier (when every peer is in that launch, hence done with the
 // fused one before). Their peers read a rank's staging and result area until they finish the
 // collective launch, and begin waits, before a fused block stores anything, until every peer

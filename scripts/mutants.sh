@@ -227,6 +227,11 @@ fi
 # launches ahead of a peer that still reads its staging.
 mutant no-finished-wait emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue@pct:1 "a collective launch stages before its peers finished the one before" \
   barrier.cuh 'if (peer < g.world && *failures_ == 0 && !await_peer_finished(' 'if (false && !await_peer_finished('
+# Only the random schedule's long loads (schedules.cpp, preempt_at_load) hold a warp back while
+# the rest of its block counts the block finished: without them a loop of plain loads ran as one
+# step, and this mutant passed every seed an outside review tried.
+mutant finish-counts-before-block-done emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue@random:1 "a block counts itself finished before its other warps read the peers' staging" \
+  barrier.cuh $'  __device__ void finish() const {\n    __syncthreads();\n    if (threadIdx.x == 0) {' $'  __device__ void finish() const {\n    if (threadIdx.x == 0) {'
 mutant finish-announces-nothing emu_all_reduce::all_gather_every_world "the rank's last block does not announce the launch it finished" \
   barrier.cuh 'st_release_sys(Pad{peers_.signals[threadIdx.x]}.finished(g_.rank), *own_.finished_count());' ''
 mutant finished-count-stays emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue@pct:1 "the rank's count of finished launches never grows (every wait passes at once)" \

@@ -52,6 +52,7 @@ void drop_tags(Tags &tags, uintptr_t begin, uintptr_t end) {
 } // namespace
 
 void count_load(const void *p, size_t bytes) {
+  preempt_at_load();
   Block *b = counted_block();
   if (b == nullptr) return;
   b->counters.global_read_bytes += bytes;

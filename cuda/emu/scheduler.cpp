@@ -286,6 +286,10 @@ void retire(Device &dev) {
   for (auto &b : dev.resident) {
     if (b->gone) continue;
     if (b->launch->failed) {
+      for (auto &f : b->fibers) {  // threads at a long load never resume (schedules.cpp)
+        if (f->load_passes > 0) --dev.at_long_loads;
+        f->load_passes = 0;
+      }
       b->gone = true;
       counters_block_done(*b);
       release_block(dev, *b);

@@ -57,6 +57,7 @@ struct Fiber {
   std::vector<std::vector<Copy>> committed;  // oldest first (few: a vector allocates nothing empty)
   void *asan_fake_stack = nullptr;
   std::unique_ptr<ThreadMemory> memory;  // weak memory only (weak_memory.cpp)
+  int load_passes = 0;  // random schedule: passes this thread still sits out at a load (preempt_at_load)
 };
 
 // The exchange area of one warp's collective: each lane's operands, then each lane's result.
@@ -205,6 +206,7 @@ struct Device {
   uint64_t demotions = 0;  // the pct schedule's change points so far
   uint64_t pct_steps = 0;  // and its steps
   std::mt19937_64 rng;
+  int at_long_loads = 0;  // threads with Fiber::load_passes > 0 (the random schedule's long loads)
   uint64_t clock_ns = 0;  // virtual time (atomic reads from the host: now_ns)
   uint64_t idle_ns = 0, idle_jump_ns = 0;
   bool progress = false;
@@ -289,6 +291,9 @@ void sweep(Device &dev);
 // of resumes and leaves dev.progress set when any thread made progress.
 void place_in_schedule(Device &dev, Block &block);
 int run_pass(Device &dev, std::vector<Fiber *> &scratch);
+// A kernel's global load is about to read (count_load): under the random schedule, now and
+// then a scheduling point (schedules.cpp).
+void preempt_at_load();
 // The bytes after each of a block's shared memories that it must not write.
 constexpr size_t kSharedRedZone = 256;
 // "" when block b wrote no shared memory past its end, else what it wrote past (device_ops.cpp).

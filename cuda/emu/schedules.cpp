@@ -92,13 +92,23 @@ int run_interleaved(Device &dev, std::vector<Fiber *> &lanes) {
     size_t first;
   };
   std::vector<WarpTurn> order;
-  for (auto &b : dev.resident)
-    if (!b->gone)
-      for (size_t w = 0; w < b->fibers.size(); w += 32) order.push_back(WarpTurn{b.get(), w});
-  std::shuffle(order.begin(), order.end(), dev.rng);
   int ran = 0;
   const bool progress_before = dev.progress;
   bool any_progress = false;
+  for (auto &b : dev.resident) {
+    if (b->gone) continue;
+    for (size_t w = 0; w < b->fibers.size(); w += 32) order.push_back(WarpTurn{b.get(), w});
+    // A thread at a long load sits out this pass: it counts as run (its load is under way),
+    // so a pass where every thread waits for a load is not a deadlock.
+    for (size_t t = 0; dev.at_long_loads > 0 && t < b->fibers.size(); ++t) {
+      Fiber &f = *b->fibers[t];
+      if (f.load_passes == 0) continue;
+      if (--f.load_passes == 0) --dev.at_long_loads;
+      ++ran;
+      any_progress = true;
+    }
+  }
+  std::shuffle(order.begin(), order.end(), dev.rng);
   for (const WarpTurn &turn : order) {
     Block &b = *turn.block;
     if (b.gone) continue;
@@ -106,7 +116,7 @@ int run_interleaved(Device &dev, std::vector<Fiber *> &lanes) {
     for (int r = 0; r < rounds && !b.launch->failed; ++r) {
       lanes.clear();
       for (size_t t = turn.first; t < std::min(turn.first + 32, b.fibers.size()); ++t)
-        if (b.fibers[t]->state == FiberState::Ready) lanes.push_back(b.fibers[t].get());
+        if (b.fibers[t]->state == FiberState::Ready && b.fibers[t]->load_passes == 0) lanes.push_back(b.fibers[t].get());
       if (lanes.empty()) break;
       std::shuffle(lanes.begin(), lanes.end(), dev.rng);
       dev.progress = false;
@@ -171,6 +181,25 @@ void place_in_schedule(Device &dev, Block &b) {
   const uint64_t block = mix(launch, 0x626c6f636bull, b.idx.x);
   b.priority = launch % 2 == 0 ? (launch | 1) << 32 | block >> 32 : block;
 }
+// random: a kernel's global load (cuda/common.cuh's helpers, a packet's, cp.async's source) is
+// a scheduling point one time in kPreemptLoads, drawn from the seed, where the thread then
+// sits out 1 to kParkPasses passes (a load that takes long). A warp's run of plain loads is
+// cut at a random place, and other warps, of its block, of other blocks and of other ranks'
+// launches, run on meanwhile, as they do while a GPU warp waits for its load. Without it a
+// loop of plain loads ran as one step: a block that counted itself finished (an atomic)
+// before its other warps had read the peers' staging, a missing __syncthreads that lets a
+// peer restage under those reads, passed every seed an outside review tried.
+constexpr uint64_t kPreemptLoads = 32;
+constexpr uint64_t kParkPasses = 8;
+void preempt_at_load() {
+  Device &dev = device();
+  if (dev.config.schedule != TPFUSE_EMU_SCHEDULE_RANDOM || dev.rng() % kPreemptLoads != 0) return;
+  current_fiber().load_passes = 1 + static_cast<int>(dev.rng() % kParkPasses);
+  ++dev.at_long_loads;
+  dev.progress = true;
+  yield_to_scheduler();
+}
+
 int run_pass(Device &dev, std::vector<Fiber *> &scratch) {
   int ran;
   switch (dev.config.schedule) {

@@ -60,6 +60,13 @@
 //! one poison flag: a failure seen by one rank poisons all of them. Ranks in other processes
 //! find out through their own error words and deadlines.
 //!
+//! Dropping a group frees its symmetric memory only when no kernel can still touch it: a
+//! rank's launch may end while its peers still read its buffers (no barrier closes a launch),
+//! so with one rank per process ([`TpGroup::from_comm`] over CUDA IPC) the drop
+//! waits at a host barrier for every peer to drain its stream first; a poisoned group, whose
+//! peers may be gone, leaks its buffers instead (about `2 × capacity` plus 2.4 MiB a rank),
+//! as does a group whose stream does not drain in time.
+//!
 //! [`blocks`]: TpGroup::blocks
 //! [`timeout`]: TpGroup::timeout
 
@@ -605,10 +612,18 @@ impl Drop for TpGroup {
             return;
         }
         let own = ws.release_imports();
-        if self.mode == Mode::Ipc && !self.is_poisoned() {
-            if let Some(comm) = &self.comm {
-                // Every peer has closed its mapping of our buffers once it passes this.
-                let _ = comm.barrier();
+        if self.mode == Mode::Ipc {
+            // This rank's stream drained, but its peers may still read its buffers and write
+            // its pad: no barrier closes a launch (cuda/barrier.cuh, "Finished launches").
+            // Every peer has drained its stream and closed its mapping of our buffers once
+            // it passes this barrier; without it (a poisoned group, whose peers may be gone,
+            // or a barrier that failed) this rank's memory is leaked rather than freed under
+            // a peer's kernel.
+            let closed =
+                !self.is_poisoned() && self.comm.as_ref().is_some_and(|c| c.barrier().is_ok());
+            if !closed {
+                std::mem::forget(own);
+                return;
             }
         }
         drop(own);

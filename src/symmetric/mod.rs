@@ -6,7 +6,7 @@
 //!
 //! - one data allocation of `2 * capacity` bytes: staging at offset 0 (each rank's input is
 //!   copied there by its own kernel), results at offset `capacity` (two-shot's reduced
-//!   slices);
+//!   slices, one-shot's RMSNorm partials, the fused kernels' two exchange halves);
 //! - one signal pad of [`SIGNAL_PAD_BYTES`] (per-block barrier flags, per-block epochs, the
 //!   error word, the fused kernels' flags and their packet area: about 2.4 MiB), zeroed once
 //!   at creation and never reset: the barriers count up, the fused kernels' counts go back
@@ -28,7 +28,12 @@
 //!
 //! Memory is freed (or, for a peer's buffer opened through IPC, closed) when the last
 //! workspace that references it is dropped. Nothing here waits for kernels: the owner (a
-//! [`TpGroup`](crate::TpGroup)) drains its stream before it drops its workspace.
+//! [`TpGroup`](crate::TpGroup)) drains its stream before it drops its workspace. That is not
+//! enough on its own: a peer's kernel may still read this rank's buffers after this rank's
+//! stream drained (no barrier closes a launch), so with one rank per process the group frees
+//! its own allocations only once every peer has passed a host barrier after draining (and
+//! leaks them otherwise); with one process, every rank's workspace holds every rank's buffers,
+//! which are freed after the last group drained its stream.
 
 use crate::comm::Comm;
 use crate::device::{cuda, require_driver};
