@@ -190,6 +190,22 @@ __device__ __forceinline__ void publish_error_to_host(const tpfuse_peers &peers,
   if (g.host_error != nullptr) st_release_sys(g.host_error, ld_relaxed_sys(Pad{peers.signals[g.rank]}.error()));
 }
 
+// Waits until the count at `flag` (this rank's pad) holds `value` or more (wrap-safe):
+// ld.relaxed.sys spins, then one ld.acquire.sys, which reads the value or a later one
+// (coherence order of one location), so it synchronises with a release at or after the one
+// that stored it: the acquire of step 3 above, and of step 2 of "Finished launches". False,
+// acquiring nothing, once this rank's error word is set or the deadline passed (looked at
+// every 1024 spins).
+__device__ __forceinline__ bool await_count(const uint32_t *flag, uint32_t value, const Pad &own,
+                                            const Deadline &deadline) {
+  for (uint32_t spins = 0; static_cast<int32_t>(ld_relaxed_sys(flag) - value) < 0; ++spins) {
+    if ((spins & 1023u) != 1023u) continue;
+    if (ld_relaxed_sys(own.error()) != 0 || deadline.expired()) return false;
+  }
+  (void)ld_acquire_sys(flag); // the acquire: orders what follows
+  return true;
+}
+
 // Step 2 of "Finished launches", for thread `peer` (< world) of a block: true once rank `peer`
 // has finished every collective launch this rank finished (acquired); false, reported as
 // TPFUSE_ERROR_PEER_TIMEOUT | peer unless the error word holds a failure already, at the
@@ -198,17 +214,9 @@ __device__ __forceinline__ bool await_peer_finished(const tpfuse_peers &peers, c
                                                     const Deadline &deadline, int peer) {
   const Pad own{peers.signals[g.rank]};
   // This rank's previous collective launch wrote it, and has ended (stream order).
-  const uint32_t count = *own.finished_count();
-  const uint32_t *flag = own.finished(peer);
-  for (uint32_t spins = 0; static_cast<int32_t>(ld_relaxed_sys(flag) - count) < 0; ++spins) {
-    if ((spins & 1023u) != 1023u) continue;
-    if (ld_relaxed_sys(own.error()) != 0 || deadline.expired()) {
-      if (ld_relaxed_sys(own.error()) == 0) report_failure(peers, g, TPFUSE_ERROR_PEER_TIMEOUT | static_cast<uint32_t>(peer));
-      return false;
-    }
-  }
-  (void)ld_acquire_sys(flag); // the acquire: orders this launch's stores after the peer's reads
-  return true;
+  if (await_count(own.finished(peer), *own.finished_count(), own, deadline)) return true;
+  if (ld_relaxed_sys(own.error()) == 0) report_failure(peers, g, TPFUSE_ERROR_PEER_TIMEOUT | static_cast<uint32_t>(peer));
+  return false;
 }
 
 // Host: a 32-bit digest of what a launch is (kernel, element type, sizes, grid), equal on
@@ -269,17 +277,7 @@ public:
       // Relaxed: the flag's release just below orders it (same thread, program order).
       if (first) st_relaxed_sys(theirs.descriptor(blockIdx.x, g_.rank), descriptor_);
       st_release_sys(theirs.flag(blockIdx.x, g_.rank), value);
-      const uint32_t *flag = own_.flag(blockIdx.x, peer);
-      bool arrived = true;
-      for (uint32_t spins = 0; static_cast<int32_t>(ld_relaxed_sys(flag) - value) < 0; ++spins) {
-        if ((spins & 1023u) != 1023u) continue;
-        if (ld_relaxed_sys(own_.error()) != 0 || deadline_.expired()) {
-          arrived = false;
-          break;
-        }
-      }
-      if (arrived) {
-        (void)ld_acquire_sys(flag); // the acquire of step 3: orders what follows
+      if (await_count(own_.flag(blockIdx.x, peer), value, own_, deadline_)) {
         if (first && ld_relaxed_sys(own_.descriptor(blockIdx.x, peer)) != descriptor_) {
           report(TPFUSE_ERROR_PEER_MISMATCH | static_cast<uint32_t>(peer) |
                  static_cast<uint32_t>(g_.rank) << 16);

@@ -594,8 +594,8 @@ mutant embedding-padding-row-looked-up emu_vocab_embedding::lookup_copies_the_ra
 # only the weak-memory mode (+weak) sees stale data or reports the scope.
 mutant barrier-flag-relaxed emu_all_reduce::all_gather_every_world+weak "the cross-rank barrier's flag stored relaxed, not release" \
   barrier.cuh '      st_release_sys(theirs.flag(blockIdx.x, g_.rank), value);' '      st_relaxed_sys(theirs.flag(blockIdx.x, g_.rank), value);'
-mutant barrier-acquire-relaxed emu_all_reduce::all_gather_every_world+weak "the cross-rank barrier's flag read relaxed, not acquire" \
-  barrier.cuh '        (void)ld_acquire_sys(flag); // the acquire of step 3' '        (void)ld_relaxed_sys(flag); // the acquire of step 3'
+mutant barrier-acquire-relaxed emu_all_reduce::all_gather_every_world+weak "the cross-rank barrier's flag (and the finished launches' count) read relaxed, not acquire" \
+  barrier.cuh '  (void)ld_acquire_sys(flag); // the acquire: orders what follows' '  (void)ld_relaxed_sys(flag); // the acquire: orders what follows'
 mutant barrier-no-sync-after-acquire emu_all_reduce::all_gather_every_world+weak "the block reads peers' data without the __syncthreads after the acquiring threads" \
   barrier.cuh $'    __syncthreads();\n    const bool passed = *failures_ == 0;' $'    const bool passed = *failures_ == 0;'
 mutant release-sys-to-gpu emu_all_reduce::all_gather_every_world+weak "st.release.sys made st.release.gpu (peers on other GPUs)" \
