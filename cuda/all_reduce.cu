@@ -13,6 +13,9 @@
 //   all-gather  stage -> | -> copy every rank's staging -> finished
 //   reduce-sc.  stage -> | -> reduce own slice -> finished
 //
+// The one-shot goes by packets instead where they fit (all_reduce_packets.cu: no barrier, no
+// read across the link; the same bits).
+//
 // "stage" copies this rank's input into its own staging buffer; every other rank reads it
 // only after the next barrier. There is no closing barrier: "finished" announces the launch
 // to every rank, and a rank's next launch stores nothing before every peer has finished this
@@ -32,6 +35,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "all_reduce_packets.cuh"
 #include "barrier.cuh"
 #include "copy.cuh"
 #include "reduce.cuh"
@@ -499,7 +503,17 @@ int launch_all_reduce(int algo, const tpfuse_peers &peers, const tpfuse_group_ar
     return cudaErrorInvalidValue;
   }
   if ((bias != nullptr || gamma != nullptr) && hidden % Vec16<T>::kLen != 0) return cudaErrorInvalidValue;
+  if (g.packet_bytes > TPFUSE_PACKET_HALF_BYTES) return cudaErrorInvalidValue;
   int grid = grid_for_message((rows * hidden * sizeof(T) + 15) / 16, g.blocks);
+  // The one-shot by packets where asked and they fit (all_reduce_packets.cu): a block per 512
+  // vectors as here, with RMSNorm whole rows a block; else by flags.
+  if (algo == TPFUSE_ALGO_ONE_SHOT_PACKETS) {
+    if (one_shot_by_packets(g, sizeof(T), rows, hidden, gamma != nullptr)) {
+      if (gamma != nullptr && rows < static_cast<size_t>(grid)) grid = static_cast<int>(rows);
+      return launch_one_shot_packets<T>(peers, g, grid, in, b, res, gam, eps, o, rows, hidden, stream);
+    }
+    algo = TPFUSE_ALGO_ONE_SHOT;
+  }
   // One-shot with RMSNorm hands row segments to blocks: no more blocks than segments (a
   // guard: a message's segments are never fewer than its 512-vector blocks), and over rows of
   // several segments a block per segment up to the budget, so that each holds its segment in

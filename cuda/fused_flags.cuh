@@ -86,7 +86,7 @@ constexpr int kDescriptorBits = 24;
 constexpr uint64_t kDescriptorMask = (uint64_t{1} << kDescriptorBits) - 1;
 constexpr uint64_t kEpochMask = (uint64_t{1} << (64 - kDescriptorBits)) - 1;
 
-// Host: a flag's descriptor bits for a launch of fused kind `kind` (16..19) and `digest`
+// Host: a flag's descriptor bits for a launch of fused kind `kind` (16..20) and `digest`
 // (launch_descriptor of its shape): the kind in the low 4 bits, so that launches of two kinds
 // never pass for one another (a 24-bit digest alone would collide for one shape in 2^24),
 // and 20 bits of the digest above.
@@ -308,8 +308,10 @@ __device__ __forceinline__ bool passed(BlockState &st) {
 // The end of a block (every thread): the last block of the rank to get here advances the
 // epoch and, when the launch failed on this rank or anywhere, publishes the error word to the
 // host; true in every thread of that block then: it must mark the rank's outputs failed.
-// Every block then stores its phase record.
-__device__ __forceinline__ bool end(const tpfuse_peers &peers, const tpfuse_group_args &g, BlockState &st) {
+// Every block then stores its phase record (the GEMM kernels': `record`; the all-reduce by
+// packets leaves the last GEMM kernel's records, which TpGroup::fused_phases reads).
+__device__ __forceinline__ bool end(const tpfuse_peers &peers, const tpfuse_group_args &g, BlockState &st,
+                                    bool record = true) {
   const Pad own{peers.signals[g.rank]};
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -322,7 +324,7 @@ __device__ __forceinline__ bool end(const tpfuse_peers &peers, const tpfuse_grou
     }
   }
   __syncthreads();
-  st.clock.store(own, st.epoch);
+  if (record) st.clock.store(own, st.epoch);
   return st.last && st.failed;
 }
 

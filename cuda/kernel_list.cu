@@ -8,6 +8,7 @@ tpfuse::KernelList all_kernels() {
   tpfuse::KernelList list;
   tpfuse::all_gather_gemm_kernels(list);
   tpfuse::all_reduce_kernels(list);
+  tpfuse::all_reduce_packet_kernels(list);
   tpfuse::epilogue_kernels(list);
   tpfuse::fp_contraction_kernels(list);
   tpfuse::gemm_kernels(list);

@@ -35,6 +35,7 @@ private:
 // dispatcher).
 void all_gather_gemm_kernels(KernelList &list);
 void all_reduce_kernels(KernelList &list);
+void all_reduce_packet_kernels(KernelList &list);
 void epilogue_kernels(KernelList &list);
 void fp_contraction_kernels(KernelList &list);
 void gemm_kernels(KernelList &list);

@@ -1,5 +1,7 @@
-// packets.cuh: the one-shot GEMM + all-reduce's exchange at decode sizes, flags in the data
-// (gemm_all_reduce.cu uses it when world * m * n * 4 <= tpfuse_group_args.packet_bytes).
+// packets.cuh: the one-shot exchange at decode sizes, flags in the data: the GEMM +
+// all-reduce's partial tiles (gemm_all_reduce.cu, where world * m * n * 4 <=
+// tpfuse_group_args.packet_bytes) and the one-shot all-reduce's input (all_reduce_packets.cu,
+// where 2 * world * its bytes fit it).
 //
 // Why. With flags, a consumer waits for a peer's flag (the flag crosses the link after the
 // producer's release, which waits for its stores), then loads the peer's partial across the
@@ -7,27 +9,30 @@
 // own readiness: the producer stores its partial straight into every rank's memory, and the
 // consumer polls its own memory until the data is there: one crossing.
 //
-// Packets. A packet is one 64-bit word: two elements of the partial (the 32 bits the partial,
-// rounded to T, holds at elements e, e + 1; e even) in the low half, the launch's tag in the
-// high half. tag = 1 << 31 | (E mod 128) << 24 | the launch's 24 descriptor bits: never 0 (a
-// packet is 0 when nobody wrote it or its consumer cleared it). Rank src's packets of launch E
-// lie in half (E & 1) of every rank's packet area (tpfuse.h, the pad), at [src][e / 2] (m * n
-// / 2 packets a source). A 16-byte vector of 8 elements is four packets, 32 bytes.
+// Packets. A packet is one 64-bit word: 32 bits of the source's data (the partial rounded to
+// T, or the all-reduce's input: bytes 4j .. 4j + 3, two 16-bit elements or one f32) in the low
+// half, the launch's tag in the high half. tag = 1 << 31 | (E mod 128) << 24 | the launch's 24
+// descriptor bits: never 0 (a packet is 0 when nobody wrote it or its consumer cleared it).
+// Rank src's packets of launch E lie in half (E & 1) of every rank's packet area (tpfuse.h,
+// the pad), at [src][j] (a source's bytes / 4 packets: `part`). A 16-byte vector is four
+// packets, 32 bytes.
 //
-// Producer (PacketEpilogue::store8, in place of the exchange area's store): each thread
-// stores its four packets of 8 elements into every rank's half with st.relaxed.sys.v2.u64
+// Producer (store_packets: PacketEpilogue::store8, in place of the exchange area's store, or
+// the all-reduce's copy of its input): each thread stores the four packets of a vector into
+// every rank's half with st.relaxed.sys.v2.u64
 // (two single-copy-atomic 64-bit words each: the PTX ISA models a vector access as one access
 // per element). No flag, no fence.
 //
-// Consumer (reduce_packet_vector): for its vector of every rank src, a thread loads the four
+// Consumer (sum_packet_vector): for its vector of every rank src, a thread loads the four
 // packets from its own pad (ld.relaxed.sys.v2.u64) until each holds the launch's tag, adds the
 // ranks' elements in rank order (reduce.cuh's sum_ranks, so the bits of the flag path), stores
-// out, then clears the 32 bytes (weak stores of 0). A word is seen whole (single-copy atomic,
+// out (or holds the sum), then clears the 32 bytes (weak stores of 0). A word is seen whole (single-copy atomic,
 // morally strong: both .sys), so a packet with the tag holds the producer's data: the data
 // and its readiness are one write, and nothing needs ordering before it (relaxed suffices).
 //
 // Why a nonzero packet is this launch's. Every packet written is read and cleared by its
-// consumer in the same launch (every rank reduces all of out). A producer writes half
+// consumer in the same launch (every rank reduces all of out, and the all-reduce's block b
+// reads exactly the vectors block b of every rank stores). A producer writes half
 // (E & 1) in launch E only after every rank started launch E - 1 (fused_flags.cuh, "Started
 // flags"), so after every rank finished launch E - 2 and its clears of that half; the
 // acquire of that flag orders the clears before the new packets. So in launch E the half holds
@@ -60,6 +65,27 @@ __device__ __forceinline__ uint64_t *source(const Pad &pad, uint64_t epoch, int 
   return pad.packets(static_cast<int>(epoch & 1)) + static_cast<size_t>(src) * part;
 }
 
+// The packet index of element i (a multiple of the vector's length) of a source: 32 bits of
+// data a packet (two 16-bit elements, or one f32).
+template <typename T> __device__ __forceinline__ size_t packet_index(size_t i) { return i * sizeof(T) / 4; }
+
+// Stores the 16 bytes `raw` (elements i .. i + 7 of this rank's source: four packets) with
+// `tag` into every rank's half of launch `epoch`, from the next rank on, so that the ranks'
+// stores of a moment spread over the links.
+template <typename T>
+__device__ __forceinline__ void store_packets(const tpfuse_peers &peers, int world, int rank, uint64_t epoch,
+                                              size_t part, uint32_t tag, size_t i, const uint4 &raw) {
+  const uint64_t t = static_cast<uint64_t>(tag) << 32;
+  const Words2 first{t | raw.x, t | raw.y}, second{t | raw.z, t | raw.w};
+  const size_t at = packet_index<T>(i);
+  for (int j = 1; j <= world; ++j) {
+    const int p = (rank + j) % world;
+    uint64_t *dst = source(Pad{peers.signals[p]}, epoch, rank, part) + at;
+    st_relaxed_sys_v2(dst, first);
+    st_relaxed_sys_v2(dst + 2, second);
+  }
+}
+
 // The GEMM's epilogue in a packet launch: the tile's partial, rounded once to T (the flag
 // path's StagingEpilogue bits), as packets into every rank's half, this rank's source.
 template <typename T> struct PacketEpilogue {
@@ -71,17 +97,8 @@ template <typename T> struct PacketEpilogue {
 
   __device__ __forceinline__ void store8(int row, int col, const float (&acc)[8]) const {
     const Vec16<T> out = rounded<T>(acc);
-    const uint4 raw = *reinterpret_cast<const uint4 *>(&out);
-    const uint64_t t = static_cast<uint64_t>(tag) << 32;
-    const Words2 first{t | raw.x, t | raw.y}, second{t | raw.z, t | raw.w};
-    const size_t at = (static_cast<size_t>(row) * static_cast<size_t>(n) + static_cast<size_t>(col)) / 2;
-    // From the next rank on, so that the ranks' stores of a moment spread over the links.
-    for (int j = 1; j <= world; ++j) {
-      const int p = (rank + j) % world;
-      uint64_t *dst = source(Pad{peers->signals[p]}, epoch, rank, part) + at;
-      st_relaxed_sys_v2(dst, first);
-      st_relaxed_sys_v2(dst + 2, second);
-    }
+    const size_t i = static_cast<size_t>(row) * static_cast<size_t>(n) + static_cast<size_t>(col);
+    store_packets<T>(*peers, world, rank, epoch, part, tag, i, *reinterpret_cast<const uint4 *>(&out));
   }
 };
 
@@ -127,18 +144,19 @@ static __device__ TPFUSE_NOINLINE Awaited await_packets(const tpfuse_peers &peer
   }
 }
 
-// Elements i .. i + 7 of out (element i of the [m, n] partials): every rank's packets, awaited,
-// added in rank order through `epi` and stored, then cleared. The ranks go in waves of
-// kWave: a wave's packets are loaded together (4 x 32 bytes in flight with the epilogue's
-// operands; the packets are in this rank's own memory) and added to the running sum in rank
-// order (the same additions as sum_ranks, so its bits). A wider wave held 8 x 32 bytes of
-// packets in registers and cost the kernel a block per SM in its GEMM. False when the block
-// must give up (nothing stored for this vector).
+// Elements i .. i + 7 of the sum (i a multiple of the vector's length; element i of the
+// sources' data): every rank's packets, awaited, added in rank order through `epi` (which
+// writes the residual) into `y`, then cleared. The ranks go in waves of kWave: a wave's
+// packets are loaded together (4 x 32 bytes in flight with the epilogue's operands; the
+// packets are in this rank's own memory) and added to the running sum in rank order (the same
+// additions as sum_ranks, so its bits). A wider wave held 8 x 32 bytes of packets in registers
+// and cost the GEMM + all-reduce kernel a block per SM in its GEMM. False when the block must
+// give up (y unset, nothing cleared). reduce_packet_vector, below, stores y into out.
 template <typename T>
-__device__ __forceinline__ bool reduce_packet_vector(const tpfuse_peers &peers, const tpfuse_group_args &g,
-                                                     const Deadline &deadline, fused::BlockState &st, size_t part,
-                                                     uint32_t tag, uint64_t descriptor, const Epilogue<T> &epi,
-                                                     T *out, size_t i) {
+__device__ __forceinline__ bool sum_packet_vector(const tpfuse_peers &peers, const tpfuse_group_args &g,
+                                                  const Deadline &deadline, fused::BlockState &st, size_t part,
+                                                  uint32_t tag, uint64_t descriptor, const Epilogue<T> &epi,
+                                                  size_t i, Vec16<T> &y) {
   constexpr int kWave = 4;
   static_assert(TPFUSE_MAX_RANKS % kWave == 0, "whole waves");
   const Pad own{peers.signals[g.rank]};
@@ -151,7 +169,7 @@ __device__ __forceinline__ bool reduce_packet_vector(const tpfuse_peers &peers, 
 #pragma unroll
     for (int j = 0; j < kWave; ++j) {
       if (first + j < g.world) {
-        const uint64_t *at = source(own, st.epoch, first + j, part) + i / 2;
+        const uint64_t *at = source(own, st.epoch, first + j, part) + packet_index<T>(i);
         w[j][0] = ld_relaxed_sys_v2(at);
         w[j][1] = ld_relaxed_sys_v2(at + 2);
       }
@@ -161,7 +179,7 @@ __device__ __forceinline__ bool reduce_packet_vector(const tpfuse_peers &peers, 
       const int p = first + j;
       if (p < g.world) {
         if (!all_tagged(w[j][0], w[j][1], tag)) {
-          const Awaited a = await_packets(peers, g, deadline, st, source(own, st.epoch, p, part) + i / 2, p, tag,
+          const Awaited a = await_packets(peers, g, deadline, st, source(own, st.epoch, p, part) + packet_index<T>(i), p, tag,
                                           descriptor);
           if (!a.ok) return false;
           w[j][0] = a.first;
@@ -173,17 +191,28 @@ __device__ __forceinline__ bool reduce_packet_vector(const tpfuse_peers &peers, 
       }
     }
   }
-  store16(out + i, epi.apply_loaded(acc, i, operands));
+  y = epi.apply_loaded(acc, i, operands);
   // Consumed: back to 0, for launch E + 2's packets (ordered before them by the started flags).
   const uint4 zero{0, 0, 0, 0};
 #pragma unroll
   for (int p = 0; p < TPFUSE_MAX_RANKS; ++p) {
     if (p < g.world) {
-      uint4 *at = reinterpret_cast<uint4 *>(source(own, st.epoch, p, part) + i / 2);
+      uint4 *at = reinterpret_cast<uint4 *>(source(own, st.epoch, p, part) + packet_index<T>(i));
       st_global(at, zero);
       st_global(at + 1, zero);
     }
   }
+  return true;
+}
+
+template <typename T>
+__device__ __forceinline__ bool reduce_packet_vector(const tpfuse_peers &peers, const tpfuse_group_args &g,
+                                                     const Deadline &deadline, fused::BlockState &st, size_t part,
+                                                     uint32_t tag, uint64_t descriptor, const Epilogue<T> &epi,
+                                                     T *out, size_t i) {
+  Vec16<T> y;
+  if (!sum_packet_vector<T>(peers, g, deadline, st, part, tag, descriptor, epi, i, y)) return false;
+  store16(out + i, y);
   return true;
 }
 

@@ -140,10 +140,11 @@ int tpfuse_fp_contraction_probe(const float *abc, float *out, void *stream);
  *                                                         rank src started (a flag as
  *                                                         tile_flags')
  *       uint64 packets[2][TPFUSE_PACKET_HALF_BYTES / 8]   (256-aligned) the one-shot GEMM +
+ *                                                         all-reduce's and the one-shot
  *                                                         all-reduce's packets at decode sizes,
- *                                                         half (epoch & 1): [src][m * n / 2],
- *                                                         each 2 elements and a tag, 0 when
- *                                                         consumed (gemm_all_reduce.cu)
+ *                                                         half (epoch & 1): [src][bytes / 4],
+ *                                                         each 4 bytes of data and a tag, 0
+ *                                                         when consumed (packets.cuh)
  *   (cuda/fused_flags.cuh explains the fused words)
  * The kernels never reset flags: every barrier waits for a larger value (epochs), so the
  * same launch can be replayed from a CUDA graph.
@@ -225,9 +226,11 @@ int tpfuse_fp_contraction_probe(const float *abc, float *out, void *stream);
  * canonical 0x7FFFFFFF, 0x7FFF) and from a CPU's default NaN (0x7FC00000, 0x7E00, 0x7FC0). */
 #define TPFUSE_FAILED_OUTPUT_BITS16 0xFFD5
 
-/* Algorithms. */
+/* Algorithms. ONE_SHOT_PACKETS: the one-shot by packets where they fit (tpfuse_all_reduce),
+ * else the one-shot by flags (ONE_SHOT). */
 #define TPFUSE_ALGO_ONE_SHOT 0
 #define TPFUSE_ALGO_TWO_SHOT 1
+#define TPFUSE_ALGO_ONE_SHOT_PACKETS 2
 
 /* The buffers of every rank, as this rank addresses them. */
 typedef struct tpfuse_peers {
@@ -250,9 +253,11 @@ typedef struct tpfuse_group_args {
   /* This rank's error word in mapped host memory (device address), or NULL: a failed launch
    * stores its error word there, where the host reads it without synchronising. */
   uint32_t *host_error;
-  /* Bytes of each half of the packet area the one-shot GEMM + all-reduce may use (0 ..=
-   * TPFUSE_PACKET_HALF_BYTES; 0: never): it exchanges its partial tiles as packets when
-   * world * m * n * 4 <= packet_bytes (tpfuse_gemm_all_reduce). Equal on every rank. */
+  /* Bytes of each half of the packet area the one-shot kernels may use (0 ..=
+   * TPFUSE_PACKET_HALF_BYTES, else cudaErrorInvalidValue; 0: never): the GEMM + all-reduce
+   * exchanges its partial tiles as packets when world * m * n * 4 <= packet_bytes
+   * (tpfuse_gemm_all_reduce), the all-reduce asked for TPFUSE_ALGO_ONE_SHOT_PACKETS its input
+   * when 2 * world * its bytes <= packet_bytes (tpfuse_all_reduce). Equal on every rank. */
   uint64_t packet_bytes;
 } tpfuse_group_args;
 
@@ -268,10 +273,16 @@ typedef struct tpfuse_group_args {
  * is a multiple of 16 / sizeof(T). bias, residual and gamma must hold the same values on
  * every rank (two-shot computes each slice with its owner's copy), and so must eps when
  * gamma is given (checked: eps's bits are part of the descriptor the first barrier compares,
- * so ranks with different eps get TPFUSE_ERROR_PEER_MISMATCH). One-shot with gamma is a
- * cooperative launch (its blocks meet: every block resident at once, or
- * cudaErrorCooperativeLaunchTooLarge before anything runs). Returns a cudaError_t; the
- * outcome of the waits is in this rank's error word.
+ * so ranks with different eps get TPFUSE_ERROR_PEER_MISMATCH). TPFUSE_ALGO_ONE_SHOT_PACKETS
+ * goes by packets (no barrier: each rank stores its input, 4 bytes and a tag in 8, into every
+ * rank's signal pad, and reduces from its own) where the message is whole 16-byte vectors,
+ * 2 * world * rows * hidden * sizeof(T) <= group->packet_bytes and, with gamma, hidden <=
+ * 1024 * 16 / sizeof(T) (two RMSNorm segments); else it is TPFUSE_ALGO_ONE_SHOT (by flags).
+ * The same bits either way. Every rank must ask for the same: a rank by packets and one by
+ * flags wait for what the other never sends, a timeout at the deadline (not a mismatch).
+ * One-shot by packets, and by flags with gamma, is a cooperative launch (every block resident
+ * at once, or cudaErrorCooperativeLaunchTooLarge before anything runs). Returns a cudaError_t;
+ * the outcome of the waits is in this rank's error word.
  */
 int tpfuse_all_reduce(tpfuse_dtype dtype, int32_t algo, const tpfuse_peers *peers,
                       const tpfuse_group_args *group, const void *input, const void *bias,

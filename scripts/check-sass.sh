@@ -71,8 +71,9 @@ for i in "${!objects[@]}"; do
   throttle
   dir=$(dirname "$obj")
   {
-    echo "== $dir/all_reduce.o, gemm_all_reduce.o, all_gather_gemm.o: reductions and copies"
-    { "$cuobjdump" -sass "$dir/all_reduce.o"; "$cuobjdump" -sass "$obj"; "$cuobjdump" -sass "$dir/all_gather_gemm.o"; } | c++filt |
+    echo "== $dir/all_reduce.o, all_reduce_packets.o, gemm_all_reduce.o, all_gather_gemm.o: reductions and copies"
+    { "$cuobjdump" -sass "$dir/all_reduce.o"; "$cuobjdump" -sass "$dir/all_reduce_packets.o"; "$cuobjdump" -sass "$obj"
+      "$cuobjdump" -sass "$dir/all_gather_gemm.o"; } | c++filt |
       python3 "$root/scripts/sass_reductions.py"
   } >"$work/$i.reductions.log" 2>&1 || : >"$work/$i.reductions.failed" &
 done

@@ -514,9 +514,31 @@ mutant packets-half-cleared gpu_gemm_all_reduce::a_graph_of_the_fused_op_replays
 mutant packets-words-swapped emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "a packet pair's words stored in each other's place" \
   packets.cuh 'first{t | raw.x, t | raw.y}' 'first{t | raw.y, t | raw.x}'
 mutant packets-source-0 emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "every rank stores its packets as rank 0's" \
-  packets.cuh 'source(Pad{peers->signals[p]}, epoch, rank, part)' 'source(Pad{peers->signals[p]}, epoch, 0, part)'
+  packets.cuh 'source(Pad{peers.signals[p]}, epoch, rank, part)' 'source(Pad{peers.signals[p]}, epoch, 0, part)'
 mutant packets-own-pad-skipped emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16 "a rank stores its packets into every pad but its own" \
   packets.cuh 'for (int j = 1; j <= world; ++j) {' 'for (int j = 1; j < world; ++j) {'
+# The one-shot all-reduce by packets (cuda/all_reduce_packets.cu).
+mutant ar-packets-never emu_counters::a_decode_message_launches_only_the_blocks_it_needs "the one-shot all-reduce goes by flags where the group offers packets (the same bits)" \
+  all_reduce_packets.cu 'return g.packet_bytes != 0 && bytes % 16 == 0' 'return false && bytes % 16 == 0'
+mutant ar-packets-second-segment-unsent emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue "a row's second RMSNorm segment is never sent (its consumers wait to the deadline)" \
+  all_reduce_packets.cu $'    for (int s = 0; s < segments; ++s)\n      if (col(s) < hidden) x.send(' $'    for (int s = 0; s < 1; ++s)\n      if (col(s) < hidden) x.send('
+mutant ar-packets-second-segment-unsquared emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue "the row's sum of squares leaves out its second segment" \
+  all_reduce_packets.cu '      if (s < segments) sum += held_sum_of_squares(' '      if (s < 1) sum += held_sum_of_squares('
+mutant ar-packets-gamma-of-segment-0 emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue "every segment of a row normalised with the first segment's gamma" \
+  all_reduce_packets.cu 'gam[s] = load16(gamma + col(s));' 'gam[s] = load16(gamma + col(0));'
+mutant ar-packets-not-normalised emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue "a row by packets is stored without its RMSNorm" \
+  all_reduce_packets.cu 'normalize_vector(parked[s * kThreads + threadIdx.x], gam[s], rstd)' 'parked[s * kThreads + threadIdx.x]'
+mutant ar-packets-no-bias emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue "the all-reduce by packets leaves out the bias" \
+  all_reduce_packets.cu 'Epilogue<T>{bias, residual, hidden}' 'Epilogue<T>{nullptr, residual, hidden}'
+mutant ar-packets-vectors-of-block-0 emu_all_reduce::all_reduce_f32_every_world_path_and_epilogue "every block of the flat all-reduce by packets takes block 0's vectors" \
+  all_reduce_packets.cu ': begin(n * blockIdx.x / gridDim.x), end(n * (blockIdx.x + 1) / gridDim.x) {}' ': begin(0), end(n / gridDim.x) {}'
+mutant ar-packets-failure-unmarked emu_all_reduce::a_missing_rank_times_out_on_every_survivor_within_the_deadline "a failed all-reduce by packets leaves its outputs unmarked" \
+  all_reduce_packets.cu $'    mark_failed(out, 0, n);\n    mark_failed(residual, 0, n);' ''
+# The weak passes report a strong load that reads a write it is not morally strong with
+# (weak_memory.cpp, check_race): on a GPU a packet stored weakly may be seen torn.
+mutant packets-stored-weak emu_all_reduce::a_late_rank_within_the_deadline_gives_the_right_result+weak "a vector's packets stored with a weak st.global.v4 (no single-copy atomicity)" \
+  packets.cuh $'    st_relaxed_sys_v2(dst, first);\n    st_relaxed_sys_v2(dst + 2, second);' \
+  $'    st_global(reinterpret_cast<uint4 *>(dst), uint4{static_cast<uint32_t>(first.lo), static_cast<uint32_t>(first.lo >> 32), static_cast<uint32_t>(first.hi), static_cast<uint32_t>(first.hi >> 32)});\n    st_global(reinterpret_cast<uint4 *>(dst + 2), uint4{static_cast<uint32_t>(second.lo), static_cast<uint32_t>(second.lo >> 32), static_cast<uint32_t>(second.hi), static_cast<uint32_t>(second.hi >> 32)});'
 mutant packets-never emu_counters::fused_gemm_all_reduce_reads_the_peers_once_or_twice_by_slices "the one-shot exchanges by flags where the plan says packets (the same bits)" \
   gemm_all_reduce.cu 'const bool packets = !reduction.scatter && g.packet_bytes != 0 &&' 'const bool packets = false && g.packet_bytes != 0 &&'
 mutant started-window-one-ahead emu_gemm_all_reduce::reduce_scatters_and_all_reduces_back_to_back_complete@pct:1 "a block takes only a peer's started flag of the launch before or this one, not the next (a reduce-scatter's peer may be there)" \

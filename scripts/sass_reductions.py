@@ -20,8 +20,9 @@ vector of the other ranks together, in waves of four: min(W, 4) loads; the all-g
 rank, all 8). A read-only load (LDG.E.128.CONSTANT, the bias) counts toward a reduction's
 epilogue loads only, never toward a copy's.
 
-The fused kernel's packets (cuda/packets.cuh: ld.relaxed.sys.v2.u64, LDG.E.128.STRONG.SYS)
-are counted apart: it must show a run of at least 8, a wave of four ranks' 32 bytes.
+The packets (cuda/packets.cuh: ld.relaxed.sys.v2.u64, LDG.E.128.STRONG.SYS) of the fused
+kernel and of the one-shot all-reduce by packets are counted apart: each must show a run of
+at least 8, a wave of four ranks' 32 bytes.
 """
 import re
 import sys
@@ -45,9 +46,12 @@ COPIES = {
     "all_gather_kernel": [(0, 4), (8, 0)],
     "gemm_all_reduce_kernel<": [(4, 0)],
     "all_gather_gemm_kernel<": [(0, 4)],
+    # The one-shot all-reduce by packets: its input's loads (one a vector) before the packets'
+    # stores; its reduction is a run of packets (below).
+    "one_shot_packets_kernel<": [(0, 1)],
 }
 # kernel -> the packet loads (LDG.E.128.STRONG.SYS) one run must hold at least.
-PACKETS = {"gemm_all_reduce_kernel<": 8}
+PACKETS = {"gemm_all_reduce_kernel<": 8, "one_shot_packets_kernel<": 8}
 STORES = ("STG", "STS", "ST.", "RED", "ATOM")
 
 

@@ -117,6 +117,7 @@ fn invalid_options_name_the_field() {
         blocks: None,
         fused_blocks_per_sm: Some(1),
         fused_packets: false,
+        all_reduce_packets: true,
     };
     o.validate().unwrap();
 }

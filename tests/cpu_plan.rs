@@ -335,7 +335,7 @@ fn the_all_reduce_model_against_published_h100_times() {
     for (bytes, times) in SGLANG_H100 {
         for (tp, measured) in [2, 4, 8].into_iter().zip(times) {
             let n = bytes / 2;
-            let row = tpfuse::plan::all_reduce_row("all_reduce", 1, n, tp, &h100, false);
+            let row = tpfuse::plan::all_reduce_row("all_reduce", 1, n, tp, &h100, false, 0);
             let ratio = row.model_us / measured;
             let worst = if bytes <= 32 << 10 {
                 &mut small

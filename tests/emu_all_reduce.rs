@@ -138,20 +138,25 @@ const ROW_EPILOGUES: [Epi; 5] = [
 /// How a case is computed.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Path {
+    /// One-shot by flags.
     OneShot,
+    /// `TPFUSE_ALGO_ONE_SHOT_PACKETS`: by packets where the message fits them
+    /// (`cuda/all_reduce_packets.cu`), else by flags.
+    Packets,
     TwoShot,
-    /// Plain one-shot all-reduce, then the standalone bias/residual and RMSNorm kernels.
+    /// Plain one-shot all-reduce (by flags), then the standalone bias/residual and RMSNorm
+    /// kernels.
     Unfused,
 }
 
 impl Path {
-    /// The C ABI's algorithm (the unfused path's all-reduce is one-shot).
+    /// The C ABI's algorithm (the unfused path's all-reduce is one-shot, by flags).
     fn algo(self) -> i32 {
-        if self == Path::TwoShot {
-            abi::TPFUSE_ALGO_TWO_SHOT as i32
-        } else {
-            abi::TPFUSE_ALGO_ONE_SHOT as i32
-        }
+        (match self {
+            Path::TwoShot => abi::TPFUSE_ALGO_TWO_SHOT,
+            Path::Packets => abi::TPFUSE_ALGO_ONE_SHOT_PACKETS,
+            _ => abi::TPFUSE_ALGO_ONE_SHOT,
+        }) as i32
     }
 }
 
@@ -210,7 +215,7 @@ fn enqueue<T: TestElement>(ranks: &Ranks, d: &Data<T>, path: Path, label: &str) 
         // SAFETY: every buffer holds what the ABI says and lives until the launch is checked.
         unsafe {
             let code = match path {
-                Path::OneShot | Path::TwoShot => abi::tpfuse_all_reduce(
+                Path::OneShot | Path::Packets | Path::TwoShot => abi::tpfuse_all_reduce(
                     T::DTYPE,
                     path.algo(),
                     &peers,
@@ -350,8 +355,22 @@ fn all_reduce_every_world<T: TestElement>(seed: u64) {
             }
         }
         // Path by path, so that consecutive launches on a rank have different inputs: a rank
-        // that overwrote its staging too early would show.
-        for path in [Path::OneShot, Path::TwoShot, Path::Unfused] {
+        // that overwrote its staging, or a packet half, too early would show. By packets on
+        // W = 2, 3 and 8 only: each vector costs the weak-memory passes about 16·W strong
+        // accesses there (the rest of this test took 6.6 s of forward/weak, the packets on
+        // every W 29 s more).
+        let packets: &[Path] = if [2, 3, 6].contains(&world) {
+            &[Path::Packets]
+        } else {
+            &[]
+        };
+        let paths = [
+            &[Path::OneShot][..],
+            packets,
+            &[Path::TwoShot, Path::Unfused],
+        ]
+        .concat();
+        for path in paths {
             for (label, d, launches) in cases.iter_mut() {
                 launches.push(enqueue(&ranks, d, path, label));
             }
@@ -504,6 +523,7 @@ fn reduce_scatter_every_world_and_dtype() {
 /// One plain one-shot all-reduce of `n` f32 on every rank not in `skip`; the outputs.
 fn launch_survivors(
     ranks: &Ranks,
+    path: Path,
     n: usize,
     skip: &[usize],
     seed: u64,
@@ -516,8 +536,8 @@ fn launch_survivors(
             }
             let input = DeviceBuffer::from_slice(&inputs[r]);
             let out = DeviceBuffer::<f32>::new(n);
-            // The input is copied by the kernel before its first barrier.
-            ranks.plain_all_reduce(r, Path::OneShot, &input, &out, n);
+            // The input is copied (or sent) by the kernel before it waits.
+            ranks.plain_all_reduce(r, path, &input, &out, n);
             ranks.streams[r].synchronize().ok();
             Some(out)
         })
@@ -530,20 +550,31 @@ fn a_missing_rank_times_out_on_every_survivor_within_the_deadline() {
         "emu_all_reduce",
         "a_missing_rank_times_out_on_every_survivor_within_the_deadline",
     );
+    // 1000 f32: by packets on a group that offers them.
+    for path in [Path::OneShot, Path::Packets] {
+        missing_rank(path);
+    }
+}
+
+fn missing_rank(path: Path) {
     let timeout = 2_000_000; // 2 ms of virtual time
     let ranks = Ranks::new(4, 2, timeout);
     ranks.streams[2].set_fault(Fault {
         stop: true,
         ..Fault::default()
     });
-    let n = 1000;
+    // By packets every thread of a vector waits (by flags, one a peer), and each resume of a
+    // waiting thread moves the emulator's clock 1 ns: with 250 vectors on each of 3 ranks the
+    // threads' checks of the deadline (every 1024 polls) came 1.6 ms late in virtual time.
+    // 64 vectors keep the bound's meaning (a wait ends at its deadline, not much later).
+    let n = if path == Path::Packets { 256 } else { 1000 };
     let inputs: Vec<Vec<f32>> =
         random_ranks(4, n, |r| mix_seed(base_seed(0xa11_0006), &[r as u64]));
     let bufs: Vec<DeviceBuffer<f32>> = inputs.iter().map(|x| DeviceBuffer::from_slice(x)).collect();
     let outs: Vec<DeviceBuffer<f32>> = (0..4).map(|_| DeviceBuffer::new(n)).collect();
     let start = emulator::now_ns();
     for r in 0..4 {
-        ranks.plain_all_reduce(r, Path::OneShot, &bufs[r], &outs[r], n);
+        ranks.plain_all_reduce(r, path, &bufs[r], &outs[r], n);
     }
     ranks.synchronize();
     let elapsed = emulator::now_ns() - start;
@@ -552,7 +583,7 @@ fn a_missing_rank_times_out_on_every_survivor_within_the_deadline() {
         assert_eq!(
             ranks.error_word(r),
             word,
-            "rank {r}: error word names rank 2"
+            "{path:?} rank {r}: error word names rank 2"
         );
         assert_eq!(
             ranks.host_error_word(r),
@@ -581,7 +612,7 @@ fn a_missing_rank_times_out_on_every_survivor_within_the_deadline() {
 
     // A poisoned group returns at once: no waiting, nothing written.
     let start = emulator::now_ns();
-    let outs = launch_survivors(&ranks, n, &[2], base_seed(0xa11_0007));
+    let outs = launch_survivors(&ranks, path, n, &[2], base_seed(0xa11_0007));
     let elapsed = emulator::now_ns() - start;
     assert!(
         elapsed < timeout / 10,
@@ -634,6 +665,7 @@ fn a_late_rank_within_the_deadline_gives_the_right_result() {
     let d = data::<bf16>(4, 2, 264, ROW_EPILOGUES[4], base_seed(0xa11_0008));
     let launches = vec![
         enqueue(&ranks, &d, Path::OneShot, "late"),
+        enqueue(&ranks, &d, Path::Packets, "late"),
         enqueue(&ranks, &d, Path::TwoShot, "late"),
     ];
     let start = emulator::now_ns();
@@ -653,22 +685,28 @@ fn a_wait_ends_when_the_timer_stands_still() {
     let _s = session("emu_all_reduce", "a_wait_ends_when_the_timer_stands_still");
     // Rank 1 never comes and rank 0's %globaltimer stands still: only the %clock64 backstop
     // (4 x the timeout at the peak clock) ends rank 0's wait. Before it, the wait was endless.
+    // By flags (the barrier's wait) and by packets (a packet's).
     let timeout = 1_000_000;
-    let ranks = Ranks::stopped_and_frozen(2, 2, timeout, 1, 0);
-    let input = DeviceBuffer::from_slice(&vec![1.0f32; 64]);
-    let out = DeviceBuffer::<f32>::new(64);
-    let start = emulator::now_ns();
-    ranks.plain_all_reduce(0, Path::OneShot, &input, &out, 64);
-    ranks.streams[0].synchronize().expect("rank 0 returns");
-    let elapsed = emulator::now_ns() - start;
-    let word = abi::TPFUSE_ERROR_PEER_TIMEOUT | 1;
-    assert_eq!(ranks.error_word(0), word);
-    assert_eq!(ranks.host_error_word(0), word);
-    assert!(
-        elapsed >= 4 * timeout && elapsed <= 5 * timeout,
-        "the backstop ended the wait after {elapsed} ns (timeout {timeout} ns)"
-    );
-    assert!(out.to_vec().iter().all(|x| x.is_failed_output()));
+    for path in [Path::OneShot, Path::Packets] {
+        let ranks = Ranks::stopped_and_frozen(2, 2, timeout, 1, 0);
+        let input = DeviceBuffer::from_slice(&vec![1.0f32; 64]);
+        let out = DeviceBuffer::<f32>::new(64);
+        let start = emulator::now_ns();
+        ranks.plain_all_reduce(0, path, &input, &out, 64);
+        ranks.streams[0].synchronize().expect("rank 0 returns");
+        let elapsed = emulator::now_ns() - start;
+        let word = abi::TPFUSE_ERROR_PEER_TIMEOUT | 1;
+        assert_eq!(ranks.error_word(0), word, "{path:?}");
+        assert_eq!(ranks.host_error_word(0), word, "{path:?}");
+        assert!(
+            elapsed >= 4 * timeout && elapsed <= 5 * timeout,
+            "{path:?}: the backstop ended the wait after {elapsed} ns (timeout {timeout} ns)"
+        );
+        assert!(
+            out.to_vec().iter().all(|x| x.is_failed_output()),
+            "{path:?}"
+        );
+    }
 }
 
 /// Rank 0 launches (n0, blocks0) elements of dtype0, rank 1 (n1, blocks1) of dtype1: both must
@@ -737,8 +775,8 @@ fn assert_mismatched<T: TestElement>(
 
 /// Registers count toward an SM's room, as on a GPU: a one-shot all-reduce + RMSNorm block
 /// (512 threads of 78 registers on sm_90a: 40960 of an SM's 65536) holds a whole SM, though
-/// its threads (512 of 2048) and shared memory would let four share one. Its launch is
-/// cooperative (its blocks meet), so on a device of 2 SMs a grid of 3 is refused
+/// its threads (512 of 2048) and shared memory would let four share one. Its launch by flags
+/// is cooperative (its blocks meet), so on a device of 2 SMs a grid of 3 is refused
 /// (cudaErrorCooperativeLaunchTooLarge) on every rank before anything runs, and a grid of 1 a
 /// rank runs.
 #[test]
@@ -817,7 +855,7 @@ fn ranks_that_launch_different_sizes_or_grids_get_a_mismatch_not_wrong_data() {
         "ranks_that_launch_different_sizes_or_grids_get_a_mismatch_not_wrong_data",
     );
     let f32 = abi::TPFUSE_DTYPE_F32;
-    for path in [Path::OneShot, Path::TwoShot] {
+    for path in [Path::OneShot, Path::Packets, Path::TwoShot] {
         mismatch(
             &format!("{path:?} n 1000 vs 1024"),
             path,
@@ -902,7 +940,7 @@ fn ranks_that_pass_different_eps_get_a_mismatch_not_different_bits() {
     // first barrier that must see the difference.
     let (rows, hidden) = (3usize, 64usize);
     let n = rows * hidden;
-    for path in [Path::OneShot, Path::TwoShot] {
+    for path in [Path::OneShot, Path::Packets, Path::TwoShot] {
         let ranks = Ranks::new(2, 2, LONG_TIMEOUT_NS);
         let inputs: Vec<Vec<bf16>> =
             random_ranks(2, n, |r| mix_seed(base_seed(0xa11_0009), &[r as u64]));
@@ -1094,11 +1132,24 @@ fn bad_calls_are_refused_before_anything_is_launched() {
         "emu_all_reduce",
         "bad_calls_are_refused_before_anything_is_launched",
     );
-    let ranks = Ranks::with_capacity(2, 2, 2_000_000, BAD_CAPACITY);
+    let mut ranks = Ranks::with_capacity(2, 2, 2_000_000, BAD_CAPACITY);
     let bufs: Vec<BadBuffers> = (0..2).map(|_| BadBuffers::new()).collect();
+    // A packet area past the pad's half is refused too.
+    ranks.packet_bytes = abi::TPFUSE_PACKET_HALF_BYTES as u64 + 16;
+    let too_many_packets = make(
+        &ranks,
+        &bufs,
+        &BadCall::AllReduce(abi::TPFUSE_ALGO_ONE_SHOT_PACKETS, GOOD_F32),
+    );
+    assert_eq!(too_many_packets, [1, 1], "packet_bytes past the half");
+    ranks.packet_bytes = abi::TPFUSE_PACKET_HALF_BYTES as u64;
     let f16 = abi::TPFUSE_DTYPE_F16;
     let f32 = abi::TPFUSE_DTYPE_F32;
-    for algo in [abi::TPFUSE_ALGO_ONE_SHOT, abi::TPFUSE_ALGO_TWO_SHOT] {
+    for algo in [
+        abi::TPFUSE_ALGO_ONE_SHOT,
+        abi::TPFUSE_ALGO_ONE_SHOT_PACKETS,
+        abi::TPFUSE_ALGO_TWO_SHOT,
+    ] {
         // Messages one vector past the staging, first (the old launchers launched them);
         // then pointers 4 and 8 bytes past a 16-byte boundary, one at a time; then rows
         // that bias or gamma cannot be read along in vectors; then sizes whose byte count

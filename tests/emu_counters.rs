@@ -350,8 +350,17 @@ fn the_all_reduce_moves_what_the_plan_says_block_by_block() {
         (AllReduceAlgo::TwoShot, 4, 2048, true, true, false),
         (AllReduceAlgo::TwoShot, 3, 1000, false, false, false),
     ];
-    for world in [2usize, 4] {
-        let groups = virtual_group(&gpu.ctx, world, GroupOptions::default());
+    // A group whose one-shot all-reduce goes by packets where they fit, and the default one
+    // (by flags).
+    let with_packets = [true, false].map(|all_reduce_packets| GroupOptions {
+        all_reduce_packets,
+        ..GroupOptions::default()
+    });
+    for (world, options) in [2usize, 4]
+        .into_iter()
+        .flat_map(|w| with_packets.clone().map(|o| (w, o)))
+    {
+        let groups = virtual_group(&gpu.ctx, world, options);
         for (ci, &(algo, rows, hidden, bias, residual, rmsnorm)) in cases.iter().enumerate() {
             let n = rows * hidden;
             let launch = |rank| CollectiveLaunch {
@@ -365,6 +374,7 @@ fn the_all_reduce_moves_what_the_plan_says_block_by_block() {
                 bias,
                 residual,
                 rmsnorm,
+                packet_bytes: groups[0].all_reduce_packet_bytes(),
             };
             let label = format!("{:?}", launch(0));
             let seed = 0x7a00 + ci as u64;
@@ -377,7 +387,10 @@ fn the_all_reduce_moves_what_the_plan_says_block_by_block() {
                 upload_ranks(&groups, &inputs(seed ^ 3, world, n));
             let mut outs: Vec<CudaSlice<bf16>> = poisoned_ranks(&groups, n);
             let (kernel, algorithm) = match algo {
-                AllReduceAlgo::OneShot => ("one_shot", Algorithm::OneShot),
+                AllReduceAlgo::OneShot if launch(0).packets() => {
+                    ("one_shot_packets", Algorithm::OneShot)
+                }
+                AllReduceAlgo::OneShot => ("one_shot_kernel", Algorithm::OneShot),
                 _ => ("two_shot", Algorithm::TwoShot),
             };
             let recs = count_round(&groups, &label, kernel, launch(0).grid(), |r| {
@@ -399,10 +412,24 @@ fn the_all_reduce_moves_what_the_plan_says_block_by_block() {
                     .iter()
                     .map(|c| c.global_read_bytes + c.global_write_bytes)
                     .collect();
-                assert_eq!(
-                    moved, planned,
-                    "W={world} {label} rank {r}: bytes per block"
-                );
+                if !launch(r).packets() {
+                    assert_eq!(
+                        moved, planned,
+                        "W={world} {label} rank {r}: bytes per block"
+                    );
+                    continue;
+                }
+                // By packets: a packet read before it arrived is read again (32 bytes, a
+                // vector's four packets), as often as the schedule makes it; no barrier.
+                for (b, (&got, &want)) in moved.iter().zip(&planned).enumerate() {
+                    assert!(
+                        got >= want && (got - want) % 32 == 0,
+                        "W={world} {label} rank {r} block {b}: {got} bytes, the plan {want} \
+                         and polls"
+                    );
+                }
+                assert_eq!(moved.len(), planned.len(), "{label}: blocks");
+                assert_barriers(&format!("W={world} {label} rank {r}"), rec, 0);
             }
         }
     }
@@ -439,6 +466,7 @@ fn the_two_shots_rmsnorm_moves_what_the_plan_says_block_by_block() {
             bias: false,
             residual: true,
             rmsnorm: true,
+            packet_bytes: groups[0].all_reduce_packet_bytes(),
         };
         let label = format!("{rows} x {hidden}");
         let seed = 0x7b00 + ci as u64;
@@ -762,20 +790,46 @@ fn a_decode_message_launches_only_the_blocks_it_needs() {
     );
     let gpu = gpu();
     let world = 2;
-    let groups = virtual_group(&gpu.ctx, world, GroupOptions::default());
+    // By flags (the default group), then by packets.
+    let flags = virtual_group(&gpu.ctx, world, GroupOptions::default());
+    let packets = virtual_group(
+        &gpu.ctx,
+        world,
+        GroupOptions {
+            all_reduce_packets: true,
+            ..GroupOptions::default()
+        },
+    );
     assert!(
-        groups[0].blocks() > 6,
+        flags[0].blocks() > 6,
         "the budget is larger than the grids below"
     );
     let hidden = 8192; // 16 KB of bf16 per row
-    let gammas: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0x5f, world, hidden));
-    // 16 KB rows: 2 blocks of 512 vectors; with RMSNorm the row's 2 segments go to 2 blocks.
-    for (rows, norm, blocks) in [(1, false, 2), (1, true, 2), (2, true, 4), (3, false, 6)] {
+                       // 16 KB rows: 2 blocks of 512 vectors; with RMSNorm by flags the row's 2 segments go to 2
+                       // blocks, by packets a block holds a row.
+    let cases = [
+        (false, 1, false, 2),
+        (false, 1, true, 2),
+        (false, 2, true, 4),
+        (false, 3, false, 6),
+        (true, 1, false, 2),
+        (true, 1, true, 1),
+        (true, 2, true, 2),
+        (true, 3, false, 6),
+    ];
+    for (by_packets, rows, norm, blocks) in cases {
+        let groups = if by_packets { &packets } else { &flags };
+        let gammas: Vec<CudaSlice<bf16>> = upload_ranks(groups, &inputs(0x5f, world, hidden));
         let n = rows * hidden;
-        let label = format!("one-shot rows={rows} rmsnorm={norm}");
-        let ins: Vec<CudaSlice<bf16>> = upload_ranks(&groups, &inputs(0x5e, world, n));
-        let mut outs: Vec<CudaSlice<bf16>> = poisoned_ranks(&groups, n);
-        let recs = count_round(&groups, &label, "one_shot", blocks, |r| {
+        let label = format!("one-shot rows={rows} rmsnorm={norm} packets={by_packets}");
+        let ins: Vec<CudaSlice<bf16>> = upload_ranks(groups, &inputs(0x5e, world, n));
+        let mut outs: Vec<CudaSlice<bf16>> = poisoned_ranks(groups, n);
+        let kernel = if by_packets {
+            "one_shot_packets"
+        } else {
+            "one_shot_kernel"
+        };
+        let recs = count_round(groups, &label, kernel, blocks, |r| {
             let epilogue = Epilogue {
                 norm: norm.then(|| RmsNorm {
                     gamma: &gammas[r],
@@ -793,6 +847,12 @@ fn a_decode_message_launches_only_the_blocks_it_needs() {
             .map(|_| ())
         });
         for rec in &recs {
+            if by_packets {
+                // No barrier, nothing read across the link.
+                assert_barriers(&label, rec, 0);
+                assert_eq!(rec.total().peer_read_bytes, 0, "{label}: peer bytes read");
+                continue;
+            }
             assert_barriers(&label, rec, 1);
             // Every block pulls the same share from the peers, RMSNorm or not (a row is split
             // across blocks, not handed whole to one).

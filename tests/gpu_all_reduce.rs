@@ -594,6 +594,30 @@ gpu_tests! {
     fused_epilogue_bf16 => fused_matrix::<bf16>();
 }
 
+/// The fused cases on groups whose one-shot all-reduce goes by packets
+/// ([`GroupOptions::all_reduce_packets`]): the one-shot, `Auto` and the unfused sequence's
+/// all-reduce by packets where they fit (rows of one and of two RMSNorm segments of 16-bit
+/// elements, four rows on fewer blocks), the two-shot by flags; every normed output the same
+/// bits, the sums and epilogues the exact references.
+fn packets_matrix<T: TestElement>() {
+    let gpu = gpu();
+    for world in WORLDS {
+        let options = GroupOptions {
+            all_reduce_packets: true,
+            ..matrix_options()
+        };
+        let groups = virtual_group(&gpu.ctx, world, options);
+        for (hidden, rows) in [(64, 3), (4096, 4), (8192, 1), (4104, 2)] {
+            fused_case::<T>(&groups, hidden, rows, &ALL_PARTS);
+        }
+    }
+}
+
+gpu_tests! {
+    fused_epilogue_by_packets_f32 => packets_matrix::<f32>();
+    fused_epilogue_by_packets_bf16 => packets_matrix::<bf16>();
+}
+
 // ---------------------------------------------------------------------------------------
 // All-gather and reduce-scatter.
 // ---------------------------------------------------------------------------------------

@@ -144,7 +144,7 @@ fn forward<T: TestElement>(
         }
     });
     if let Some(plan) = &plans[0] {
-        check_phases(groups, plan, before + 1, label);
+        check_phases(groups, plan, before, label);
     }
     (
         download_ranks(groups, &outs),
@@ -171,11 +171,17 @@ fn last_epoch(groups: &[TpGroup]) -> u64 {
 }
 
 /// The phase records of every rank's last fused launch ([`TpGroup::fused_phases`]): one per
-/// block of `plan`'s grid, every block of every rank at launch epoch `epoch` (the launch just
-/// made, not a stale one), each block's units (tiles, or with the split in parallel parts of
+/// block of `plan`'s grid, every block of every rank at one launch epoch past `before` (the
+/// launch just made, not a stale one; the one-shot all-reduce by packets, a launch of the
+/// fused family too, advances the epoch without a record), each block's units (tiles, or with the split in parallel parts of
 /// tiles) those of its turn (b, b + grid, ...), its phases inside its start and end, and time
 /// spent computing every unit.
-fn check_phases(groups: &[TpGroup], plan: &FusedPlan, epoch: u64, label: &str) {
+fn check_phases(groups: &[TpGroup], plan: &FusedPlan, before: u64, label: &str) {
+    let epoch = last_epoch(groups);
+    assert!(
+        epoch > before,
+        "{label}: a stale epoch {epoch}, {before} before"
+    );
     for (r, g) in groups.iter().enumerate() {
         let at = format!("{label} rank {r}: phases");
         let phases = g.fused_phases().unwrap_or_else(|e| panic!("{at}: {e}"));
@@ -314,7 +320,7 @@ fn all_gather_gemm_shapes() {
                 shape,
             )
         });
-        check_phases(&groups, &plans[0], before + 1, &label);
+        check_phases(&groups, &plans[0], before, &label);
         round(&groups, &format!("{label} unfused"), |r| {
             ops::all_gather(&groups[r], &xs[r], &mut gathered[r])?;
             gemm(
@@ -394,7 +400,7 @@ fn reduce_scatter_shapes() {
         let plans = round(&groups, &format!("{label} fused"), |r| {
             gemm_reduce_scatter(&groups[r], &xs[r], &ws[r], &mut fused[r], shape)
         });
-        check_phases(&groups, &plans[0], before + 1, &label);
+        check_phases(&groups, &plans[0], before, &label);
         round(&groups, &format!("{label} unfused"), |r| {
             gemm(
                 groups[r].stream(),

@@ -359,6 +359,26 @@ uint32_t weak_value(Fiber &f, uintptr_t w) {
   fail_launch(cudaErrorLaunchFailure, why.str());
 }
 
+// A strong load by f of word w, whose newest version (the one it reads) is x. When x is not
+// morally strong with it (a weak write, or a strong one whose scope and the load's do not
+// include each other) and not ordered before it (f has not seen it), the two race: the PTX ISA
+// promises single-copy atomicity, the whole value of one write, only between morally strong
+// accesses ("Memory Consistency Model": morally strong, data races), and a GPU may show a
+// torn or stale word (a packet's tag with another write's data). The emulator's loads read
+// whole words, so the race is reported instead: the launch fails, naming both accesses.
+void check_race(Fiber &f, const Version &x, Order o, Scope s, uintptr_t w) {
+  if (morally_strong(x, f, s) || seen(f, x, w)) return;
+  std::ostringstream why;
+  why << "a strong load (ld." << order_name(o) << "." << scope_name(s) << ") on GPU " << block_memory(*f.block).gpu
+      << ", block " << f.block->idx.x << ", thread " << f.tid.x << " read at " << reinterpret_cast<const void *>(w)
+      << (!x.strong   ? std::string(" a weak write")
+          : x.releases ? std::string(" a release (.") + order_name(x.order) + "." + scope_name(x.scope) + ")"
+                       : std::string(" a strong write (.") + order_name(x.order) + "." + scope_name(x.scope) + ")")
+      << " on GPU " << x.gpu << ", block " << x.block_index << ", thread " << x.thread
+      << " that is not morally strong with it and not ordered before it: a data race";
+  fail_launch(cudaErrorLaunchFailure, why.str());
+}
+
 // A strong read by f of words [p, p + bytes) in memory now: observation, and the acquire.
 void observe(Fiber &f, const void *p, size_t bytes, Order o, Scope s) {
   ThreadMemory &t = thread_memory(f);
@@ -418,11 +438,25 @@ void memory_block_start(Block &b) {
 
 void memory_barrier(Block &b) {
   BlockMemory &m = block_memory(b);
+  // The threads' points are gathered, sorted and merged into the block's view once: a join per
+  // thread walked the block's whole view each time (512 threads, each with the points of the
+  // packets it read, made the all-reduce by packets spend most of its time here).
+  std::vector<Point> points;
   for (auto &f : b.fibers) {
     if (!f->memory) continue;
-    join(m.view, f->memory->acquired);
-    f->memory->acquired = View{};
+    View &acquired = f->memory->acquired;
+    points.insert(points.end(), acquired.points.begin(), acquired.points.end());
+    acquired.points.clear();
+    join(m.view, acquired);  // its frontier and block marks
+    acquired = View{};
   }
+  std::sort(points.begin(), points.end(),
+            [](const Point &x, const Point &y) { return x.word != y.word ? x.word < y.word : x.number > y.number; });
+  // One entry a word, its newest number (first after the sort).
+  points.erase(std::unique(points.begin(), points.end(), [](const Point &x, const Point &y) { return x.word == y.word; }),
+               points.end());
+  merge_sorted(m.view.points, points,
+               [](const Point &x, const Point &y) { return Point{x.word, std::max(x.number, y.number)}; });
   ++m.epoch;
   block_mark(m.view, b.order, launch_id(*b.launch)).epoch_floor = m.epoch;
 }
@@ -492,7 +526,12 @@ void weak_store(void *p, const void *v, size_t bytes) {
 }
 
 void memory_strong_read(const void *p, size_t bytes, Order o, Scope s) {
-  observe(current_fiber(), p, bytes, o, s);
+  Fiber &f = current_fiber();
+  for (uintptr_t w = word_of(p); w < reinterpret_cast<uintptr_t>(p) + bytes; w += 4) {
+    const Word *word = find_word(w);
+    if (word != nullptr && !word->versions.empty()) check_race(f, word->versions.back(), o, s, w);
+  }
+  observe(f, p, bytes, o, s);
 }
 
 void memory_strong_write(void *p, const void *v, size_t bytes, Order o, Scope s) {

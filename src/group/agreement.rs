@@ -26,6 +26,8 @@ pub(super) struct RankRecord {
     fused_blocks_per_sm: u32,
     /// `options.fused_packets`, 0 or 1.
     fused_packets: u32,
+    /// `options.all_reduce_packets`, 0 or 1.
+    all_reduce_packets: u32,
     capacity: u64,
     timeout_ns: u64,
     bus_id: String,
@@ -40,6 +42,7 @@ const BOOT_ID: std::ops::Range<usize> = 64..128;
 const HOSTNAME: std::ops::Range<usize> = 128..224;
 const FUSED_BLOCKS_PER_SM: usize = 224;
 const FUSED_PACKETS: usize = 228;
+const ALL_REDUCE_PACKETS: usize = 232;
 
 fn put_str(buf: &mut [u8], range: std::ops::Range<usize>, s: &str) {
     let field = &mut buf[range];
@@ -77,6 +80,7 @@ impl RankRecord {
             blocks: options.blocks.unwrap_or(0) as u32,
             fused_blocks_per_sm: options.fused_blocks_per_sm.unwrap_or(0) as u32,
             fused_packets: u32::from(options.fused_packets),
+            all_reduce_packets: u32::from(options.all_reduce_packets),
             capacity: options.capacity_bytes as u64,
             timeout_ns: options.timeout_ns(),
             bus_id: get_str(&bus, 0..bus.len()),
@@ -99,6 +103,8 @@ impl RankRecord {
         b[FUSED_BLOCKS_PER_SM..FUSED_BLOCKS_PER_SM + 4]
             .copy_from_slice(&self.fused_blocks_per_sm.to_le_bytes());
         b[FUSED_PACKETS..FUSED_PACKETS + 4].copy_from_slice(&self.fused_packets.to_le_bytes());
+        b[ALL_REDUCE_PACKETS..ALL_REDUCE_PACKETS + 4]
+            .copy_from_slice(&self.all_reduce_packets.to_le_bytes());
         b
     }
 
@@ -126,6 +132,7 @@ impl RankRecord {
             hostname: get_str(b, HOSTNAME),
             fused_blocks_per_sm: u32_at(FUSED_BLOCKS_PER_SM),
             fused_packets: u32_at(FUSED_PACKETS),
+            all_reduce_packets: u32_at(ALL_REDUCE_PACKETS),
         })
     }
 
@@ -197,6 +204,13 @@ pub(super) fn agree(records: &[RankRecord]) -> Result<Agreement> {
                 "fused_packets",
                 (first.fused_packets != 0).to_string(),
                 (rec.fused_packets != 0).to_string(),
+            ));
+        }
+        if rec.all_reduce_packets != first.all_reduce_packets {
+            return Err(mismatch(
+                "all_reduce_packets",
+                (first.all_reduce_packets != 0).to_string(),
+                (rec.all_reduce_packets != 0).to_string(),
             ));
         }
     }
@@ -349,6 +363,7 @@ mod tests {
             blocks: 0,
             fused_blocks_per_sm: 0,
             fused_packets: 1,
+            all_reduce_packets: 0,
             capacity: 8 << 20,
             timeout_ns: 10_000_000_000,
             bus_id: "00000000:18:00.0".to_string(),
@@ -363,6 +378,7 @@ mod tests {
         r.blocks = 17;
         r.fused_blocks_per_sm = 2;
         r.fused_packets = 0;
+        r.all_reduce_packets = 1;
         let b = r.encode();
         assert_eq!(b.len(), RANK_RECORD_BYTES);
         assert_eq!(RankRecord::decode(0, &b).unwrap(), r);
@@ -439,11 +455,18 @@ mod tests {
                 && e.contains("Some(1)"),
             "{e}"
         );
-        let mut r = base;
+        let mut r = base.clone();
         r[1].fused_packets = 0;
         let e = agree(&r).unwrap_err().to_string();
         assert!(
             e.contains("options.fused_packets") && e.contains("true") && e.contains("false"),
+            "{e}"
+        );
+        let mut r = base;
+        r[1].all_reduce_packets = 1;
+        let e = agree(&r).unwrap_err().to_string();
+        assert!(
+            e.contains("options.all_reduce_packets") && e.contains("true") && e.contains("false"),
             "{e}"
         );
     }

@@ -266,6 +266,7 @@ impl TpGroup {
                 group_sms: (sms, sms),
                 timeout: options.timeout,
                 packet_bytes: options.packet_bytes(),
+                all_reduce_packet_bytes: options.all_reduce_packet_bytes(),
                 poison: poison.clone(),
                 clock_khz: peak_clock_khz(ctx),
                 device_facts: facts,
@@ -380,6 +381,7 @@ impl TpGroup {
                     group_sms: (fewest_sms, most_sms),
                     timeout: options.timeout,
                     packet_bytes: options.packet_bytes(),
+                    all_reduce_packet_bytes: options.all_reduce_packet_bytes(),
                     poison: poison.clone(),
                     clock_khz: peak_clock_khz(&ctx),
                     device_facts: device_facts(&ctx, &options)?,
@@ -465,6 +467,7 @@ impl TpGroup {
             group_sms: (agreed.fewest_sms, agreed.most_sms),
             timeout: options.timeout,
             packet_bytes: options.packet_bytes(),
+            all_reduce_packet_bytes: options.all_reduce_packet_bytes(),
             poison: Arc::new(Poison::default()),
             comm: Some(comm),
         })

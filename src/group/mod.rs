@@ -136,6 +136,15 @@ pub struct GroupOptions {
     /// across the link): where `world · m · n · 4` bytes fit [`PACKET_HALF_BYTES`]. The bits
     /// are the same either way. Default: `true`.
     pub fused_packets: bool,
+    /// Whether the one-shot all-reduce (with its epilogue) exchanges its input as packets
+    /// where every rank's packets fit [`PACKET_HALF_BYTES`] (`2 · world · bytes`, whole
+    /// 16-byte vectors, with RMSNorm rows of at most two segments: 8192 16-bit elements):
+    /// each rank stores its input, 4 bytes and a tag in 8, into every rank's signal pad and
+    /// reduces from its own, no barrier and no read across the link, the same bits as by
+    /// flags. Default: `false`: never measured on a GPU, and the plan's model puts it behind
+    /// the flags at 8 ranks and m = 1 (each row's packets, 2 · 8 times its bytes, go through
+    /// one SM: `docs/performance.md`, "The one-shot all-reduce by packets").
+    pub all_reduce_packets: bool,
 }
 
 /// Bytes of each half of a rank's packet area (`TPFUSE_PACKET_HALF_BYTES`): the fused
@@ -151,6 +160,7 @@ impl Default for GroupOptions {
             blocks: None,
             fused_blocks_per_sm: None,
             fused_packets: true,
+            all_reduce_packets: false,
         }
     }
 }
@@ -203,9 +213,18 @@ impl GroupOptions {
         Ok(())
     }
 
-    /// The bytes of each half of the packet area the kernels may use.
+    /// The bytes of each half of the packet area the fused kernels may use.
     fn packet_bytes(&self) -> usize {
         if self.fused_packets {
+            PACKET_HALF_BYTES
+        } else {
+            0
+        }
+    }
+
+    /// The bytes of each half of the packet area the one-shot all-reduce may use.
+    fn all_reduce_packet_bytes(&self) -> usize {
+        if self.all_reduce_packets {
             PACKET_HALF_BYTES
         } else {
             0
@@ -309,6 +328,8 @@ pub struct TpGroup {
     timeout: Duration,
     /// The packet area's half the fused GEMM + all-reduce may use (0: none).
     packet_bytes: usize,
+    /// The packet area's half the one-shot all-reduce may use (0: none).
+    all_reduce_packet_bytes: usize,
     poison: Arc<Poison>,
     /// This rank's host-mapped error word; `None` without symmetric memory.
     host_error: Option<HostErrorWord>,
@@ -440,6 +461,12 @@ impl TpGroup {
     /// ([`GroupOptions::fused_packets`]: [`PACKET_HALF_BYTES`], or 0).
     pub fn packet_bytes(&self) -> usize {
         self.packet_bytes
+    }
+
+    /// Bytes of each half of the packet area the one-shot all-reduce may use
+    /// ([`GroupOptions::all_reduce_packets`]: [`PACKET_HALF_BYTES`], or 0).
+    pub fn all_reduce_packet_bytes(&self) -> usize {
+        self.all_reduce_packet_bytes
     }
 
     /// The arguments of a custom kernel launch: the peer table and this rank's group

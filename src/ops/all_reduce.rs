@@ -485,10 +485,19 @@ pub(crate) fn execute<T: Element + NcclType>(
     match plan.algo {
         AllReduceAlgo::OneShot | AllReduceAlgo::TwoShot => {
             let (peers, args) = group.kernel_args()?;
-            let algo = if plan.algo == AllReduceAlgo::OneShot {
-                kernels::TPFUSE_ALGO_ONE_SHOT
-            } else {
-                kernels::TPFUSE_ALGO_TWO_SHOT
+            // The one-shot goes by packets where the group offers them to the all-reduce
+            // (GroupOptions::all_reduce_packets) and the message fits them.
+            let packet_bytes = group.all_reduce_packet_bytes();
+            let args = kernels::tpfuse_group_args {
+                packet_bytes: packet_bytes as u64,
+                ..args
+            };
+            let algo = match plan.algo {
+                AllReduceAlgo::OneShot if packet_bytes != 0 => {
+                    kernels::TPFUSE_ALGO_ONE_SHOT_PACKETS
+                }
+                AllReduceAlgo::OneShot => kernels::TPFUSE_ALGO_ONE_SHOT,
+                _ => kernels::TPFUSE_ALGO_TWO_SHOT,
             } as i32;
             // SAFETY: `plan` checked lengths, devices, alignment, capacity and aliasing of
             // every buffer; the symmetric workspace behind `peers` lives as long as `group`.

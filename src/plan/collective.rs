@@ -38,6 +38,10 @@ pub struct CollectiveLaunch {
     /// RMSNorm of the sum: in the one-shot kernel; after the two-shot, a launch of its own
     /// ([`CollectiveLaunch::norm_launch_block_bytes`]).
     pub rmsnorm: bool,
+    /// Bytes of each half of the packet area the group offers the all-reduce
+    /// ([`TpGroup::all_reduce_packet_bytes`](crate::group::TpGroup::all_reduce_packet_bytes);
+    /// 0: none): the one-shot goes by packets where they fit ([`CollectiveLaunch::packets`]).
+    pub packet_bytes: usize,
 }
 
 /// `[n·b/blocks, n·(b+1)/blocks)`: block `b`'s even share of `n` items (`share` of
@@ -62,21 +66,37 @@ impl CollectiveLaunch {
         self.hidden.div_ceil(self.segment())
     }
 
+    /// Whether the one-shot goes by packets (`one_shot_by_packets`,
+    /// `cuda/all_reduce_packets.cu`): the group offers them, the message is whole 16-byte
+    /// vectors, every rank's packets (8 bytes for 4 of data) fit half the packet area, and
+    /// with RMSNorm a row is at most two segments (a block holds it).
+    pub fn packets(&self) -> bool {
+        let bytes = self.rows * self.hidden * self.element_bytes as usize;
+        self.algo == AllReduceAlgo::OneShot
+            && self.packet_bytes != 0
+            && bytes % 16 == 0
+            && (!self.rmsnorm || self.per_row() <= 2)
+            && 2 * self.world * bytes <= self.packet_bytes
+    }
+
     /// Whether the one-shot normalises each row in one block from registers (a row of one
-    /// segment) rather than by segments whose blocks meet.
+    /// segment; by packets, of two at most) rather than by segments whose blocks meet.
     pub fn whole_rows(&self) -> bool {
-        self.algo == AllReduceAlgo::OneShot && self.rmsnorm && self.per_row() == 1
+        self.algo == AllReduceAlgo::OneShot
+            && self.rmsnorm
+            && (self.per_row() == 1 || self.packets())
     }
 
     /// The launch's blocks: one per 512 vectors of the message, 1 ..= the budget; the one-shot
-    /// with RMSNorm no more than its row segments, and over rows of several segments one per
-    /// segment up to the budget (`launch_all_reduce`).
+    /// with RMSNorm no more than its rows (by packets, or rows of one segment), and over rows
+    /// of several segments by flags one per segment up to the budget (`launch_all_reduce`).
     pub fn grid(&self) -> usize {
         let budget = self.budget.max(1);
         let vectors = (self.rows * self.hidden).div_ceil(self.vector());
         let grid = vectors.div_ceil(COLLECTIVE_THREADS).clamp(1, budget);
         let units = self.rows * self.per_row();
         match (self.algo, self.rmsnorm) {
+            (AllReduceAlgo::OneShot, true) if self.packets() => grid.min(self.rows),
             (AllReduceAlgo::OneShot, true) if self.per_row() > 1 => units.min(budget),
             (AllReduceAlgo::OneShot, true) => grid.min(units),
             _ => grid,
@@ -107,6 +127,9 @@ impl CollectiveLaunch {
         let v = self.vector();
         let n = self.rows * self.hidden;
         match self.algo {
+            AllReduceAlgo::OneShot if self.packets() => (0..grid)
+                .map(|b| self.packets_block(b, grid, n, v, s))
+                .collect(),
             AllReduceAlgo::OneShot => (0..grid)
                 .map(|b| self.one_shot_block(b, grid, n, v, s))
                 .collect(),
@@ -146,6 +169,25 @@ impl CollectiveLaunch {
             }
         }
         bytes
+    }
+
+    /// By packets: the block's share (of vectors, or with RMSNorm of rows) read once and
+    /// stored as packets into every rank's half (8 bytes for every 4: twice its bytes, W
+    /// times), every rank's packets read once (a packet not there yet is read again: the
+    /// emulator counts each poll) and cleared, through the epilogue (bias, residual read and
+    /// written) into out; with RMSNorm gamma's row read once a row.
+    fn packets_block(&self, b: usize, grid: usize, n: usize, v: usize, s: u64) -> u64 {
+        let len = if self.rmsnorm {
+            let (r0, r1) = share(self.rows, b, grid);
+            (r1 - r0) * self.hidden
+        } else {
+            let (u0, u1) = share(n / v, b, grid);
+            (u1 - u0) * v
+        } as u64;
+        let w = self.world as u64;
+        let epilogue = u64::from(self.bias) + 2 * u64::from(self.residual);
+        let gamma = if self.rmsnorm { len } else { 0 };
+        (2 + 6 * w + epilogue) * len * s + gamma * s
     }
 
     fn two_shot_block(&self, b: usize, grid: usize, n: usize, v: usize, s: u64) -> u64 {
@@ -191,9 +233,15 @@ impl CollectiveLaunch {
 
     /// Loads each thread of the reduction keeps in flight: a vector from each of the W ranks
     /// and the epilogue's bias and residual vectors, all issued before the first add
-    /// (`reduce_vector`; `scripts/check-sass.sh` counts them in the SASS).
+    /// (`reduce_vector`; `scripts/check-sass.sh` counts them in the SASS); by packets, a wave
+    /// of up to four ranks' four packets, two 16-byte loads a rank (`sum_packet_vector`).
     pub fn loads_in_flight_per_thread(&self) -> usize {
-        self.world + usize::from(self.bias) + usize::from(self.residual)
+        let ranks = if self.packets() {
+            2 * self.world.min(4)
+        } else {
+            self.world
+        };
+        ranks + usize::from(self.bias) + usize::from(self.residual)
     }
 
     /// Load phases a block waits one after the other (each at least one memory latency): the
@@ -204,6 +252,8 @@ impl CollectiveLaunch {
     pub fn load_phases(&self) -> usize {
         let one_segment_a_block = self.grid() == self.rows * self.per_row();
         match self.algo {
+            // The input's loads, then the packets' (their arrival is the round).
+            AllReduceAlgo::OneShot if self.packets() => 2,
             AllReduceAlgo::OneShot if self.rmsnorm && !self.whole_rows() && one_segment_a_block => {
                 3
             }
@@ -221,6 +271,9 @@ impl CollectiveLaunch {
     /// the stream runs the layer's other kernels, so the model charges that wait nothing.
     pub fn rounds(&self) -> usize {
         match self.algo {
+            // No barrier: the packets' crossing, charged as a round as the fused row's are
+            // (`tpfuse::plan::fused_row`). The emulator counts no barrier.
+            AllReduceAlgo::OneShot if self.packets() => 1,
             AllReduceAlgo::OneShot if self.rmsnorm && !self.whole_rows() => 2,
             AllReduceAlgo::OneShot => 1,
             AllReduceAlgo::TwoShot => 2,
@@ -231,7 +284,8 @@ impl CollectiveLaunch {
 
 /// The row of an all-reduce of `[m, n]` on `tp` ranks: with `rmsnorm`, the unfused
 /// row-parallel layer's (`all_reduce_residual_rmsnorm`: the residual added and written back,
-/// RMSNorm over rows of `n`), else a plain all-reduce.
+/// RMSNorm over rows of `n`), else a plain all-reduce; the one-shot by packets where
+/// `packet_bytes` (the group's offer: [`CollectiveLaunch::packet_bytes`]) holds them.
 pub fn all_reduce_row(
     layer: &str,
     m: usize,
@@ -239,6 +293,7 @@ pub fn all_reduce_row(
     tp: usize,
     p: &DeviceProfile,
     rmsnorm: bool,
+    packet_bytes: usize,
 ) -> PlanRow {
     let bytes = (m * n) as u64 * ELEMENT_BYTES;
     let algo = all_reduce_algo(bytes as usize, tp, p);
@@ -265,8 +320,16 @@ pub fn all_reduce_row(
         bias: false,
         residual: rmsnorm,
         rmsnorm,
+        packet_bytes,
     };
+    let packets = launch.packets();
     let (per_block, peer_bytes, config) = match algo {
+        // By packets each rank's data crosses to every peer as packets (twice its bytes).
+        AllReduceAlgo::OneShot if packets => (
+            launch.block_bytes(),
+            2.0 * (w - 1.0) * bytes as f64,
+            "one-shot",
+        ),
         AllReduceAlgo::OneShot => (launch.block_bytes(), (w - 1.0) * bytes as f64, "one-shot"),
         AllReduceAlgo::TwoShot => (launch.block_bytes(), 2.0 * share * bytes as f64, "two-shot"),
         // NCCL: modelled as a ring, 2(W-1) steps, its bytes spread evenly over the budget.
@@ -292,7 +355,12 @@ pub fn all_reduce_row(
         dram_bytes: total as f64,
         peer_bytes,
         busiest_sm_bytes: max as f64,
-        peer_share: peer_bytes / total.max(1) as f64,
+        // By packets every load is of this GPU's memory (the crossing is the round).
+        peer_share: if packets {
+            0.0
+        } else {
+            peer_bytes / total.max(1) as f64
+        },
         streams_weights: false,
         in_flight: in_flight as f64,
         chain_s: 0.0,
@@ -355,6 +423,7 @@ pub fn all_reduce_row(
         model_us: us(model.seconds(p) + norm_s),
         choice: match algo {
             AllReduceAlgo::Nccl => "NCCL (no custom kernels here), modelled as a ring".into(),
+            _ if packets => format!("{config} by packets: the all-reduce rule at {bytes} B"),
             _ => format!("{config}: the all-reduce rule at {bytes} B"),
         },
     }

@@ -32,5 +32,6 @@ pub use fused::{fused_block_bytes, fused_norm_bytes, fused_row};
 pub use model::{LayerGemm, ModelShape, BUILTIN_MODELS};
 pub use profile::{DeviceProfile, Link, BUILTIN_DEVICES};
 pub use rows::{
-    gemm_block_bytes, gemm_row, gemm_split_block_bytes, plan_model, PlanRow, ELEMENT_BYTES,
+    gemm_block_bytes, gemm_row, gemm_split_block_bytes, plan_model, plan_model_with, PlanRow,
+    ELEMENT_BYTES,
 };

@@ -446,7 +446,7 @@ pub(super) fn limits(tp: usize, p: &DeviceProfile) -> Option<SizeLimits> {
 /// Every row of one layer of `model` on `tp` ranks of `p`, for each `m` of `ms`: per `m`,
 /// the four GEMMs in order, a row-parallel one as its fused row or as its GEMM row followed
 /// by its all-reduce row, as a row-parallel layer with `fusion` runs it
-/// ([`Fusion::Auto`]: the layers' default).
+/// ([`Fusion::Auto`]: the layers' default), on a group with the default options.
 pub fn plan_model(
     model: &ModelShape,
     tp: usize,
@@ -454,6 +454,24 @@ pub fn plan_model(
     p: &DeviceProfile,
     fusion: Fusion,
 ) -> Result<Vec<PlanRow>> {
+    plan_model_with(model, tp, ms, p, fusion, false)
+}
+
+/// [`plan_model`] on a group whose one-shot all-reduce goes by packets where they fit
+/// (`all_reduce_packets`: [`GroupOptions::all_reduce_packets`](crate::group::GroupOptions::all_reduce_packets)).
+pub fn plan_model_with(
+    model: &ModelShape,
+    tp: usize,
+    ms: &[usize],
+    p: &DeviceProfile,
+    fusion: Fusion,
+    all_reduce_packets: bool,
+) -> Result<Vec<PlanRow>> {
+    let packet_bytes = if all_reduce_packets {
+        crate::group::PACKET_HALF_BYTES
+    } else {
+        0
+    };
     let gemms = model.layer_gemms(tp)?;
     let (major, minor) = p.compute_capability;
     let no_path = || {
@@ -482,7 +500,7 @@ pub fn plan_model(
                         row.choice = format!("{} ({reason})", row.choice);
                         rows.push(row);
                         if tp > 1 {
-                            rows.push(all_reduce_row(g.layer, m, g.n, tp, p, true));
+                            rows.push(all_reduce_row(g.layer, m, g.n, tp, p, true, packet_bytes));
                         }
                     }
                 }

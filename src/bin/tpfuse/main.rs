@@ -6,7 +6,7 @@
 //!   or the CPU emulator, every kernel family on virtual ranks against the references (and a
 //!   one-rank NCCL communicator on a GPU); `--counters` prints the emulator's counters.
 //! - `tpfuse plan --model NAME | --config FILE [--tp 2,4,8] [--m 1,16,64] [--device PROFILE]
-//!   [--fusion auto|fused|unfused] [--json]`: what tpfuse runs for each GEMM and collective of a layer, its bytes per SM,
+//!   [--fusion auto|fused|unfused] [--all-reduce-packets] [--json]`: what tpfuse runs for each GEMM and collective of a layer, its bytes per SM,
 //!   bytes in flight, rounds, floor and modelled time (tpfuse::plan).
 //! - `tpfuse bench`: a quick reduce_ranks bandwidth figure (needs a GPU; the criterion
 //!   benches are the real measurement); fails (exit 1) without one.
@@ -37,7 +37,7 @@ commands:
                      against the f64 and bit-exact references
                        --counters  the emulator's counters per op (emulator builds)
   plan --model NAME | --config FILE [--tp N,..] [--m M,..] [--device PROFILE]
-       [--fusion auto|fused|unfused] [--json]
+       [--fusion auto|fused|unfused] [--all-reduce-packets] [--json]
                      what tpfuse runs for each GEMM and collective of a decoder layer, the
                      bytes each SM moves and keeps in flight, sync rounds, the bandwidth
                      floor and a modelled time (a model, not a measurement)
@@ -47,6 +47,8 @@ commands:
                        --device    h100-sxm, h200, a100-sxm, l40s, b200 (default: GPU 0)
                        --fusion    the row-parallel layers' Fusion (default auto, the layers'
                                    default: unfused; fused shows the fused kernel's rows)
+                       --all-reduce-packets  a group with GroupOptions::all_reduce_packets
+                                   (the one-shot all-reduce by packets where they fit)
                        --json      an array of rows
   bench              quick reduce_ranks bandwidth on GPU 0 (fails without a GPU)
   help               this text

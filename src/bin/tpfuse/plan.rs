@@ -4,7 +4,7 @@
 use std::process::ExitCode;
 use tpfuse::ops::linear::Fusion;
 use tpfuse::plan::{
-    plan_model, DeviceProfile, ModelShape, PlanRow, BUILTIN_DEVICES, BUILTIN_MODELS,
+    plan_model_with, DeviceProfile, ModelShape, PlanRow, BUILTIN_DEVICES, BUILTIN_MODELS,
 };
 
 pub struct Options {
@@ -13,6 +13,7 @@ pub struct Options {
     ms: Vec<usize>,
     device: Option<String>,
     fusion: Fusion,
+    all_reduce_packets: bool,
     json: bool,
 }
 
@@ -40,6 +41,7 @@ impl Options {
             ms: vec![1, 16, 64],
             device: None,
             fusion: Fusion::Auto,
+            all_reduce_packets: false,
             json: false,
         };
         let mut it = args.iter();
@@ -63,6 +65,7 @@ impl Options {
                         v => return Err(format!("--fusion {v}: auto, fused or unfused")),
                     }
                 }
+                "--all-reduce-packets" => options.all_reduce_packets = true,
                 "--json" => options.json = true,
                 other => return Err(format!("unknown option {other}")),
             }
@@ -125,8 +128,15 @@ fn rows(options: &Options) -> Result<(DeviceProfile, Vec<PlanRow>), String> {
     let mut rows = Vec::new();
     for &tp in &options.tp {
         rows.extend(
-            plan_model(&model, tp, &options.ms, &device, options.fusion)
-                .map_err(|e| e.to_string())?,
+            plan_model_with(
+                &model,
+                tp,
+                &options.ms,
+                &device,
+                options.fusion,
+                options.all_reduce_packets,
+            )
+            .map_err(|e| e.to_string())?,
         );
     }
     Ok((device, rows))
