@@ -17,6 +17,9 @@
 //!   `fused` is [`ops::all_reduce_residual_rmsnorm`], `unfused` is [`ops::all_reduce`] then
 //!   [`ops::add_bias_residual`] then [`ops::rms_norm`] (both `Algorithm::Auto`), both from
 //!   per-rank CUDA graphs of 32 rounds (so launch overhead does not favour the fused path).
+//!   `fused_residual_rmsnorm_bf16_w{2,4,8}_packets`: the same on groups with
+//!   [`GroupOptions::all_reduce_packets`] (the one-shot by packets where they fit: m ≤ 4 at
+//!   W = 8, 2 · W · m · 8192 · 2 bytes ≤ 1 MiB).
 //! - `memcpy_dtod_bf16`: cudarc's device-to-device copy of the same sizes; throughput counts
 //!   read and write, 2 x bytes.
 //!
@@ -110,8 +113,8 @@ enum Row {
     OneShot(usize, usize, Duration),
     /// (bytes, copy time)
     Copy(usize, Duration),
-    /// (world, m, fused, unfused)
-    Fused(usize, usize, Duration, Duration),
+    /// (world, m, by packets, fused, unfused)
+    Fused(usize, usize, bool, Duration, Duration),
 }
 
 fn main() {
@@ -150,8 +153,10 @@ fn main() {
         bench_virtual(&mut c, &ctx, world, &mut rows);
     }
     bench_copy(&mut c, &ctx, &mut rows);
-    for &world in worlds() {
-        bench_fused(&mut c, &ctx, world, &mut rows);
+    for packets in [false, true] {
+        for &world in worlds() {
+            bench_fused(&mut c, &ctx, world, packets, &mut rows);
+        }
     }
     bench_gpus(&mut c);
     c.final_summary();
@@ -335,11 +340,18 @@ fn bench_copy(c: &mut Criterion, ctx: &Arc<CudaContext>, rows: &mut Vec<Row>) {
 // Fused residual + RMSNorm against the unfused sequence.
 // ---------------------------------------------------------------------------------------
 
-fn bench_fused(c: &mut Criterion, ctx: &Arc<CudaContext>, world: usize, rows: &mut Vec<Row>) {
+fn bench_fused(
+    c: &mut Criterion,
+    ctx: &Arc<CudaContext>,
+    world: usize,
+    packets: bool,
+    rows: &mut Vec<Row>,
+) {
     let (ms, hidden) = (ms(), hidden());
     let max_m = ms[ms.len() - 1];
     let options = GroupOptions {
         capacity_bytes: max_m * hidden * std::mem::size_of::<T>(),
+        all_reduce_packets: packets,
         ..GroupOptions::default()
     };
     let groups = match TpGroup::virtual_ranks(ctx, world, options) {
@@ -356,7 +368,8 @@ fn bench_fused(c: &mut Criterion, ctx: &Arc<CudaContext>, world: usize, rows: &m
     let (mut residuals, mut tmps) = rank_buffers(&groups, n_max, seed ^ 1);
     let (gammas, mut hs) = rank_buffers(&groups, n_max, seed ^ 2);
 
-    let mut group = c.benchmark_group(format!("fused_residual_rmsnorm_bf16_w{world}"));
+    let suffix = if packets { "_packets" } else { "" };
+    let mut group = c.benchmark_group(format!("fused_residual_rmsnorm_bf16_w{world}{suffix}"));
     for &m in ms {
         let n = m * hidden;
         let p: Vec<CudaView<T>> = partials.iter().map(|x| x.slice(0..n)).collect();
@@ -413,7 +426,7 @@ fn bench_fused(c: &mut Criterion, ctx: &Arc<CudaContext>, world: usize, rows: &m
         let tf = median(|| time_graphs(&streams, &fused, rounds()) / rounds() as u32);
         let tu = median(|| time_graphs(&streams, &unfused, rounds()) / rounds() as u32);
         check_all(&groups, "fused summary");
-        rows.push(Row::Fused(world, m, tf, tu));
+        rows.push(Row::Fused(world, m, packets, tf, tu));
     }
     group.finish();
 }
@@ -549,15 +562,16 @@ fn print_summary(rows: &[Row]) {
         hidden()
     );
     println!(
-        "  {:>2} {:>4} {:>10} {:>10} {:>15}",
-        "W", "m", "fused", "unfused", "unfused/fused"
+        "  {:>2} {:>4} {:>8} {:>10} {:>10} {:>15}",
+        "W", "m", "packets", "fused", "unfused", "unfused/fused"
     );
     for row in rows {
-        if let Row::Fused(world, m, tf, tu) = *row {
+        if let Row::Fused(world, m, packets, tf, tu) = *row {
             println!(
-                "  {:>2} {:>4} {:>8.1}us {:>8.1}us {:>15.2}",
+                "  {:>2} {:>4} {:>8} {:>8.1}us {:>8.1}us {:>15.2}",
                 world,
                 m,
+                packets,
                 tf.as_secs_f64() * 1e6,
                 tu.as_secs_f64() * 1e6,
                 tu.as_secs_f64() / tf.as_secs_f64()
