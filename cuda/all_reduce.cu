@@ -44,14 +44,6 @@
 namespace tpfuse {
 namespace {
 
-// The contiguous share [begin, end) of `n` items that block `b` of `blocks` handles.
-struct Range {
-  size_t begin, end;
-};
-__device__ __forceinline__ Range share(size_t n, size_t b, size_t blocks) {
-  return Range{n * b / blocks, n * (b + 1) / blocks};
-}
-
 // Elements [vec units of a range], clipped to n.
 template <typename T> __device__ __forceinline__ Range element_range(Range units, size_t n) {
   constexpr size_t kVec = Vec16<T>::kLen;

@@ -59,28 +59,21 @@ template <typename T> struct Exchange {
   }
 };
 
-// [n·b/blocks, n·(b+1)/blocks): this block's even share of n items.
-struct Share {
-  size_t begin, end;
-  __device__ explicit Share(size_t n)
-      : begin(n * blockIdx.x / gridDim.x), end(n * (blockIdx.x + 1) / gridDim.x) {}
-};
-
 // Without RMSNorm: the block's vectors, a thread's every kThreads-th (out may be input: a
 // thread reads its vectors before it writes them).
 template <typename T> __device__ __forceinline__ void reduce_vectors(const Exchange<T> &x, const T *input, T *out, size_t n) {
   constexpr size_t kVec = Vec16<T>::kLen;
-  const Share share(n / kVec);
-  for (size_t v = share.begin + threadIdx.x; v < share.end; v += kThreads) x.send(input, v * kVec);
-  for (size_t v = share.begin + threadIdx.x; v < share.end; v += kThreads) {
+  const Range mine = share(n / kVec, blockIdx.x, gridDim.x);
+  for (size_t v = mine.begin + threadIdx.x; v < mine.end; v += kThreads) x.send(input, v * kVec);
+  for (size_t v = mine.begin + threadIdx.x; v < mine.end; v += kThreads) {
     Vec16<T> y;
     if (!x.sum(v * kVec, y)) return;
     store16(out + v * kVec, y);
   }
 }
 
-// With RMSNorm: the block's rows, thread t holding vector t of each segment (column c[s] =
-// s * kSegment + t * kLen, `held[s]` when it lies in the row). The row's sum of squares is 0
+// With RMSNorm: the block's rows, thread t holding vector t of each segment (column col(s) =
+// s * kSegment + t * kLen, when it lies in the row). The row's sum of squares is 0
 // plus each segment's tree in segment order (the flag path's partials, added in that order),
 // then the row normalised from what the thread holds. Every thread runs every tree (their
 // barriers), a thread that gave up too: its stores are skipped, and fused::end marks the
@@ -92,15 +85,15 @@ __device__ __forceinline__ void reduce_rows(const Exchange<T> &x, const T *input
                                             size_t rows, size_t hidden) {
   constexpr int kSegments = 2;
   TPFUSE_SHARED(Vec16<T>[kSegments * kThreads], parked); // [s * kThreads + t]
-  const Share share(rows);
+  const Range mine = share(rows, blockIdx.x, gridDim.x);
   const auto col = [](int s) { return static_cast<size_t>(s) * kSegment<T> + threadIdx.x * Vec16<T>::kLen; };
   const int segments = static_cast<int>(segments_per_row<T>(hidden));
-  for (size_t r = share.begin; r < share.end; ++r) {
+  for (size_t r = mine.begin; r < mine.end; ++r) {
     for (int s = 0; s < segments; ++s)
       if (col(s) < hidden) x.send(input, r * hidden + col(s));
   }
   bool ok = true;
-  for (size_t r = share.begin; r < share.end; ++r) {
+  for (size_t r = mine.begin; r < mine.end; ++r) {
 #pragma unroll 1
     for (int s = 0; s < segments; ++s)
       if (ok && col(s) < hidden) ok = x.sum(r * hidden + col(s), parked[s * kThreads + threadIdx.x]);
@@ -108,7 +101,7 @@ __device__ __forceinline__ void reduce_rows(const Exchange<T> &x, const T *input
     Vec16<T> gam[kSegments];
 #pragma unroll
     for (int s = 0; s < kSegments; ++s)
-      if (s < segments && col(s) < hidden) gam[s] = load16(gamma + col(s));
+      if (col(s) < hidden) gam[s] = load16(gamma + col(s));
     float sum = 0.f;
 #pragma unroll
     for (int s = 0; s < kSegments; ++s)
@@ -116,7 +109,7 @@ __device__ __forceinline__ void reduce_rows(const Exchange<T> &x, const T *input
     const float rstd = rstd_of(sum, hidden, eps);
 #pragma unroll
     for (int s = 0; s < kSegments; ++s)
-      if (ok && s < segments && col(s) < hidden)
+      if (ok && col(s) < hidden)
         store16(out + r * hidden + col(s), normalize_vector(parked[s * kThreads + threadIdx.x], gam[s], rstd));
   }
 }

@@ -74,6 +74,15 @@ __device__ __forceinline__ void note_barrier_passed() {
 #endif
 }
 
+// The contiguous share [begin, end) of `n` items that block `b` of `blocks` handles (the
+// collectives' even split of a message).
+struct Range {
+  size_t begin, end;
+};
+__device__ __forceinline__ Range share(size_t n, size_t b, size_t blocks) {
+  return Range{n * b / blocks, n * (b + 1) / blocks};
+}
+
 // 16 bytes of elements, moved with one 128-bit load or store.
 template <typename T> struct alignas(16) Vec16 {
   static constexpr int kLen = 16 / sizeof(T);

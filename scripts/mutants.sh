@@ -531,7 +531,7 @@ mutant ar-packets-not-normalised emu_all_reduce::all_reduce_bf16_every_world_pat
 mutant ar-packets-no-bias emu_all_reduce::all_reduce_bf16_every_world_path_and_epilogue "the all-reduce by packets leaves out the bias" \
   all_reduce_packets.cu 'Epilogue<T>{bias, residual, hidden}' 'Epilogue<T>{nullptr, residual, hidden}'
 mutant ar-packets-vectors-of-block-0 emu_all_reduce::all_reduce_f32_every_world_path_and_epilogue "every block of the flat all-reduce by packets takes block 0's vectors" \
-  all_reduce_packets.cu ': begin(n * blockIdx.x / gridDim.x), end(n * (blockIdx.x + 1) / gridDim.x) {}' ': begin(0), end(n / gridDim.x) {}'
+  all_reduce_packets.cu 'const Range mine = share(n / kVec, blockIdx.x, gridDim.x);' 'const Range mine = share(n / kVec, 0, gridDim.x);'
 mutant ar-packets-failure-unmarked emu_all_reduce::a_missing_rank_times_out_on_every_survivor_within_the_deadline "a failed all-reduce by packets leaves its outputs unmarked" \
   all_reduce_packets.cu $'    mark_failed(out, 0, n);\n    mark_failed(residual, 0, n);' ''
 # The weak passes report a strong load that reads a write it is not morally strong with

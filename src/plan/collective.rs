@@ -323,14 +323,14 @@ pub fn all_reduce_row(
         packet_bytes,
     };
     let packets = launch.packets();
+    // By packets each rank's data crosses to every peer as packets (twice its bytes).
+    let crossings = if packets { 2.0 } else { 1.0 };
     let (per_block, peer_bytes, config) = match algo {
-        // By packets each rank's data crosses to every peer as packets (twice its bytes).
-        AllReduceAlgo::OneShot if packets => (
+        AllReduceAlgo::OneShot => (
             launch.block_bytes(),
-            2.0 * (w - 1.0) * bytes as f64,
+            crossings * (w - 1.0) * bytes as f64,
             "one-shot",
         ),
-        AllReduceAlgo::OneShot => (launch.block_bytes(), (w - 1.0) * bytes as f64, "one-shot"),
         AllReduceAlgo::TwoShot => (launch.block_bytes(), 2.0 * share * bytes as f64, "two-shot"),
         // NCCL: modelled as a ring, 2(W-1) steps, its bytes spread evenly over the budget.
         AllReduceAlgo::Nccl => {
