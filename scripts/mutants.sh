@@ -503,8 +503,7 @@ mutant epoch-window-half-range emu_fused_failures::a_flag_of_a_long_past_launch_
   fused_flags.cuh 'return (((v >> kDescriptorBits) - epoch) & kEpochMask) <= 1;' 'return (((v >> kDescriptorBits) - epoch) & kEpochMask) < (kEpochMask >> 1);'
 # Packets (cuda/packets.cuh): the one-shot GEMM + all-reduce's exchange at decode sizes.
 # Not here: the packet half by parity (one half for every launch survived the back-to-back
-# test under pct:1: a consumer's block must fall behind a peer's whole next launch), and the
-# started flags' ordering of the clears (docs/emulator.md, weak memory's limits).
+# test under pct:1: a consumer's block must fall behind a peer's whole next launch).
 mutant packets-tag-unchecked emu_gemm_all_reduce::fused_equals_gemm_then_all_reduce_bf16@random:1 "a packet is taken before its tag says it is there" \
   packets.cuh 'return static_cast<uint32_t>(x >> 32) == tag; }' 'return true; }'
 mutant packets-not-cleared gpu_gemm_all_reduce::a_graph_of_the_fused_op_replays_100_times "the consumer leaves its packets (a later launch of the same parity finds them)" \
@@ -539,6 +538,13 @@ mutant ar-packets-failure-unmarked emu_all_reduce::a_missing_rank_times_out_on_e
 mutant packets-stored-weak emu_all_reduce::a_late_rank_within_the_deadline_gives_the_right_result+weak "a vector's packets stored with a weak st.global.v4 (no single-copy atomicity)" \
   packets.cuh $'    st_relaxed_sys_v2(dst, first);\n    st_relaxed_sys_v2(dst + 2, second);' \
   $'    st_global(reinterpret_cast<uint4 *>(dst), uint4{static_cast<uint32_t>(first.lo), static_cast<uint32_t>(first.lo >> 32), static_cast<uint32_t>(first.hi), static_cast<uint32_t>(first.hi >> 32)});\n    st_global(reinterpret_cast<uint4 *>(dst + 2), uint4{static_cast<uint32_t>(second.lo), static_cast<uint32_t>(second.lo >> 32), static_cast<uint32_t>(second.hi), static_cast<uint32_t>(second.hi >> 32)});'
+# The started flags order a launch's packets after the clears of launch E - 2 (fused_flags.cuh,
+# begin). Without that order the weak passes land the clear last, as a GPU may
+# (weak_memory.cpp, land_racing_writes_last); before they did, the mutant survived. (Leaving
+# the wait out but keeping the first load's acquire survives: in the back-to-back tests that
+# load already reads the flag of E - 1.)
+mutant started-acquire-relaxed emu_all_reduce::all_reduces_by_packets_back_to_back_each_get_their_own_inputs+weak "a block reads a peer's started flag relaxed (nothing orders the peer's clears before its packets)" \
+  fused_flags.cuh 'if (waiter) seen = ld_acquire_sys(own.started(threadIdx.x));' 'if (waiter) seen = ld_relaxed_sys(own.started(threadIdx.x));'
 mutant packets-never emu_counters::fused_gemm_all_reduce_reads_the_peers_once_or_twice_by_slices "the one-shot exchanges by flags where the plan says packets (the same bits)" \
   gemm_all_reduce.cu 'const bool packets = !reduction.scatter && g.packet_bytes != 0 &&' 'const bool packets = false && g.packet_bytes != 0 &&'
 mutant started-window-one-ahead emu_gemm_all_reduce::reduce_scatters_and_all_reduces_back_to_back_complete@pct:1 "a block takes only a peer's started flag of the launch before or this one, not the next (a reduce-scatter's peer may be there)" \

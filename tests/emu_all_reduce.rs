@@ -681,6 +681,44 @@ fn a_late_rank_within_the_deadline_gives_the_right_result() {
 }
 
 #[test]
+fn all_reduces_by_packets_back_to_back_each_get_their_own_inputs() {
+    let _s = session(
+        "emu_all_reduce",
+        "all_reduces_by_packets_back_to_back_each_get_their_own_inputs",
+    );
+    // Five launches a rank, all enqueued before any runs (no host synchronisation between
+    // them). The packet halves alternate, so launch E stores into the half whose packets
+    // launch E - 2's consumers cleared, and only the started flags order those clears before
+    // the new packets (cuda/fused_flags.cuh). Under the weak passes a clear that nothing
+    // orders lands after the packet (cuda/emu/weak_memory.cpp), as a GPU may land it, and the
+    // consumer's wait runs to the deadline.
+    let world = 3;
+    let ranks = Ranks::new(world, 2, 20_000_000);
+    let cases: Vec<Data<bf16>> = (0..5u64)
+        .map(|i| {
+            data::<bf16>(
+                world,
+                2,
+                264,
+                ROW_EPILOGUES[4],
+                mix_seed(base_seed(0xa11_0010), &[i]),
+            )
+        })
+        .collect();
+    let launches: Vec<Launch<bf16>> = cases
+        .iter()
+        .map(|d| enqueue(&ranks, d, Path::Packets, "in a row"))
+        .collect();
+    ranks.synchronize();
+    for r in 0..world {
+        assert_eq!(ranks.error_word(r), 0, "rank {r}");
+    }
+    for (i, (d, l)) in cases.iter().zip(launches).enumerate() {
+        check(&format!("launch {i} of 5"), d, &[l]);
+    }
+}
+
+#[test]
 fn a_wait_ends_when_the_timer_stands_still() {
     let _s = session("emu_all_reduce", "a_wait_ends_when_the_timer_stands_still");
     // Rank 1 never comes and rank 0's %globaltimer stands still: only the %clock64 backstop

@@ -23,6 +23,7 @@ fn forbidden(shape: Shape) -> usize {
         Shape::Lb => 0b11,               // r0 = r1 = 1
         Shape::Wrc => 0b011,             // r0 = r1 = 1, r2 = 0
         Shape::Iriw => 0b0101,           // r0 = 1, r1 = 0, r2 = 1, r3 = 0
+        Shape::KernelBoundary => 0b00,   // unused: the test below checks every outcome
     }
 }
 
@@ -160,4 +161,39 @@ fn the_sc_mode_never_shows_message_passing_fail() {
         let o = outcomes(Shape::Mp, Sync::Missing, placement, RUNS);
         assert_eq!(o[forbidden(Shape::Mp)], 0, "{placement:?}: {o:?}");
     }
+}
+
+#[test]
+fn a_kernel_boundary_orders_only_what_cuda_orders() {
+    // T0's launch writes x = 1 and completes; T1's launch, on another stream, starts after it
+    // and reads x, then writes x = 2. Ordered by an event, T1 reads 1 and its write lands last
+    // (outcome r0 = 1, r1 = 0). Ordered by nothing (a peer's launch that merely completed
+    // earlier), T1 may read the old 0 and T0's write may land after T1's: `weak` shows both
+    // every time, `weak-random` some of the time.
+    let runs = 40;
+    for memory in [Memory::Weak, Memory::WeakRandom] {
+        let _s = weak_session("a_kernel_boundary_orders_only_what_cuda_orders", memory);
+        let ordered = outcomes(Shape::KernelBoundary, Sync::Required, Placement::Gpus, runs);
+        assert_eq!(
+            ordered[0b01], runs,
+            "{memory:?}, ordered by an event: {ordered:?}"
+        );
+        let unordered = outcomes(Shape::KernelBoundary, Sync::Missing, Placement::Gpus, runs);
+        let stale_reads: u32 = (0..16).filter(|k| k & 1 == 0).map(|k| unordered[k]).sum();
+        let landed_last: u32 = (0..16).filter(|k| k & 2 != 0).map(|k| unordered[k]).sum();
+        if memory == Memory::Weak {
+            assert_eq!(
+                unordered[0b10], runs,
+                "{memory:?}, unordered: {unordered:?}"
+            );
+        } else {
+            assert!(
+                stale_reads > 0 && landed_last > 0 && stale_reads < runs && landed_last < runs,
+                "{memory:?}, unordered: {unordered:?}"
+            );
+        }
+    }
+    let err = litmus::run(Shape::KernelBoundary, Sync::Missing, Placement::Ctas, 1)
+        .expect_err("one launch has no kernel boundary");
+    assert!(format!("{err}").contains("tpfuse_emu_litmus"), "{err}");
 }

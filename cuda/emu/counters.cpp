@@ -109,6 +109,7 @@ void free_device_memory(void *ptr) {
     bool tagged = false;
     for (const Tag &t : *dev.tags) tagged = tagged || (t.begin < end && begin < t.end);
     if (tagged) edit_tags(dev, [&](Tags &tags) { drop_tags(tags, begin, end); });
+    if (weak_memory) dev.freed.emplace_back(begin, end);
   }
   std::free(ptr);
 }

@@ -45,6 +45,9 @@ struct Event {
   bool captured = false;  // the last record was made in a capturing stream (under mu)
   std::atomic<uint64_t> completed{0};
   std::atomic<uint64_t> time_ns{0};
+  // Weak memory: what its last record orders (the recording stream's frontier when the record
+  // ran), under mu.
+  std::shared_ptr<Frontier> last = std::make_shared<Frontier>();
 };
 
 struct Graph {
@@ -374,8 +377,10 @@ CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char value, size_t n) {
 }
 
 static CUresult async_copy(void *stream, const char *name, void *dst, const void *src, size_t n) {
-  enqueue_host_work(stream_of(static_cast<cudaStream_t>(stream)), name,
-                    [=] { std::memmove(dst, src, n); });
+  enqueue_host_work(stream_of(static_cast<cudaStream_t>(stream)), name, [=] {
+    std::memmove(dst, src, n);
+    if (weak_memory) memory_host_write(dst, n);
+  });
   return kSuccess;
 }
 // From pageable host memory CUDA copies the source before it returns (the caller may free or
@@ -385,7 +390,10 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, void *
                                                              static_cast<const unsigned char *>(src) + n);
   void *d = host_ptr(dst);
   enqueue_host_work(stream_of(static_cast<cudaStream_t>(stream)), "cuMemcpyHtoDAsync",
-                    [d, staged] { std::memcpy(d, staged->data(), staged->size()); });
+                    [d, staged] {
+                      std::memcpy(d, staged->data(), staged->size());
+                      if (weak_memory) memory_host_write(d, staged->size());
+                    });
   return kSuccess;
 }
 // To pageable host memory CUDA returns only once the copy is done (cudarc relies on it: its
@@ -406,7 +414,10 @@ CUresult cuMemcpyPeerAsync(CUdeviceptr dst, void *, CUdeviceptr src, void *, siz
 }
 CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char value, size_t n, void *stream) {
   enqueue_host_work(stream_of(static_cast<cudaStream_t>(stream)), "cuMemsetD8Async",
-                    [=] { std::memset(host_ptr(dst), value, n); });
+                    [=] {
+                      std::memset(host_ptr(dst), value, n);
+                      if (weak_memory) memory_host_write(host_ptr(dst), n);
+                    });
   return kSuccess;
 }
 
@@ -439,8 +450,9 @@ CUresult cuMemcpy2DAsync_v2(const Memcpy2D *c, void *stream) {
   const Memcpy2D copy = *c;
   enqueue_host_work(stream_of(static_cast<cudaStream_t>(stream)), "cuMemcpy2DAsync", [=] {
     for (size_t row = 0; row < copy.Height; ++row) {
-      std::memmove(dst + (copy.dstY + row) * copy.dstPitch + copy.dstXInBytes,
-                   src + (copy.srcY + row) * copy.srcPitch + copy.srcXInBytes, copy.WidthInBytes);
+      unsigned char *to = dst + (copy.dstY + row) * copy.dstPitch + copy.dstXInBytes;
+      std::memmove(to, src + (copy.srcY + row) * copy.srcPitch + copy.srcXInBytes, copy.WidthInBytes);
+      if (weak_memory) memory_host_write(to, copy.WidthInBytes);
     }
   });
   return kSuccess;
@@ -483,6 +495,7 @@ CUresult cuStreamQuery(void *stream) {
   }
   const bool done = run_query_slice([s, target] { return s->completed >= target; });
   std::lock_guard<std::mutex> lk(dev.mu);
+  if (done) dev.host_known.join(s->known);  // the host saw its work done
   if (s->error != cudaSuccess) return s->error;
   return done ? kSuccess : kNotReady;
 }
@@ -507,18 +520,25 @@ CUresult cuEventRecord(void *event, void *stream) {
   Event *e = static_cast<Event *>(event);
   uint64_t generation;
   Stream *s = stream_of(static_cast<cudaStream_t>(stream));
+  auto records = std::make_shared<Frontier>();
   {
     Device &dev = device();
     std::lock_guard<std::mutex> lk(dev.mu);
     generation = ++e->recorded;
     e->captured = s->capturing;
+    e->last = records;
   }
-  enqueue_host_work(stream_of(static_cast<cudaStream_t>(stream)), "cuEventRecord", [e, generation] {
+  auto op = std::make_unique<Launch>();
+  op->stream = s;
+  op->name = "cuEventRecord";
+  op->records = records;
+  op->host_work = [e, generation] {
     e->time_ns.store(now_ns());
     uint64_t seen = e->completed.load();
     while (seen < generation && !e->completed.compare_exchange_weak(seen, generation)) {
     }
-  });
+  };
+  enqueue_op(std::move(op));
   return kSuccess;
 }
 CUresult cuEventRecordWithFlags(void *event, void *stream, unsigned) { return cuEventRecord(event, stream); }
@@ -527,6 +547,14 @@ CUresult cuEventRecordWithFlags(void *event, void *stream, unsigned) { return cu
 // for work that will run: outside a capture CUDA refuses to wait for it, query it or
 // synchronise on it (CUDA_ERROR_CAPTURED_EVENT). So does the emulator, with a log line,
 // instead of waiting for a record that only a replay would make.
+// The host synchronised with e's last record: what it orders is ordered before the host's
+// later work (weak memory).
+static void host_saw(const Event &e) {
+  Device &dev = device();
+  std::lock_guard<std::mutex> lk(dev.mu);
+  dev.host_known.join(*e.last);
+}
+
 static bool refuse_captured(const Event &e, const char *call) {
   if (!e.captured) return false;
   std::fprintf(stderr, "tpfuse emulator: %s: the event was last recorded in a capturing stream "
@@ -539,16 +567,21 @@ CUresult cuStreamWaitEvent(void *stream, void *event, unsigned) {
   Event *e = static_cast<Event *>(event);
   Stream *s = stream_of(static_cast<cudaStream_t>(stream));
   uint64_t generation;
+  std::shared_ptr<Frontier> joins;
   {
     Device &dev = device();
     std::lock_guard<std::mutex> lk(dev.mu);
     if (!s->capturing && refuse_captured(*e, "cuStreamWaitEvent")) return kCapturedEvent;
     generation = e->recorded;
+    joins = e->last;
   }
-  if (generation == 0 || e->completed.load() >= generation) return kSuccess;  // nothing to wait for
+  if (generation == 0) return kSuccess;  // nothing to wait for
+  // Even a record that already happened orders what it recorded before the stream's next
+  // work (weak memory: the op joins its frontier).
   auto op = std::make_unique<Launch>();
   op->stream = s;
   op->name = "cuStreamWaitEvent";
+  op->joins = joins;
   op->ready = [e, generation] { return e->completed.load() >= generation; };
   enqueue_op(std::move(op));
   return kSuccess;
@@ -567,7 +600,10 @@ CUresult cuEventSynchronize(void *event) {
       if (refuse_captured(*e, "cuEventSynchronize / cuEventQuery")) return kCapturedEvent;
       want = e->recorded;
     }
-    if (e->completed.load() >= want) return kSuccess;
+    if (e->completed.load() >= want) {
+      host_saw(*e);
+      return kSuccess;
+    }
     const CUresult r = synchronize_stream(nullptr);
     if (r != kSuccess) return r;
   }
@@ -584,7 +620,9 @@ CUresult cuEventQuery(void *event) {
     if (refuse_captured(*e, "cuEventQuery")) return kCapturedEvent;
     want = e->recorded;
   }
-  return run_query_slice([e, want] { return e->completed.load() >= want; }) ? kSuccess : kNotReady;
+  if (!run_query_slice([e, want] { return e->completed.load() >= want; })) return kNotReady;
+  host_saw(*e);
+  return kSuccess;
 }
 
 CUresult cuEventElapsedTime(float *ms, void *start, void *end) {

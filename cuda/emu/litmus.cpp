@@ -11,6 +11,14 @@
 #include "ptx.cuh"
 #include "tpfuse_emu.h"
 
+// The emulated driver's events (driver.cpp).
+extern "C" {
+int cuEventCreate(void **event, unsigned flags);
+int cuEventRecord(void *event, void *stream);
+int cuStreamWaitEvent(void *stream, void *event, unsigned flags);
+int cuEventDestroy_v2(void *event);
+}
+
 namespace {
 
 using namespace tpfuse;
@@ -101,6 +109,14 @@ __global__ void litmus_kernel(int test, int variant, Scope wide, Scope narrow, i
       st_global(&r[2 * (t - 2) + 1], b);
     }
     break;
+  case TPFUSE_EMU_LITMUS_KB:  // launch T1 starts after launch T0 completed
+    if (t == 0) {
+      st_global(&m->x, 1u);
+    } else {
+      st_global(&r[0], ld_global(&m->x));
+      st_global(&m->x, 2u);
+    }
+    return;  // T1 starts only once T0 is done: nobody waits for the other
   default: break;
   }
   // Every thread stays until all have finished: no launch completes (a kernel boundary, which
@@ -123,7 +139,21 @@ int run_once(int test, int variant, int placement, Mem *m, void *const *streams,
   const int n = threads_of(test);
   const Scope wide = placement == 0 ? Scope::Gpu : Scope::Sys;
   const Scope narrow = placement == 0 ? Scope::Cta : Scope::Gpu;
-  if (placement == 0) {
+  if (test == TPFUSE_EMU_LITMUS_KB) {
+    // T1's stream starts its launch 1 ms of virtual time later, after T0's completed; with the
+    // synchronisation, it also waits for an event recorded after T0.
+    cudaStream_t first = static_cast<cudaStream_t>(streams[0]), second = static_cast<cudaStream_t>(streams[1]);
+    TPFUSE_LAUNCH(litmus_kernel, 1, 1, 0, first)(test, variant, wide, narrow, 0, n, m);
+    if (variant == 0) {
+      void *done = nullptr;
+      cuEventCreate(&done, 0);
+      cuEventRecord(done, first);
+      cuStreamWaitEvent(second, done, 0);
+      cuEventDestroy_v2(done);
+    }
+    tpfuse_emu_stream_set_fault(streams[1], 1000 * 1000, 0, 0);
+    TPFUSE_LAUNCH(litmus_kernel, 1, 1, 0, second)(test, variant, wide, narrow, 1, n, m);
+  } else if (placement == 0) {
     TPFUSE_LAUNCH(litmus_kernel, n, 1, 0, static_cast<cudaStream_t>(streams[0]))(test, variant, wide, narrow, 0, n, m);
   } else {
     for (int t = 0; t < n; ++t) {
@@ -138,6 +168,7 @@ int run_once(int test, int variant, int placement, Mem *m, void *const *streams,
     }
   }
   if (err != 0) return -1;
+  if (test == TPFUSE_EMU_LITMUS_KB) m->regs[1] = m->x == 1 ? 1 : 0;
   int outcome = 0;
   for (int i = 0; i < 4; ++i)
     if (m->regs[i] != 0) outcome |= 1 << i;
@@ -148,8 +179,9 @@ int run_once(int test, int variant, int placement, Mem *m, void *const *streams,
 
 extern "C" int32_t tpfuse_emu_litmus(int32_t test, int32_t variant, int32_t placement, uint32_t runs,
                                      uint32_t *outcomes, char *error, size_t error_cap) {
-  if (test < TPFUSE_EMU_LITMUS_MP || test > TPFUSE_EMU_LITMUS_IRIW || variant < 0 || variant > 2 || placement < 0 ||
-      placement > 1 || outcomes == nullptr) {
+  if (test < TPFUSE_EMU_LITMUS_MP || test > TPFUSE_EMU_LITMUS_KB || variant < 0 || variant > 2 || placement < 0 ||
+      placement > 1 || outcomes == nullptr ||
+      (test == TPFUSE_EMU_LITMUS_KB && (variant == 2 || placement != 1))) {
     return cudaErrorInvalidValue;
   }
   std::memset(outcomes, 0, 16 * sizeof(uint32_t));

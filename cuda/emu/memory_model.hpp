@@ -13,12 +13,16 @@
 //   pattern wrote, both morally strong (scopes that include each other): the reader's view
 //   joins the view the release carried; a strong read of a morally strong write (causality
 //   order: the write comes before everything after the read); fence.sc (an order over the
-//   fences of one scope instance); kernel completion: a view holds a completion frontier, the
-//   count of launch completions it has seen (a launch starts with the count then, a release
-//   carries it), and a finished launch's writes are seen by the views whose frontier reaches
-//   its completion (a launch on its stream after it, or a thread that synchronised with one).
+//   fences of one scope instance); kernel completion: a view holds a completion frontier (of
+//   each stream, how many of its kernel launches completed before the holder: Frontier), and a
+//   finished launch's writes are seen by the views whose frontier holds it. A launch starts
+//   with what CUDA orders before it: its stream's earlier work (and, through the kernel
+//   boundary, everything that work had seen), the events its stream waited for, and what the
+//   host had synchronised with when it enqueued the launch; a release carries the frontier on.
+//   A peer's launch that merely completed earlier is not ordered before it.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <unordered_map>
@@ -47,8 +51,62 @@ struct Point {
   uint64_t number;
 };
 
+// A completion frontier: of each stream (its slot in Device::streams), how many of its kernel
+// launches (the first n it started: a stream's launches complete in order) are ordered before
+// the holder. Sorted by slot; an absent slot is 0.
+struct Frontier {
+  std::vector<std::pair<uint32_t, uint64_t>> done;
+
+  uint64_t of(uint32_t slot) const {
+    auto it = std::lower_bound(done.begin(), done.end(), std::make_pair(slot, uint64_t{0}));
+    return it != done.end() && it->first == slot ? it->second : 0;
+  }
+  void raise(uint32_t slot, uint64_t n) {
+    auto it = std::lower_bound(done.begin(), done.end(), std::make_pair(slot, uint64_t{0}));
+    if (it != done.end() && it->first == slot) {
+      it->second = std::max(it->second, n);
+    } else {
+      done.insert(it, {slot, n});
+    }
+  }
+  // this := this ⊔ o (one pass over both).
+  void join(const Frontier &o) {
+    if (o.done.empty()) return;
+    if (done.empty()) {
+      done = o.done;
+      return;
+    }
+    std::vector<std::pair<uint32_t, uint64_t>> merged;
+    merged.reserve(done.size() + o.done.size());
+    auto a = done.cbegin();
+    auto b = o.done.cbegin();
+    while (a != done.cend() && b != o.done.cend()) {
+      if (a->first < b->first) {
+        merged.push_back(*a++);
+      } else if (b->first < a->first) {
+        merged.push_back(*b++);
+      } else {
+        merged.emplace_back(a->first, std::max(a->second, b->second));
+        ++a, ++b;
+      }
+    }
+    merged.insert(merged.end(), a, done.cend());
+    merged.insert(merged.end(), b, o.done.cend());
+    done.swap(merged);
+  }
+  // this := this ⊓ o: what both hold.
+  void meet(const Frontier &o) {
+    std::vector<std::pair<uint32_t, uint64_t>> kept;
+    for (const auto &e : done) {
+      const uint64_t n = std::min(e.second, o.of(e.first));
+      if (n > 0) kept.emplace_back(e.first, n);
+    }
+    done.swap(kept);
+  }
+};
+
 struct View {
-  uint64_t frontier = 0;          // launch completions seen: every launch that completed by then
+  Frontier frontier;              // the launches seen complete (kernel boundaries passed)
   std::vector<BlockMark> blocks;  // sorted by block
   std::vector<Point> points;      // sorted by word
 };

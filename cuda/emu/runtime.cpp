@@ -136,6 +136,7 @@ void enqueue_op(std::unique_ptr<Launch> launch) {
     std::lock_guard<std::mutex> lk(dev.mu);
     Stream *s = launch->stream;
     launch->seq = dev.launch_seq++;
+    if (weak_memory) launch->after = dev.host_known;  // the host's order before it
     if (s->capturing) {
       s->captured.push_back(std::move(launch));
     } else {
@@ -159,6 +160,8 @@ std::unique_ptr<Launch> clone_op(const Launch &op) {
   copy->body = op.body;
   copy->host_work = op.host_work;
   copy->ready = op.ready;
+  copy->joins = op.joins;
+  copy->records = op.records;
   return copy;
 }
 
@@ -181,6 +184,7 @@ cudaError_t synchronize_stream(Stream *only) {
   for (auto &s : dev.streams)
     if (only == nullptr || s.get() == only) targets.emplace_back(s.get(), s->enqueued);
   run_until_completed(lk, targets);
+  for (auto &t : targets) dev.host_known.join(t.first->known);  // what the host waited for
   cudaError_t error = cudaSuccess;
   for (auto &t : targets)
     if (error == cudaSuccess) error = t.first->error;
@@ -402,6 +406,7 @@ void *tpfuse_emu_stream_create(void) {
   Device &dev = device();
   std::lock_guard<std::mutex> lk(dev.mu);
   dev.streams.push_back(std::make_unique<Stream>());
+  dev.streams.back()->slot = static_cast<uint32_t>(dev.streams.size() - 1);
   return dev.streams.back().get();
 }
 

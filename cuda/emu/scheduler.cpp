@@ -268,7 +268,12 @@ void release_block(Device &dev, Block &b) {
 void complete(Device &dev, Stream &s) {
   std::lock_guard<std::mutex> lk(dev.mu);
   std::unique_ptr<Launch> l = std::move(s.running);
-  if (weak_memory) memory_launch_done(*l);  // a kernel boundary: its writes are everyone's
+  if (weak_memory) {
+    // A kernel boundary: the stream's next work sees the launch, and what its threads saw.
+    s.known.join(l->end);
+    s.known.raise(s.slot, l->ordinal + 1);
+    memory_launch_done(*l);
+  }
   if (l->failed) dev.last_failure = l->error;
   counters_launch_done(dev, *l);
   if (l->failed && s.error == cudaSuccess) {
@@ -292,6 +297,7 @@ void retire(Device &dev) {
       }
       b->gone = true;
       counters_block_done(*b);
+      if (weak_memory) memory_block_done(*b);
       release_block(dev, *b);
     } else if (b->live == 0) {
       trace(dev, *b, "finished");
@@ -306,6 +312,7 @@ void retire(Device &dev) {
       }
       b->gone = true;
       counters_block_done(*b);
+      if (weak_memory) memory_block_done(*b);
       release_block(dev, *b);
       ++b->launch->done_blocks;
     }
@@ -366,6 +373,7 @@ void start_heads(Device &dev, std::unique_lock<std::mutex> &lk) {
       std::unique_ptr<Launch> l = std::move(s->queue.front());
       s->queue.pop_front();
       if (!l->body || s->stop) {  // host work or a wait; or a rank that never arrives
+        if (weak_memory && !s->stop) memory_operation_starts(*s, *l);
         if (l->host_work && !s->stop) {
           lk.unlock();
           l->host_work();
@@ -381,6 +389,7 @@ void start_heads(Device &dev, std::unique_lock<std::mutex> &lk) {
       st.blocks += total_blocks(*l);
       counters_launch_starts(dev, *s, *l);
       l->ordinal = s->kernels_started++;
+      if (weak_memory) memory_operation_starts(*s, *l);
       s->running = std::move(l);
     }
   }
@@ -519,6 +528,7 @@ Device &device() {
     d->sm_smem.assign(sms, 0);
     d->streams.push_back(std::make_unique<Stream>());
     d->default_stream = d->streams.back().get();
+    d->default_stream->slot = 0;
     std::thread(device_loop, std::ref(*d)).detach();
     return d;
   }();

@@ -150,7 +150,14 @@ struct Launch {
   bool failed = false;
   std::string error;
   cudaError_t code = cudaSuccess;
-  uint64_t memory_id = 0;  // weak memory: its id once a block ran (weak_memory.cpp)
+  uint64_t memory_id = 0;  // weak memory: its id once it started (weak_memory.cpp)
+  // Weak memory, what is ordered before the operation (under mu): `after`, what the host had
+  // synchronised with when it enqueued it; `joins`, an event's record it waits for;
+  // `records`, the event record it makes (filled when it runs); `start`, a kernel's frontier
+  // when it started; `end`, what its threads had seen when they ended.
+  Frontier after;
+  std::shared_ptr<Frontier> joins, records;
+  Frontier start, end;
 };
 
 struct Stream {
@@ -169,6 +176,8 @@ struct Stream {
   int rank = -1;  // tpfuse_emu_tag_stream, under mu
   uint64_t kernels_started = 0;  // device thread
   int device = 0;  // the emulated device whose SMs run its blocks (set at creation)
+  uint32_t slot = 0;  // its index in Device::streams (a Frontier's key)
+  Frontier known;     // weak memory: what is ordered before its next operation (under mu)
 };
 
 struct KernelStats {
@@ -194,6 +203,12 @@ struct Device {
   std::string last_failure;                      // under mu
   bool counting = false;                         // under mu, like the two below
   std::shared_ptr<const Tags> tags = std::make_shared<Tags>();  // replaced, never changed
+  // Weak memory: the launches the host has synchronised with (stream, event or device
+  // synchronisation; a query that found them done), under mu.
+  Frontier host_known;
+  // Weak memory: device memory freed since the last kernel started ([begin, end)), under mu:
+  // its words' versions go before a kernel may read a new allocation there.
+  std::vector<std::pair<uintptr_t, uintptr_t>> freed;
   std::vector<LaunchRecord> records;
 
   // Device thread only.
@@ -238,7 +253,14 @@ void configure_memory(int32_t mode, uint64_t seed);
 bool is_global(const void *p);
 void memory_block_start(Block &b);   // a block became resident
 void memory_barrier(Block &b);       // its bar.sync completed
-void memory_launch_done(Launch &l);  // a launch completed: its writes are everyone's
+// Under mu, from the device thread: stream s starts operation l (a kernel when l.body is set):
+// what is ordered before it.
+void memory_operation_starts(Stream &s, Launch &l);
+void memory_block_done(Block &b);    // a block ended: what its threads saw, for its launch's end
+void memory_launch_done(Launch &l);  // under mu: a launch completed (its stream's next work sees it)
+// Host work on the device thread wrote [p, p + bytes) (a copy or memset in stream order): the
+// words' versions go, memory holds what everyone reads.
+void memory_host_write(const void *p, size_t bytes);
 // The bookkeeping of the strong operations (device_ops.cpp performs their scheduling).
 void memory_strong_read(const void *p, size_t bytes, Order o, Scope s);
 void memory_strong_write(void *p, const void *v, size_t bytes, Order o, Scope s);

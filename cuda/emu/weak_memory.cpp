@@ -3,11 +3,11 @@
 // sections cited are the PTX ISA's "Memory Consistency Model" chapter).
 //
 // Memory itself always holds the newest value of every word: host code, copies and the `sc`
-// mode read it. While launches run, each word they write keeps its versions here, in
-// coherence order (the order the device thread performed the writes), and a kernel's weak
-// load picks among them by the reading thread's view. A launch's completion commits its
-// versions (a kernel boundary: everything after it sees them) and drops the ones nobody can
-// read any more.
+// mode read it. Each word kernels write keeps its versions here, in coherence order (the
+// order the device thread performed the writes), and a kernel's weak load picks among them by
+// the reading thread's view. A launch's versions are committed (memory holds them for
+// everyone, and they go) once every launch that may still start or run is ordered after it:
+// after the host synchronised with it, not merely after it completed (collect()).
 #include <algorithm>
 #include <cstring>
 #include <random>
@@ -26,6 +26,7 @@ struct Version {
   uint64_t number;  // its place in the word's coherence order (1, 2, ...)
   uint64_t launch, block;
   uint32_t thread, epoch, seq;
+  uint8_t bytes;  // which of the word's bytes it wrote (bit i: byte i)
   bool strong;
   Order order;
   Scope scope;
@@ -57,10 +58,11 @@ struct State {
   std::unordered_map<uintptr_t, std::unique_ptr<Page>> pages;
   uintptr_t last_key = ~uintptr_t{0};
   Page *last_page = nullptr;
-  uint64_t next_number = 1;                                      // versions, in coherence order
-  uint64_t completions = 0;                                      // launches completed so far
-  std::vector<uint64_t> completed_at;                            // by launch id: its completion (0: running)
-  std::vector<uint64_t> started_at;                              // by launch id: completions before it started
+  uint64_t next_number = 1;  // versions, in coherence order
+  // By launch id: its stream's slot and its number there (its ordinal + 1), as a Frontier
+  // counts it.
+  std::vector<std::pair<uint32_t, uint64_t>> origin;
+  std::vector<uint64_t> committed;  // by slot: its first n launches are seen by everyone
   std::unordered_map<uint64_t, std::vector<uintptr_t>> written;  // launch id -> words
   View sc_sys;                                                   // fence.sc orders, per scope instance
   std::unordered_map<int, View> sc_gpu;
@@ -72,12 +74,31 @@ State &state() {
   return *s;
 }
 
-// Whether launch `launch` completed within completion frontier `frontier` (a kernel boundary
-// the view has passed).
-bool completed_within(uint64_t launch, uint64_t frontier) {
+// Whether launch `launch` is committed: every launch that may still run is ordered after it.
+bool committed(uint64_t launch) {
   const State &st = state();
-  const uint64_t at = launch < st.completed_at.size() ? st.completed_at[launch] : 0;
-  return at != 0 && at <= frontier;
+  if (launch >= st.origin.size() || st.origin[launch].second == 0) return false;
+  const auto [slot, number] = st.origin[launch];
+  return slot < st.committed.size() && number <= st.committed[slot];
+}
+
+// Whether launch `launch` completed within `frontier` (a kernel boundary the view has passed),
+// or is committed.
+bool completed_within(uint64_t launch, const Frontier &frontier) {
+  if (committed(launch)) return true;
+  const State &st = state();
+  if (launch >= st.origin.size() || st.origin[launch].second == 0) return false;
+  return frontier.of(st.origin[launch].first) >= st.origin[launch].second;
+}
+
+// Drops f's entries that every view holds (committed launches): views stay small.
+void prune(Frontier &f) {
+  const State &st = state();
+  f.done.erase(std::remove_if(f.done.begin(), f.done.end(),
+                              [&](const std::pair<uint32_t, uint64_t> &e) {
+                                return e.first < st.committed.size() && e.second <= st.committed[e.first];
+                              }),
+               f.done.end());
 }
 
 uintptr_t word_of(const void *p) { return reinterpret_cast<uintptr_t>(p) & ~uintptr_t{3}; }
@@ -139,7 +160,7 @@ template <typename E, typename Both> void merge_sorted(std::vector<E> &into, con
 
 // into := into ⊔ from, leaving out the marks of launches its frontier has seen complete.
 void join(View &into, const View &from) {
-  into.frontier = std::max(into.frontier, from.frontier);
+  into.frontier.join(from.frontier);
   for (const BlockMark &m : from.blocks) {
     if (completed_within(m.launch, into.frontier)) continue;
     BlockMark &to = block_mark(into, m.block, m.launch);
@@ -178,11 +199,8 @@ uint64_t launch_id(Launch &l) {
   if (l.memory_id == 0) {
     State &st = state();
     l.memory_id = st.next_launch++;
-    if (st.completed_at.size() <= l.memory_id) {
-      st.completed_at.resize(l.memory_id + 1024, 0);
-      st.started_at.resize(l.memory_id + 1024, 0);
-    }
-    st.started_at[l.memory_id] = st.completions;
+    if (st.origin.size() <= l.memory_id) st.origin.resize(l.memory_id + 1024, {0, 0});
+    st.origin[l.memory_id] = {l.stream->slot, l.ordinal + 1};
   }
   return l.memory_id;
 }
@@ -191,8 +209,8 @@ uint64_t launch_id(Launch &l) {
 bool seen(Fiber &f, const Version &x, uintptr_t word) {
   Block &b = *f.block;
   const View &bv = block_memory(b).view;
-  const uint64_t frontier = f.memory ? std::max(bv.frontier, f.memory->acquired.frontier) : bv.frontier;
-  if (completed_within(x.launch, frontier)) return true;
+  if (completed_within(x.launch, bv.frontier)) return true;
+  if (f.memory && completed_within(x.launch, f.memory->acquired.frontier)) return true;
   if (x.block == b.order && x.thread == f.tid.x) return true;
   if (covers(bv, x) || covers_point(bv, word, x.number)) return true;
   return f.memory && (covers(f.memory->acquired, x) || covers_point(f.memory->acquired, word, x.number));
@@ -295,8 +313,15 @@ void erase_word(uintptr_t w) {
   }
 }
 
+// The bytes of word w that [begin, end) covers (bit i: byte i).
+uint8_t bytes_of(uintptr_t w, uintptr_t begin, uintptr_t end) {
+  uint8_t m = 0;
+  for (uintptr_t a = std::max(w, begin); a < std::min(w + 4, end); ++a) m |= static_cast<uint8_t>(1u << (a - w));
+  return m;
+}
+
 // Appends the version memory now holds at word w, written by f.
-Version &push_version(Fiber &f, uintptr_t w, bool strong, Order o, Scope s) {
+Version &push_version(Fiber &f, uintptr_t w, uint8_t bytes, bool strong, Order o, Scope s) {
   State &st = state();
   Block &b = *f.block;
   const uint64_t launch = launch_id(*b.launch);
@@ -310,6 +335,7 @@ Version &push_version(Fiber &f, uintptr_t w, bool strong, Order o, Scope s) {
   x.thread = f.tid.x;
   x.epoch = block_memory(b).epoch;
   x.seq = f.memory ? f.memory->seq : 0;
+  x.bytes = bytes;
   x.strong = strong;
   x.order = o;
   x.scope = s;
@@ -379,6 +405,42 @@ void check_race(Fiber &f, const Version &x, Order o, Scope s, uintptr_t w) {
   fail_launch(cudaErrorLaunchFailure, why.str());
 }
 
+// After a write by f of `bytes` of word w (strong or weak; a strong one of scope s), now the
+// word's newest version: every older version that f has not seen (not ordered before the
+// write), back to the newest one it has, that wrote one of those bytes and is not morally
+// strong with it races it. The PTX ISA leaves the coherence order of two such writes free (and
+// promises nothing of a data race), so on a GPU the older write may land last: a packet's
+// clear over the next launch's packet, a stale value over a fresh one. `weak` lands every such
+// write again after f's (a copy of the version, the same writer: memory ends with its bytes);
+// `weak-random` does so by a coin. Without it the emulator would perform writes in the order it
+// runs them, kinder than a GPU.
+void land_racing_writes_last(Fiber &f, uintptr_t w, uint8_t bytes, bool strong, Scope s) {
+  State &st = state();
+  Word &word = *find_word(w);
+  std::vector<Version> racing;
+  for (size_t k = word.versions.size() - 1; k-- > 0;) {
+    const Version &x = word.versions[k];
+    if (seen(f, x, w)) break;  // ordered before: and so, in coherence order, what precedes it
+    if ((x.bytes & bytes) == 0 || (strong && morally_strong(x, f, s))) continue;
+    if (st.random && (st.rng() & 1)) continue;
+    racing.push_back(x);
+  }
+  for (auto x = racing.rbegin(); x != racing.rend(); ++x) {
+    uint32_t value;
+    std::memcpy(&value, reinterpret_cast<const void *>(w), 4);
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t byte = 0xffu << (8 * i);
+      if (x->bytes & bytes & (1u << i)) value = (value & ~byte) | (x->value & byte);
+    }
+    std::memcpy(reinterpret_cast<void *>(w), &value, 4);
+    Version again = *x;
+    again.value = value;
+    again.number = st.next_number++;
+    word.versions.push_back(std::move(again));
+    st.written[x->launch].push_back(w);
+  }
+}
+
 // A strong read by f of words [p, p + bytes) in memory now: observation, and the acquire.
 void observe(Fiber &f, const void *p, size_t bytes, Order o, Scope s) {
   ThreadMemory &t = thread_memory(f);
@@ -431,9 +493,9 @@ void memory_block_start(Block &b) {
   b.memory = std::make_unique<BlockMemory>();
   const Stream &s = *b.launch->stream;
   b.memory->gpu = s.rank >= 0 ? s.rank : 1000 + s.device;
-  // A kernel boundary: the launch sees every launch completed before it started (those
-  // before it on its stream among them).
-  b.memory->view.frontier = state().started_at[launch_id(*b.launch)];
+  // A kernel boundary: the launch sees what was ordered before it started.
+  launch_id(*b.launch);
+  b.memory->view.frontier = b.launch->start;
 }
 
 void memory_barrier(Block &b) {
@@ -461,41 +523,94 @@ void memory_barrier(Block &b) {
   block_mark(m.view, b.order, launch_id(*b.launch)).epoch_floor = m.epoch;
 }
 
-void memory_launch_done(Launch &l) {
-  if (l.memory_id == 0) return;
+namespace {
+
+// Commits what every launch that may still run is ordered after (under mu): the meet of what
+// the host has synchronised with (a new stream's launches, and any enqueued from now on, start
+// from it), each running launch's start (`starting`'s too, a launch no stream runs yet), and
+// each waiting stream's next operation's. A word's versions up to its newest committed one go
+// (memory holds the newest value).
+void collect(const Launch *starting) {
+  Device &dev = device();
   State &st = state();
-  st.completed_at[l.memory_id] = ++st.completions;
-  // The oldest frontier a running launch may still read by: versions completed within it are
-  // seen by everyone, so the older ones can go.
-  uint64_t oldest = st.completions;
-  bool running = false;
-  for (const Stream *s : device().active) {
-    if (s->running && s->running.get() != &l && s->running->memory_id != 0) {
-      oldest = std::min(oldest, st.started_at[s->running->memory_id]);
-      running = true;
+  Frontier bound = dev.host_known;
+  if (starting != nullptr) bound.meet(starting->start);
+  for (auto &stream : dev.streams) {
+    const Stream &s = *stream;
+    if (s.running) {
+      bound.meet(s.running->start);
+    } else if (!s.queue.empty()) {
+      Frontier next = s.known;
+      next.join(s.queue.front()->after);
+      bound.meet(next);
     }
   }
-  if (!running) {  // nothing runs: memory holds what everyone sees
-    st.pages.clear();
-    st.last_key = ~uintptr_t{0};
-    st.last_page = nullptr;
-    st.written.clear();
-    return;
+  bool raised = false;
+  for (const auto &[slot, n] : bound.done) {
+    if (st.committed.size() <= slot) st.committed.resize(slot + 1, 0);
+    if (n > st.committed[slot]) {
+      st.committed[slot] = n;
+      raised = true;
+    }
   }
-  auto it = st.written.find(l.memory_id);
-  if (it == st.written.end()) return;
-  for (uintptr_t w : it->second) {
-    Word *found = find_word(w);
-    if (found == nullptr) continue;
-    Word &word = *found;
-    int k = static_cast<int>(word.versions.size()) - 1;
-    while (k >= 0 && !completed_within(word.versions[k].launch, oldest)) --k;
-    if (k < 0) continue;
-    word.base = word.versions[k].value;
-    word.versions.erase(word.versions.begin(), word.versions.begin() + k + 1);
-    if (word.versions.empty()) erase_word(w);
+  if (!raised) return;
+  for (auto it = st.written.begin(); it != st.written.end();) {
+    if (!committed(it->first)) {
+      ++it;
+      continue;
+    }
+    for (uintptr_t w : it->second) {
+      Word *found = find_word(w);
+      if (found == nullptr) continue;
+      Word &word = *found;
+      int k = static_cast<int>(word.versions.size()) - 1;
+      while (k >= 0 && !committed(word.versions[k].launch)) --k;
+      if (k < 0) continue;
+      word.base = word.versions[k].value;
+      word.versions.erase(word.versions.begin(), word.versions.begin() + k + 1);
+      if (word.versions.empty()) erase_word(w);
+    }
+    it = st.written.erase(it);
   }
-  st.written.erase(it);
+}
+
+} // namespace
+
+void memory_operation_starts(Stream &s, Launch &l) {
+  s.known.join(l.after);
+  if (l.joins) s.known.join(*l.joins);
+  if (l.records) *l.records = s.known;
+  if (!l.body) return;
+  launch_id(l);
+  l.start = s.known;
+  prune(l.start);
+  collect(&l);
+  // Memory freed since the last kernel started may be allocated again: its versions go.
+  Device &dev = device();
+  for (const auto &[begin, end] : dev.freed) {
+    for (uintptr_t page = begin & ~(4 * kPageWords - 1); page < end; page += 4 * kPageWords) {
+      if (find_page(page, false) == nullptr) continue;
+      for (uintptr_t w = std::max(page, word_of(reinterpret_cast<const void *>(begin)));
+           w < std::min(end, page + 4 * kPageWords); w += 4)
+        erase_word(w);
+    }
+  }
+  dev.freed.clear();
+}
+
+void memory_block_done(Block &b) {
+  if (!b.memory) return;
+  Frontier &end = b.launch->end;
+  end.join(b.memory->view.frontier);
+  for (auto &f : b.fibers)
+    if (f->memory) end.join(f->memory->acquired.frontier);
+}
+
+void memory_launch_done(Launch &) { collect(nullptr); }
+
+void memory_host_write(const void *p, size_t bytes) {
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(p);
+  for (uintptr_t w = word_of(p); w < begin + bytes; w += 4) erase_word(w);
 }
 
 void weak_load(const void *p, void *out, size_t bytes) {
@@ -522,7 +637,10 @@ void weak_store(void *p, const void *v, size_t bytes) {
   const uintptr_t begin = reinterpret_cast<uintptr_t>(p), end = begin + bytes;
   for (uintptr_t w = word_of(p); w < end; w += 4) word_entry(w);  // the bases, before the write
   std::memcpy(p, v, bytes);
-  for (uintptr_t w = word_of(p); w < end; w += 4) push_version(f, w, false, Order::Relaxed, Scope::Cta);
+  for (uintptr_t w = word_of(p); w < end; w += 4) {
+    push_version(f, w, bytes_of(w, begin, end), false, Order::Relaxed, Scope::Cta);
+    land_racing_writes_last(f, w, bytes_of(w, begin, end), false, Scope::Cta);
+  }
 }
 
 void memory_strong_read(const void *p, size_t bytes, Order o, Scope s) {
@@ -555,9 +673,10 @@ void memory_strong_write(void *p, const void *v, size_t bytes, Order o, Scope s)
     __atomic_store_n(static_cast<uint32_t *>(p), x, __ATOMIC_RELEASE);
   }
   for (uintptr_t w = word_of(p); w < end; w += 4) {
-    Version &x = push_version(f, w, true, o, s);
+    Version &x = push_version(f, w, bytes_of(w, begin, end), true, o, s);
     x.release = carried;
     x.releases = carried != nullptr;
+    land_racing_writes_last(f, w, bytes_of(w, begin, end), true, s);
   }
 }
 
@@ -581,9 +700,10 @@ uint32_t memory_rmw(uint32_t *p, Order o, Scope s, const std::function<uint32_t(
     carried = v;
   }
   __atomic_store_n(p, op(old), __ATOMIC_RELEASE);
-  Version &x = push_version(f, w, true, o, s);
+  Version &x = push_version(f, w, 0xF, true, o, s);
   x.release = carried;
   x.releases = is_release;
+  land_racing_writes_last(f, w, 0xF, true, s);
   return old;
 }
 

@@ -23,6 +23,10 @@ pub enum Shape {
     /// Independent reads of independent writes. T0: x = 1. T1: y = 1. T2: r0 = x; r1 = y.
     /// T3: r2 = y; r3 = x.
     Iriw,
+    /// A kernel boundary: two launches on two streams (placement `Gpus` only), T1's starting
+    /// after T0's completed, ordered after it by an event (`Required`) or by nothing
+    /// (`Missing`). T0: x = 1. T1: r0 = x; x = 2. Then r1 = (x == 1): T0's write landed last.
+    KernelBoundary,
 }
 
 /// How a test's threads synchronise.
@@ -58,6 +62,7 @@ pub fn run(shape: Shape, sync: Sync, placement: Placement, runs: u32) -> Result<
         Shape::CoRr => sys::TPFUSE_EMU_LITMUS_CORR,
         Shape::Wrc => sys::TPFUSE_EMU_LITMUS_WRC,
         Shape::Iriw => sys::TPFUSE_EMU_LITMUS_IRIW,
+        Shape::KernelBoundary => sys::TPFUSE_EMU_LITMUS_KB,
     };
     let variant = match sync {
         Sync::Required => 0,
