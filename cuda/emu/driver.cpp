@@ -351,7 +351,7 @@ CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *dptr, void *p, unsigned flags
   return kSuccess;
 }
 CUresult cuMemFreeHost(void *p) {
-  std::free(p);
+  free_device_memory(p);  // kernels write mapped host memory too: its versions go with it
   return kSuccess;
 }
 
@@ -604,7 +604,8 @@ CUresult cuEventSynchronize(void *event) {
       host_saw(*e);
       return kSuccess;
     }
-    const CUresult r = synchronize_stream(nullptr);
+    // Runs the device only: the host synchronises with the event's record, not every stream.
+    const CUresult r = synchronize_stream(nullptr, false);
     if (r != kSuccess) return r;
   }
 }
@@ -678,9 +679,17 @@ CUresult cuGraphInstantiateWithFlags(void **exec, void *graph, unsigned long lon
 CUresult cuGraphLaunch(void *exec, void *stream) {
   if (exec == nullptr) return kInvalidValue;
   Stream *s = stream_of(static_cast<cudaStream_t>(stream));
+  // Weak memory: each replay's event records are its own, and its waits on them join the
+  // replay's records (a wait on a record outside the graph keeps the record it captured).
+  std::map<const Frontier *, std::shared_ptr<Frontier>> fresh;
   for (auto &op : static_cast<Graph *>(exec)->ops) {
     auto replay = clone_op(*op);
     replay->stream = s;
+    if (op->records) replay->records = fresh[op->records.get()] = std::make_shared<Frontier>();
+    if (op->joins) {
+      auto own = fresh.find(op->joins.get());
+      if (own != fresh.end()) replay->joins = own->second;
+    }
     enqueue_op(std::move(replay));
   }
   return kSuccess;

@@ -76,6 +76,9 @@ struct Frontier {
       done = o.done;
       return;
     }
+    if (o.done.size() <= done.size() &&
+        std::all_of(o.done.begin(), o.done.end(), [&](const auto &e) { return of(e.first) >= e.second; }))
+      return;  // holds it already: no allocation
     std::vector<std::pair<uint32_t, uint64_t>> merged;
     merged.reserve(done.size() + o.done.size());
     auto a = done.cbegin();

@@ -177,14 +177,15 @@ void run_until_completed(std::unique_lock<std::mutex> &lk, const std::vector<std
   --dev.waiters;
 }
 
-cudaError_t synchronize_stream(Stream *only) {
+cudaError_t synchronize_stream(Stream *only, bool learn) {
   Device &dev = device();
   std::unique_lock<std::mutex> lk(dev.mu);
   std::vector<std::pair<Stream *, uint64_t>> targets;
   for (auto &s : dev.streams)
     if (only == nullptr || s.get() == only) targets.emplace_back(s.get(), s->enqueued);
   run_until_completed(lk, targets);
-  for (auto &t : targets) dev.host_known.join(t.first->known);  // what the host waited for
+  if (learn)
+    for (auto &t : targets) dev.host_known.join(t.first->known);  // what the host waited for
   cudaError_t error = cudaSuccess;
   for (auto &t : targets)
     if (error == cudaSuccess) error = t.first->error;

@@ -151,10 +151,10 @@ struct Launch {
   std::string error;
   cudaError_t code = cudaSuccess;
   uint64_t memory_id = 0;  // weak memory: its id once it started (weak_memory.cpp)
-  // Weak memory, what is ordered before the operation (under mu): `after`, what the host had
-  // synchronised with when it enqueued it; `joins`, an event's record it waits for;
-  // `records`, the event record it makes (filled when it runs); `start`, a kernel's frontier
-  // when it started; `end`, what its threads had seen when they ended.
+  // Weak memory, what is ordered before the operation: `after`, what the host had synchronised
+  // with when it enqueued it; `joins`, an event's record it waits for; `records`, the event
+  // record it makes (filled when it runs) (these three under mu); `start`, a kernel's frontier
+  // when it started; `end`, what its threads had seen when they ended (the device thread's).
   Frontier after;
   std::shared_ptr<Frontier> joins, records;
   Frontier start, end;
@@ -288,7 +288,9 @@ std::unique_ptr<Launch> clone_op(const Launch &op);
 void run_until_completed(std::unique_lock<std::mutex> &lk, const std::vector<std::pair<Stream *, uint64_t>> &targets);
 // Runs the device until everything enqueued on `stream` so far has completed (every stream
 // when null); the stream's sticky error.
-cudaError_t synchronize_stream(Stream *stream);
+// `learn`: the host synchronised with what it waited for (weak memory: host_known grows); not
+// where it only runs the device until something else happened (an event's record).
+cudaError_t synchronize_stream(Stream *stream, bool learn = true);
 // A query's slice of device time (cuStreamQuery, cuEventQuery): the device runs only while a
 // host thread waits, so a query lets it run until `done` (evaluated under mu) holds, or until
 // the virtual clock has advanced by TPFUSE_EMU_QUERY_SLICE_NS (default 1 ms) since the query

@@ -407,30 +407,39 @@ void check_race(Fiber &f, const Version &x, Order o, Scope s, uintptr_t w) {
 
 // After a write by f of `bytes` of word w (strong or weak; a strong one of scope s), now the
 // word's newest version: every older version that f has not seen (not ordered before the
-// write), back to the newest one it has, that wrote one of those bytes and is not morally
-// strong with it races it. The PTX ISA leaves the coherence order of two such writes free (and
+// write), back to the newest seen one that wrote each byte, that wrote one of those bytes and
+// is not morally strong with it races it (a read-modify-write's own read, the version before
+// it, precedes it: `read_previous`). The PTX ISA leaves the coherence order of two such writes free (and
 // promises nothing of a data race), so on a GPU the older write may land last: a packet's
 // clear over the next launch's packet, a stale value over a fresh one. `weak` lands every such
 // write again after f's (a copy of the version, the same writer: memory ends with its bytes);
 // `weak-random` does so by a coin. Without it the emulator would perform writes in the order it
 // runs them, kinder than a GPU.
-void land_racing_writes_last(Fiber &f, uintptr_t w, uint8_t bytes, bool strong, Scope s) {
+void land_racing_writes_last(Fiber &f, uintptr_t w, uint8_t bytes, bool strong, Scope s, bool read_previous = false) {
   State &st = state();
   Word &word = *find_word(w);
   std::vector<Version> racing;
-  for (size_t k = word.versions.size() - 1; k-- > 0;) {
+  uint8_t open = bytes;  // the bytes no seen version below has written yet
+  size_t k = word.versions.size() - 1;
+  if (read_previous && k > 0) open &= static_cast<uint8_t>(~word.versions[--k].bytes);
+  while (open != 0 && k-- > 0) {
     const Version &x = word.versions[k];
-    if (seen(f, x, w)) break;  // ordered before: and so, in coherence order, what precedes it
-    if ((x.bytes & bytes) == 0 || (strong && morally_strong(x, f, s))) continue;
+    if ((x.bytes & open) == 0) continue;
+    if (seen(f, x, w)) {  // ordered before: and so, in coherence order, what precedes it
+      open &= static_cast<uint8_t>(~x.bytes);
+      continue;
+    }
+    if (strong && morally_strong(x, f, s)) continue;
     if (st.random && (st.rng() & 1)) continue;
     racing.push_back(x);
+    racing.back().bytes &= open;
   }
   for (auto x = racing.rbegin(); x != racing.rend(); ++x) {
     uint32_t value;
     std::memcpy(&value, reinterpret_cast<const void *>(w), 4);
     for (int i = 0; i < 4; ++i) {
       const uint32_t byte = 0xffu << (8 * i);
-      if (x->bytes & bytes & (1u << i)) value = (value & ~byte) | (x->value & byte);
+      if (x->bytes & (1u << i)) value = (value & ~byte) | (x->value & byte);
     }
     std::memcpy(reinterpret_cast<void *>(w), &value, 4);
     Version again = *x;
@@ -609,8 +618,11 @@ void memory_block_done(Block &b) {
 void memory_launch_done(Launch &) { collect(nullptr); }
 
 void memory_host_write(const void *p, size_t bytes) {
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(p);
-  for (uintptr_t w = word_of(p); w < begin + bytes; w += 4) erase_word(w);
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(p), end = begin + bytes;
+  for (uintptr_t page = begin & ~(4 * kPageWords - 1); page < end; page += 4 * kPageWords) {
+    if (find_page(page, false) == nullptr) continue;
+    for (uintptr_t w = std::max(page, word_of(p)); w < std::min(end, page + 4 * kPageWords); w += 4) erase_word(w);
+  }
 }
 
 void weak_load(const void *p, void *out, size_t bytes) {
@@ -703,7 +715,7 @@ uint32_t memory_rmw(uint32_t *p, Order o, Scope s, const std::function<uint32_t(
   Version &x = push_version(f, w, 0xF, true, o, s);
   x.release = carried;
   x.releases = is_release;
-  land_racing_writes_last(f, w, 0xF, true, s);
+  land_racing_writes_last(f, w, 0xF, true, s, true);
   return old;
 }
 
