@@ -659,6 +659,12 @@ mutant emu-weak-acquire-ignored emu_litmus::synchronised_shapes_never_show_the_f
   emu/weak_memory.cpp 'if (x.release) join(acquires(o) ? t.acquired : t.observed, *x.release);' 'if (x.release) join(t.observed, *x.release);'
 mutant emu-weak-bar-sync-ignored emu_all_reduce::all_gather_every_world+weak "the weak mode's bar.sync shares no view among the block's threads" \
   emu/scheduler.cpp '  if (weak_memory) memory_barrier(b);' ''
+mutant emu-weak-boundary-global emu_litmus::a_kernel_boundary_orders_only_what_cuda_orders "a launch starts seeing every stream's completed launches (the emulator's rule before 2026-11-28)" \
+  emu/weak_memory.cpp $'  l.start = s.known;\n' $'  l.start = s.known;\n  for (auto &other : device().streams) l.start.join(other->known);\n'
+mutant emu-weak-writes-in-order emu_litmus::a_kernel_boundary_orders_only_what_cuda_orders "racing writes land in the order the emulator runs them" \
+  emu/weak_memory.cpp '  uint8_t open = bytes;  // the bytes no seen version below has written yet' '  uint8_t open = 0;'
+mutant emu-weak-race-stops-at-other-bytes emu_litmus::a_kernel_boundary_orders_only_what_cuda_orders "a seen write of other bytes of the word ends the search for racing writes" \
+  emu/weak_memory.cpp '    if ((x.bytes & open) == 0) continue;' '    if ((x.bytes & open) == 0) break;'
 # (In common.cuh, not emu/device.hpp: the mutants rebuild the units that include an edited file
 # from cuda/, and device.hpp is reached only through the shims of emu/include.)
 mutant emu-misaligned-accepted emu_ops::a_misaligned_16_byte_global_access_fails_the_launch "the emulator accepts a load off its size's alignment" \

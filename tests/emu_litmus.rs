@@ -165,11 +165,12 @@ fn the_sc_mode_never_shows_message_passing_fail() {
 
 #[test]
 fn a_kernel_boundary_orders_only_what_cuda_orders() {
-    // T0's launch writes x = 1 and completes; T1's launch, on another stream, starts after it
-    // and reads x, then writes x = 2. Ordered by an event, T1 reads 1 and its write lands last
-    // (outcome r0 = 1, r1 = 0). Ordered by nothing (a peer's launch that merely completed
-    // earlier), T1 may read the old 0 and T0's write may land after T1's: `weak` shows both
-    // every time, `weak-random` some of the time.
+    // T0's launch writes the low half of a word (lo = 1) and completes; T1's launch, on
+    // another stream, starts after it and reads lo, then writes the high half (no race) and lo
+    // = 2. Ordered by an event, T1 reads 1 and its write lands last (outcome r0 = 1, r1 = 0).
+    // Ordered by nothing (a peer's launch that merely completed earlier), T1 may read the old
+    // 0 and T0's write may land after T1's, past T1's own write of the other half: `weak`
+    // shows both every time, `weak-random` some of the time.
     let runs = 40;
     for memory in [Memory::Weak, Memory::WeakRandom] {
         let _s = weak_session("a_kernel_boundary_orders_only_what_cuda_orders", memory);

@@ -109,14 +109,17 @@ __global__ void litmus_kernel(int test, int variant, Scope wide, Scope narrow, i
       st_global(&r[2 * (t - 2) + 1], b);
     }
     break;
-  case TPFUSE_EMU_LITMUS_KB:  // launch T1 starts after launch T0 completed
+  case TPFUSE_EMU_LITMUS_KB: {  // launch T1 starts after launch T0 completed; x's 16-bit halves
+    uint16_t *half = reinterpret_cast<uint16_t *>(&m->x);
     if (t == 0) {
-      st_global(&m->x, 1u);
+      st_global(&half[0], uint16_t{1});
     } else {
-      st_global(&r[0], ld_global(&m->x));
-      st_global(&m->x, 2u);
+      st_global(&r[0], static_cast<uint32_t>(ld_global(&half[0])));
+      st_global(&half[1], uint16_t{2});  // the other half: no race, and seen by T1's next write
+      st_global(&half[0], uint16_t{2});
     }
     return;  // T1 starts only once T0 is done: nobody waits for the other
+  }
   default: break;
   }
   // Every thread stays until all have finished: no launch completes (a kernel boundary, which
@@ -168,7 +171,7 @@ int run_once(int test, int variant, int placement, Mem *m, void *const *streams,
     }
   }
   if (err != 0) return -1;
-  if (test == TPFUSE_EMU_LITMUS_KB) m->regs[1] = m->x == 1 ? 1 : 0;
+  if (test == TPFUSE_EMU_LITMUS_KB) m->regs[1] = (m->x & 0xffffu) == 1 ? 1 : 0;
   int outcome = 0;
   for (int i = 0; i < 4; ++i)
     if (m->regs[i] != 0) outcome |= 1 << i;

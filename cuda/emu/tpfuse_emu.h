@@ -177,8 +177,8 @@ int32_t tpfuse_emu_occupy_sms(void *stream, int32_t sms, uint64_t ns);
 #define TPFUSE_EMU_LITMUS_WRC 4  /* T0: x = 1.  T1: r0 = x; y = 1.  T2: r1 = y; r2 = x */
 #define TPFUSE_EMU_LITMUS_IRIW 5 /* T0: x = 1.  T1: y = 1.  T2: r0 = x; r1 = y.  T3: r2 = y; r3 = x */
 /* Kernel boundary, two launches on two streams, T1's starting after T0's completed (ordered by an
- * event in variant 0, by nothing in variant 1; placement 1 only). T0: x = 1.  T1: r0 = x; x = 2.
- * Then r1 = (x == 1): T0's write landed last. */
+ * event in variant 0, by nothing in variant 1; placement 1 only), on x's 16-bit halves lo and hi.
+ * T0: lo = 1.  T1: r0 = lo; hi = 2; lo = 2.  Then r1 = (lo == 1): T0's write landed last. */
 #define TPFUSE_EMU_LITMUS_KB 6
 /* Runs litmus test `test` `runs` times; outcomes[k] (16 counters) counts the runs whose
  * registers r_i were non-zero exactly for the bits i of k. variant 0: synchronised as the model

@@ -25,7 +25,8 @@ pub enum Shape {
     Iriw,
     /// A kernel boundary: two launches on two streams (placement `Gpus` only), T1's starting
     /// after T0's completed, ordered after it by an event (`Required`) or by nothing
-    /// (`Missing`). T0: x = 1. T1: r0 = x; x = 2. Then r1 = (x == 1): T0's write landed last.
+    /// (`Missing`), on the 16-bit halves lo and hi of one word. T0: lo = 1. T1: r0 = lo;
+    /// hi = 2; lo = 2. Then r1 = (lo == 1): T0's write landed last.
     KernelBoundary,
 }
 
