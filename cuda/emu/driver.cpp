@@ -82,12 +82,15 @@ bool capturing(Stream *s) {
   return s->capturing;
 }
 
-// An operation that is host work on `stream`, in stream order.
-void enqueue_host_work(Stream *stream, const char *name, std::function<void()> work) {
+// An operation that is host work on `stream`, in stream order (an event's record: `records`,
+// the frontier it keeps, Launch::records).
+void enqueue_host_work(Stream *stream, const char *name, std::function<void()> work,
+                       std::shared_ptr<Frontier> records = nullptr) {
   auto op = std::make_unique<Launch>();
   op->stream = stream;
   op->name = name;
   op->host_work = std::move(work);
+  op->records = std::move(records);
   enqueue_op(std::move(op));
 }
 
@@ -528,17 +531,15 @@ CUresult cuEventRecord(void *event, void *stream) {
     e->captured = s->capturing;
     e->last = records;
   }
-  auto op = std::make_unique<Launch>();
-  op->stream = s;
-  op->name = "cuEventRecord";
-  op->records = records;
-  op->host_work = [e, generation] {
-    e->time_ns.store(now_ns());
-    uint64_t seen = e->completed.load();
-    while (seen < generation && !e->completed.compare_exchange_weak(seen, generation)) {
-    }
-  };
-  enqueue_op(std::move(op));
+  enqueue_host_work(
+      s, "cuEventRecord",
+      [e, generation] {
+        e->time_ns.store(now_ns());
+        uint64_t seen = e->completed.load();
+        while (seen < generation && !e->completed.compare_exchange_weak(seen, generation)) {
+        }
+      },
+      records);
   return kSuccess;
 }
 CUresult cuEventRecordWithFlags(void *event, void *stream, unsigned) { return cuEventRecord(event, stream); }

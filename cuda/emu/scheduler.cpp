@@ -268,12 +268,7 @@ void release_block(Device &dev, Block &b) {
 void complete(Device &dev, Stream &s) {
   std::lock_guard<std::mutex> lk(dev.mu);
   std::unique_ptr<Launch> l = std::move(s.running);
-  if (weak_memory) {
-    // A kernel boundary: the stream's next work sees the launch, and what its threads saw.
-    s.known.join(l->end);
-    s.known.raise(s.slot, l->ordinal + 1);
-    memory_launch_done(*l);
-  }
+  if (weak_memory) memory_launch_done(s, *l);  // a kernel boundary
   if (l->failed) dev.last_failure = l->error;
   counters_launch_done(dev, *l);
   if (l->failed && s.error == cudaSuccess) {

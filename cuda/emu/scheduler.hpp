@@ -257,9 +257,9 @@ void memory_barrier(Block &b);       // its bar.sync completed
 // what is ordered before it.
 void memory_operation_starts(Stream &s, Launch &l);
 void memory_block_done(Block &b);    // a block ended: what its threads saw, for its launch's end
-void memory_launch_done(Launch &l);  // under mu: a launch completed (its stream's next work sees it)
-// Host work on the device thread wrote [p, p + bytes) (a copy or memset in stream order): the
-// words' versions go, memory holds what everyone reads.
+void memory_launch_done(Stream &s, Launch &l);  // under mu: l completed (s's next work sees it)
+// Host work on the device thread wrote [p, p + bytes) (a copy or memset in stream order), or
+// the memory was freed: the words' versions go, memory holds what everyone reads.
 void memory_host_write(const void *p, size_t bytes);
 // The bookkeeping of the strong operations (device_ops.cpp performs their scheduling).
 void memory_strong_read(const void *p, size_t bytes, Order o, Scope s);

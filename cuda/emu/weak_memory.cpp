@@ -74,21 +74,24 @@ State &state() {
   return *s;
 }
 
+// Launch `launch`'s stream slot and number there ({0, 0}: it never started).
+std::pair<uint32_t, uint64_t> origin_of(uint64_t launch) {
+  const State &st = state();
+  return launch < st.origin.size() ? st.origin[launch] : std::pair<uint32_t, uint64_t>{0, 0};
+}
+
 // Whether launch `launch` is committed: every launch that may still run is ordered after it.
 bool committed(uint64_t launch) {
   const State &st = state();
-  if (launch >= st.origin.size() || st.origin[launch].second == 0) return false;
-  const auto [slot, number] = st.origin[launch];
-  return slot < st.committed.size() && number <= st.committed[slot];
+  const auto [slot, number] = origin_of(launch);
+  return number != 0 && slot < st.committed.size() && number <= st.committed[slot];
 }
 
 // Whether launch `launch` completed within `frontier` (a kernel boundary the view has passed),
 // or is committed.
 bool completed_within(uint64_t launch, const Frontier &frontier) {
-  if (committed(launch)) return true;
-  const State &st = state();
-  if (launch >= st.origin.size() || st.origin[launch].second == 0) return false;
-  return frontier.of(st.origin[launch].first) >= st.origin[launch].second;
+  const auto [slot, number] = origin_of(launch);
+  return number != 0 && (committed(launch) || frontier.of(slot) >= number);
 }
 
 // Drops f's entries that every view holds (committed launches): views stay small.
@@ -408,21 +411,18 @@ void check_race(Fiber &f, const Version &x, Order o, Scope s, uintptr_t w) {
 // After a write by f of `bytes` of word w (strong or weak; a strong one of scope s), now the
 // word's newest version: every older version that f has not seen (not ordered before the
 // write), back to the newest seen one that wrote each byte, that wrote one of those bytes and
-// is not morally strong with it races it (a read-modify-write's own read, the version before
-// it, precedes it: `read_previous`). The PTX ISA leaves the coherence order of two such writes free (and
-// promises nothing of a data race), so on a GPU the older write may land last: a packet's
+// is not morally strong with it races it. The PTX ISA leaves the coherence order of two such
+// writes free (and promises nothing of a data race), so on a GPU the older write may land last: a packet's
 // clear over the next launch's packet, a stale value over a fresh one. `weak` lands every such
 // write again after f's (a copy of the version, the same writer: memory ends with its bytes);
 // `weak-random` does so by a coin. Without it the emulator would perform writes in the order it
 // runs them, kinder than a GPU.
-void land_racing_writes_last(Fiber &f, uintptr_t w, uint8_t bytes, bool strong, Scope s, bool read_previous = false) {
+void land_racing_writes_last(Fiber &f, uintptr_t w, uint8_t bytes, bool strong, Scope s) {
   State &st = state();
   Word &word = *find_word(w);
   std::vector<Version> racing;
   uint8_t open = bytes;  // the bytes no seen version below has written yet
-  size_t k = word.versions.size() - 1;
-  if (read_previous && k > 0) open &= static_cast<uint8_t>(~word.versions[--k].bytes);
-  while (open != 0 && k-- > 0) {
+  for (size_t k = word.versions.size() - 1; open != 0 && k-- > 0;) {
     const Version &x = word.versions[k];
     if ((x.bytes & open) == 0) continue;
     if (seen(f, x, w)) {  // ordered before: and so, in coherence order, what precedes it
@@ -502,8 +502,8 @@ void memory_block_start(Block &b) {
   b.memory = std::make_unique<BlockMemory>();
   const Stream &s = *b.launch->stream;
   b.memory->gpu = s.rank >= 0 ? s.rank : 1000 + s.device;
-  // A kernel boundary: the launch sees what was ordered before it started.
-  launch_id(*b.launch);
+  // A kernel boundary: the launch sees what was ordered before it started
+  // (memory_operation_starts).
   b.memory->view.frontier = b.launch->start;
 }
 
@@ -563,6 +563,7 @@ void collect(const Launch *starting) {
     }
   }
   if (!raised) return;
+  prune(dev.host_known);  // copied into every operation enqueued from now on
   for (auto it = st.written.begin(); it != st.written.end();) {
     if (!committed(it->first)) {
       ++it;
@@ -596,14 +597,7 @@ void memory_operation_starts(Stream &s, Launch &l) {
   collect(&l);
   // Memory freed since the last kernel started may be allocated again: its versions go.
   Device &dev = device();
-  for (const auto &[begin, end] : dev.freed) {
-    for (uintptr_t page = begin & ~(4 * kPageWords - 1); page < end; page += 4 * kPageWords) {
-      if (find_page(page, false) == nullptr) continue;
-      for (uintptr_t w = std::max(page, word_of(reinterpret_cast<const void *>(begin)));
-           w < std::min(end, page + 4 * kPageWords); w += 4)
-        erase_word(w);
-    }
-  }
+  for (const auto &[begin, end] : dev.freed) memory_host_write(reinterpret_cast<const void *>(begin), end - begin);
   dev.freed.clear();
 }
 
@@ -615,7 +609,12 @@ void memory_block_done(Block &b) {
     if (f->memory) end.join(f->memory->acquired.frontier);
 }
 
-void memory_launch_done(Launch &) { collect(nullptr); }
+void memory_launch_done(Stream &s, Launch &l) {
+  // A kernel boundary: the stream's next work sees the launch, and what its threads saw.
+  s.known.join(l.end);
+  s.known.raise(s.slot, l.ordinal + 1);
+  collect(nullptr);
+}
 
 void memory_host_write(const void *p, size_t bytes) {
   const uintptr_t begin = reinterpret_cast<uintptr_t>(p), end = begin + bytes;
@@ -712,10 +711,11 @@ uint32_t memory_rmw(uint32_t *p, Order o, Scope s, const std::function<uint32_t(
     carried = v;
   }
   __atomic_store_n(p, op(old), __ATOMIC_RELEASE);
+  // An atomic reads the last write in coherence order and lands right after it: no write it
+  // races lands later (land_racing_writes_last is for plain and strong stores).
   Version &x = push_version(f, w, 0xF, true, o, s);
   x.release = carried;
   x.releases = is_release;
-  land_racing_writes_last(f, w, 0xF, true, s, true);
   return old;
 }
 
