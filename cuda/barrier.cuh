@@ -52,11 +52,31 @@
 // launch of the group gives up at its start (poisoned()), or, when the word arrives while it
 // waits, at its next look at the word, bounded by the deadline either way.
 //
+// A rank in a fused kernel (fused_flags.cuh) where its peer runs a collective. The two wait for
+// things the other never sends (barrier flags against tiles or packets), and no descriptor is
+// compared between them. So a barrier's wait that stalls also looks at the peer's started
+// flag in this rank's pad (fused_flags.cuh, "Started flags"): one of a fused launch this rank
+// has not started (an epoch past this rank's fused_epoch) says that the peer went on to a
+// fused kernel. That is TPFUSE_ERROR_PEER_MISMATCH, unless the peer had passed this barrier
+// first (its flag still on the way): the started flag is loaded with ld.acquire.sys and the
+// barrier's flag once more after it. The peer stored that flag in an earlier launch on its
+// stream, complete before the next launch starts (CUDA's stream order: the PTX ISA has no
+// kernel boundaries; begin's started flags rest on the same), so before its started flag's
+// st.release.sys, whose cumulativity carries it: the acquire orders it before the second load,
+// which therefore reads it or a later value (PTX ISA, "Memory Consistency Model": causality
+// order, the coherence axiom). The report reaches the peer's error word, which ends its wait
+// too. This rests on a rank's custom launches running one after another (one stream, or the
+// edges of a graph: "Finished launches" and the fused epochs assume it too), so that this rank's
+// fused_epoch counts every fused launch it started. Not caught by the emulator: its strong
+// loads read the newest value, so no flag is ever on the way there, and the second look,
+// left out, would pass the suite (docs/emulator.md, "Weak memory", limits).
+//
 // Deadlines. Every wait of a launch ends by start + timeout_ns of %globaltimer, with a
 // %clock64 backstop of backstop_cycles (tpfuse.h): Deadline below.
 //
 // Failures. A peer that does not arrive in time, or a descriptor that differs (the ranks
-// launched different sizes, grids or kernels, which would pair the wrong ranges), is
+// launched different sizes, grids or kernels, which would pair the wrong ranges; or a fused
+// kernel: "A rank in a fused kernel"), is
 // recorded as TPFUSE_ERROR_PEER_TIMEOUT | peer or TPFUSE_ERROR_PEER_MISMATCH (tpfuse.h) in this
 // rank's error word and in every peer's, the missing one included (so every rank stops
 // waiting at once, and a late rank does not wait for ranks that left). A block that fails,
@@ -84,6 +104,14 @@ static_assert(TPFUSE_SIGNAL_SLICE_COUNT_OFFSET + 4 <= TPFUSE_SIGNAL_GATHER_COUNT
                   TPFUSE_SIGNAL_SLICE_FLAGS_OFFSET + 8 * TPFUSE_MAX_RANKS <= TPFUSE_SIGNAL_GATHER_FLAGS_OFFSET &&
                   TPFUSE_SIGNAL_GATHER_FLAGS_OFFSET + 8 * TPFUSE_MAX_RANKS <= TPFUSE_SIGNAL_STRIP_COUNTS_OFFSET,
               "the fused words after the epoch fit before the strip counts");
+
+namespace fused {
+// A fused flag or started flag (fused_flags.cuh, "Epochs"): the epoch's low 40 bits, then 24
+// descriptor bits.
+constexpr int kDescriptorBits = 24;
+constexpr uint64_t kDescriptorMask = (uint64_t{1} << kDescriptorBits) - 1;
+constexpr uint64_t kEpochMask = (uint64_t{1} << (64 - kDescriptorBits)) - 1;
+} // namespace fused
 
 struct Pad {
   uint32_t *base;
@@ -190,20 +218,52 @@ __device__ __forceinline__ void publish_error_to_host(const tpfuse_peers &peers,
   if (g.host_error != nullptr) st_release_sys(g.host_error, ld_relaxed_sys(Pad{peers.signals[g.rank]}.error()));
 }
 
+// Whether the count at `flag` holds `value` or more (wrap-safe).
+__device__ __forceinline__ bool count_reached(const uint32_t *flag, uint32_t value) {
+  return static_cast<int32_t>(ld_relaxed_sys(flag) - value) >= 0;
+}
+
+// Whether rank `peer` started a fused launch this rank has not (its started flag in this rank's
+// pad, acquired, names fused_epoch + 1: "A rank in a fused kernel" above). This rank's last
+// fused launch wrote fused_epoch and has ended (stream order). Never + 2: to start it, the peer
+// finished + 1, which needed this rank's blocks of + 1, so this rank, now in a collective, had
+// started and finished it. Out of line: only a stalled wait comes here, and inlined it cost
+// the collectives registers (all_gather_kernel 62 -> 66 on sm_90a).
+static __device__ TPFUSE_NOINLINE bool started_fused_beyond(const Pad own, int peer) {
+  const uint64_t ahead = ((ld_acquire_sys(own.started(peer)) >> fused::kDescriptorBits) - *own.fused_epoch()) &
+                         fused::kEpochMask;
+  return ahead == 1;
+}
+
+// How a wait for a count ended.
+enum class CountWait { Arrived, GaveUp, PeerElsewhere };
+
 // Waits until the count at `flag` (this rank's pad) holds `value` or more (wrap-safe):
 // ld.relaxed.sys spins, then one ld.acquire.sys, which reads the value or a later one
 // (coherence order of one location), so it synchronises with a release at or after the one
-// that stored it: the acquire of step 3 above, and of step 2 of "Finished launches". False,
-// acquiring nothing, once this rank's error word is set or the deadline passed (looked at
-// every 1024 spins).
-__device__ __forceinline__ bool await_count(const uint32_t *flag, uint32_t value, const Pad &own,
-                                            const Deadline &deadline) {
-  for (uint32_t spins = 0; static_cast<int32_t>(ld_relaxed_sys(flag) - value) < 0; ++spins) {
+// that stored it: the acquire of step 3 above, and of step 2 of "Finished launches". Ends
+// without it, acquiring nothing, once this rank's error word is set or the deadline passed
+// (GaveUp), or once rank `elsewhere` (>= 0) is in a fused launch instead (PeerElsewhere);
+// looked at every 1024 spins.
+__device__ __forceinline__ CountWait await_count_from(const uint32_t *flag, uint32_t value, const Pad &own,
+                                                    const Deadline &deadline, int elsewhere) {
+  for (uint32_t spins = 0; !count_reached(flag, value); ++spins) {
     if ((spins & 1023u) != 1023u) continue;
-    if (ld_relaxed_sys(own.error()) != 0 || deadline.expired()) return false;
+    if (ld_relaxed_sys(own.error()) != 0 || deadline.expired()) return CountWait::GaveUp;
+    // The second look at the flag comes after the started flag's acquire.
+    if (elsewhere >= 0 && started_fused_beyond(own, elsewhere) && !count_reached(flag, value)) {
+      return CountWait::PeerElsewhere;
+    }
   }
   (void)ld_acquire_sys(flag); // the acquire: orders what follows
-  return true;
+  return CountWait::Arrived;
+}
+
+// The same, for a count that only this rank's own progress or a failure stops: true once
+// reached.
+__device__ __forceinline__ bool await_count(const uint32_t *flag, uint32_t value, const Pad &own,
+                                            const Deadline &deadline) {
+  return await_count_from(flag, value, own, deadline, -1) == CountWait::Arrived;
 }
 
 // Step 2 of "Finished launches", for thread `peer` (< world) of a block: true once rank `peer`
@@ -277,13 +337,12 @@ public:
       // Relaxed: the flag's release just below orders it (same thread, program order).
       if (first) st_relaxed_sys(theirs.descriptor(blockIdx.x, g_.rank), descriptor_);
       st_release_sys(theirs.flag(blockIdx.x, g_.rank), value);
-      if (await_count(own_.flag(blockIdx.x, peer), value, own_, deadline_)) {
-        if (first && ld_relaxed_sys(own_.descriptor(blockIdx.x, peer)) != descriptor_) {
-          report(TPFUSE_ERROR_PEER_MISMATCH | static_cast<uint32_t>(peer) |
-                 static_cast<uint32_t>(g_.rank) << 16);
-          atomicAdd(failures_, 1);
-        }
-      } else {
+      const CountWait awaited = await_count_from(own_.flag(blockIdx.x, peer), value, own_, deadline_, peer);
+      if (awaited == CountWait::PeerElsewhere ||
+          (awaited == CountWait::Arrived && first && ld_relaxed_sys(own_.descriptor(blockIdx.x, peer)) != descriptor_)) {
+        report(TPFUSE_ERROR_PEER_MISMATCH | static_cast<uint32_t>(peer) | static_cast<uint32_t>(g_.rank) << 16);
+        atomicAdd(failures_, 1);
+      } else if (awaited == CountWait::GaveUp) {
         if (ld_relaxed_sys(own_.error()) == 0) report(TPFUSE_ERROR_PEER_TIMEOUT | static_cast<uint32_t>(peer));
         atomicAdd(failures_, 1);
       }

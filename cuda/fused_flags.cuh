@@ -41,10 +41,11 @@
 // flag), is not ready. A flag of E with another descriptor is TPFUSE_ERROR_PEER_MISMATCH (the
 // ranks launched different things) instead of wrong data; so is a peer's started flag of E
 // with another descriptor, which a stalled wait checks (a rank by packets and one by flags
-// wait for things the other never sends). A flag of E+1 means the producer finished launch
-// E, which needed our flags of E, checked against its descriptor (a mismatch would have
-// poisoned it before it made E+1 flags): it is accepted as is. 2^40 launches, at 10^4 a
-// second, are three years. The started flags (begin) use the same window.
+// wait for things the other never sends; a custom collective's stalled barrier looks for a
+// peer in a fused launch: barrier.cuh, "A rank in a fused kernel"). A flag of E+1 means the
+// producer finished launch E, which needed our flags of E, checked against its descriptor (a
+// mismatch would have poisoned it before it made E+1 flags): it is accepted as is. 2^40
+// launches, at 10^4 a second, are three years. The started flags (begin) use the same window.
 //
 // Exchange areas. Launch E writes the half (E & 1) of the result half of the symmetric
 // buffers (offset capacity + (E & 1) * capacity / 2): its own rank's (GEMM + all-reduce, the
@@ -80,11 +81,6 @@
 
 namespace tpfuse {
 namespace fused {
-
-// A flag: the epoch's low 40 bits, then 24 descriptor bits.
-constexpr int kDescriptorBits = 24;
-constexpr uint64_t kDescriptorMask = (uint64_t{1} << kDescriptorBits) - 1;
-constexpr uint64_t kEpochMask = (uint64_t{1} << (64 - kDescriptorBits)) - 1;
 
 // Host: a flag's descriptor bits for a launch of fused kind `kind` (16..20) and `digest`
 // (launch_descriptor of its shape): the kind in the low 4 bits, so that launches of two kinds

@@ -44,8 +44,8 @@
 // Failures. A consumer's wait ends at the launch's deadline (TPFUSE_ERROR_PEER_TIMEOUT | src),
 // when the rank's error word is set, or when src started this launch with another descriptor
 // (a fused peer that exchanges by flags: TPFUSE_ERROR_PEER_MISMATCH; a peer in a collective
-// by flags starts no fused launch, so against it the wait runs to the deadline). It then
-// stores nothing more;
+// by flags finds this launch's started flag while its barrier stalls and reports the same to
+// every rank: barrier.cuh, "A rank in a fused kernel"). It then stores nothing more;
 // the launch's end marks the outputs failed (fused_flags.cuh). Packets a failed launch leaves
 // uncleared are harmless: the sticky error word stops every later launch of the group.
 #pragma once

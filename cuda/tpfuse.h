@@ -238,7 +238,9 @@ typedef struct tpfuse_peers {
   uint32_t *signals[TPFUSE_MAX_RANKS];
 } tpfuse_peers;
 
-/* Who this rank is and how long it waits. */
+/* Who this rank is and how long it waits. A rank's custom launches on one group (collectives
+ * and fused kernels alike) run one after another: one stream, or a chain of a CUDA graph's
+ * edges, never two at once (the pad's epochs and counts assume it; barrier.cuh). */
 typedef struct tpfuse_group_args {
   int32_t rank;
   int32_t world;       /* 2 ..= TPFUSE_MAX_RANKS */
@@ -279,7 +281,9 @@ typedef struct tpfuse_group_args {
  * 2 * world * rows * hidden * sizeof(T) <= group->packet_bytes and, with gamma, hidden <=
  * 1024 * 16 / sizeof(T) (two RMSNorm segments); else it is TPFUSE_ALGO_ONE_SHOT (by flags).
  * The same bits either way. Every rank must ask for the same: a rank by packets and one by
- * flags wait for what the other never sends, a timeout at the deadline (not a mismatch).
+ * flags wait for what the other never sends, until the one by flags, whose barrier stalls,
+ * finds the other's fused launch started: TPFUSE_ERROR_PEER_MISMATCH on both, as for any
+ * custom collective one rank launched where another launched a fused kernel.
  * One-shot by packets, and by flags with gamma, is a cooperative launch (every block resident
  * at once, or cudaErrorCooperativeLaunchTooLarge before anything runs). Returns a cudaError_t;
  * the outcome of the waits is in this rank's error word.

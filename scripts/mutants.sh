@@ -257,6 +257,10 @@ mutant missing-rank-not-told emu_all_reduce::a_missing_rank_times_out_on_every_s
   barrier.cuh 'if (p != g.rank) st_release_sys' 'if (p != g.rank && p != static_cast<int>(word & 0xffu)) st_release_sys'
 mutant no-descriptor-check emu_all_reduce::ranks_that_launch_different_sizes_or_grids_get_a_mismatch_not_wrong_data "the first barrier does not compare the ranks' descriptors" \
   barrier.cuh 'ld_relaxed_sys(own_.descriptor(blockIdx.x, peer)) != descriptor_' 'false'
+mutant barrier-blind-to-fused-peer emu_all_reduce::a_rank_by_packets_against_one_by_flags_is_a_mismatch_not_a_timeout "a stalled barrier does not look for a peer in a fused launch (a timeout at the deadline)" \
+  barrier.cuh 'if (elsewhere >= 0 && started_fused_beyond(own, elsewhere)' 'if (false && started_fused_beyond(own, elsewhere)'
+mutant barrier-fused-peer-window emu_all_reduce::a_late_rank_within_the_deadline_gives_the_right_result "a stalled barrier takes a peer's started flag of this rank's own last fused launch for one beyond it" \
+  barrier.cuh 'return ahead == 1;' 'return ahead <= 1;'
 mutant descriptor-without-grid emu_all_reduce::ranks_that_launch_different_sizes_or_grids_get_a_mismatch_not_wrong_data "the descriptor leaves out the grid" \
   all_reduce.cu 'static_cast<uint64_t>(grid), bias != nullptr' 'uint64_t{0}, bias != nullptr'
 mutant no-clock-backstop emu_all_reduce::a_wait_ends_when_the_timer_stands_still "a wait trusts %globaltimer alone" \
@@ -499,6 +503,8 @@ mutant fused-failure-unmarked emu_fused_failures::a_missing_rank_is_named_by_the
   fused_flags.cuh '  return st.last && st.failed;' '  return false;'
 mutant fused-no-descriptor-check emu_fused_failures::ranks_that_launch_different_shapes_get_a_mismatch "the fused kernel accepts a tile flag of another launch's shape" \
   fused_flags.cuh '    mismatch = of_launch_otherwise(v, st.epoch, descriptor);' '    mismatch = false;'
+mutant started-otherwise-any-epoch emu_all_reduce::a_late_rank_within_the_deadline_gives_the_right_result "a stalled fused wait takes a late peer's started flag of an earlier launch, of another kind, for a mismatch" \
+  fused_flags.cuh 'return (v >> kDescriptorBits) == (epoch & kEpochMask) && (v & kDescriptorMask) != descriptor;' 'return (v & kDescriptorMask) != descriptor;'
 mutant epoch-window-half-range emu_fused_failures::a_flag_of_a_long_past_launch_is_not_ready "the fused kernel takes any flag in the half range after this launch as ready" \
   fused_flags.cuh 'return (((v >> kDescriptorBits) - epoch) & kEpochMask) <= 1;' 'return (((v >> kDescriptorBits) - epoch) & kEpochMask) < (kEpochMask >> 1);'
 # Packets (cuda/packets.cuh): the one-shot GEMM + all-reduce's exchange at decode sizes.

@@ -179,7 +179,9 @@ pub enum Error {
 
     /// The ranks of a group launched different custom collectives (another kernel, element
     /// count, epilogue or grid) where they must launch the same: the first barrier compares
-    /// every launch's descriptor. No data was exchanged; the group is poisoned: rebuild it.
+    /// every launch's descriptor, the fused kernels their flags' and packets' descriptors, and
+    /// a collective whose barrier stalls finds a peer that started a fused kernel instead. No
+    /// data was used; the group is poisoned: rebuild it.
     #[error("rank {rank}: ranks {} and {} launched different collectives (kernel, size, epilogue or grid) where every rank must launch the same; the group is poisoned, rebuild it", .ranks[0], .ranks[1])]
     PeerMismatch {
         /// The rank that reports it.

@@ -657,26 +657,34 @@ fn a_late_rank_within_the_deadline_gives_the_right_result() {
         "emu_all_reduce",
         "a_late_rank_within_the_deadline_gives_the_right_result",
     );
-    let ranks = Ranks::new(4, 2, 50_000_000);
-    ranks.streams[1].set_fault(Fault {
-        delay_ns: 5_000_000,
-        ..Fault::default()
-    });
+    // Each path first, so that each kind of wait (a barrier's, a packet's, a started flag's)
+    // polls through the delay: thousands of polls, as on a GPU, so every check a stalled
+    // wait makes runs (docs/emulator.md, "Virtual time"), and none may take the late rank
+    // for a failure.
     let d = data::<bf16>(4, 2, 264, ROW_EPILOGUES[4], base_seed(0xa11_0008));
-    let launches = vec![
-        enqueue(&ranks, &d, Path::OneShot, "late"),
-        enqueue(&ranks, &d, Path::Packets, "late"),
-        enqueue(&ranks, &d, Path::TwoShot, "late"),
-    ];
-    let start = emulator::now_ns();
-    ranks.synchronize();
-    assert!(
-        emulator::now_ns() - start >= 5_000_000,
-        "rank 1 started late"
-    );
-    check("late rank", &d, &launches);
-    for r in 0..4 {
-        assert_eq!(ranks.error_word(r), 0, "rank {r}");
+    for first in 0..3 {
+        let ranks = Ranks::new(4, 2, 50_000_000);
+        ranks.streams[1].set_fault(Fault {
+            delay_ns: 5_000_000,
+            ..Fault::default()
+        });
+        let mut paths = [Path::OneShot, Path::Packets, Path::TwoShot];
+        paths.rotate_left(first);
+        let label = format!("late rank, {:?} first", paths[0]);
+        let launches: Vec<Launch<bf16>> = paths
+            .iter()
+            .map(|&path| enqueue(&ranks, &d, path, &label))
+            .collect();
+        let start = emulator::now_ns();
+        ranks.synchronize();
+        assert!(
+            emulator::now_ns() - start >= 5_000_000,
+            "{label}: rank 1 started late"
+        );
+        check(&label, &d, &launches);
+        for r in 0..4 {
+            assert_eq!(ranks.error_word(r), 0, "{label}: rank {r}");
+        }
     }
 }
 
@@ -750,9 +758,14 @@ fn a_wait_ends_when_the_timer_stands_still() {
 /// Rank 0 launches (n0, blocks0) elements of dtype0, rank 1 (n1, blocks1) of dtype1: both must
 /// fail at once with TPFUSE_ERROR_PEER_MISMATCH naming both, mark their outputs failed, and
 /// tell the host.
-fn mismatch(
+fn mismatch(label: &str, path: Path, rank0: (usize, i32, u32), rank1: (usize, i32, u32)) {
+    mismatch_along(label, [path, path], rank0, rank1);
+}
+
+/// The same, rank r along `paths[r]`.
+fn mismatch_along(
     label: &str,
-    path: Path,
+    paths: [Path; 2],
     (n0, blocks0, dtype0): (usize, i32, u32),
     (n1, blocks1, dtype1): (usize, i32, u32),
 ) {
@@ -760,8 +773,8 @@ fn mismatch(
     let input = DeviceBuffer::from_slice(&vec![1.0f32; n0.max(n1)]);
     let outs: Vec<DeviceBuffer<f32>> = (0..2).map(|_| DeviceBuffer::new(n0.max(n1))).collect();
     let start = emulator::now_ns();
-    ranks.plain_all_reduce_on(0, path, &input, &outs[0], (n0, dtype0), blocks0);
-    ranks.plain_all_reduce_on(1, path, &input, &outs[1], (n1, dtype1), blocks1);
+    ranks.plain_all_reduce_on(0, paths[0], &input, &outs[0], (n0, dtype0), blocks0);
+    ranks.plain_all_reduce_on(1, paths[1], &input, &outs[1], (n1, dtype1), blocks1);
     ranks.synchronize();
     // The f32 words the outputs' failed elements fill.
     let words = |n: usize, dtype: u32| {
@@ -914,6 +927,26 @@ fn ranks_that_launch_different_sizes_or_grids_get_a_mismatch_not_wrong_data() {
             (1024, 2, abi::TPFUSE_DTYPE_F16),
             (1024, 2, abi::TPFUSE_DTYPE_BF16),
         );
+    }
+}
+
+/// One rank by packets (a fused launch: it waits for packets), the other by flags (a
+/// collective: its barrier waits for flags): neither sends what the other waits for, and no
+/// descriptor is compared between them. The barrier's stalled wait finds the peer's started
+/// flag of a fused launch its own rank has not made (cuda/barrier.cuh, "A rank in a fused
+/// kernel"): a mismatch at once, where it was a timeout at the deadline. Either rank first.
+#[test]
+fn a_rank_by_packets_against_one_by_flags_is_a_mismatch_not_a_timeout() {
+    let _s = session(
+        "emu_all_reduce",
+        "a_rank_by_packets_against_one_by_flags_is_a_mismatch_not_a_timeout",
+    );
+    let f32 = abi::TPFUSE_DTYPE_F32;
+    for paths in [
+        [Path::Packets, Path::OneShot],
+        [Path::TwoShot, Path::Packets],
+    ] {
+        mismatch_along(&format!("{paths:?}"), paths, (1024, 2, f32), (1024, 2, f32));
     }
 }
 

@@ -501,12 +501,16 @@ fn ranks_that_launch_different_shapes_get_a_mismatch() {
     // Another m, by packets (packets of other tags) and by flags (flags of other
     // descriptors); the same shape one-shot by packets on rank 0 and two-shot on rank 1
     // (flags); the same shape one-shot, rank 1 offering no packet area (flags against
-    // packets).
+    // packets); the same shape fused on rank 0, by packets and by flags, and unfused on rank 1
+    // (its all-reduce's barrier against a fused kernel: cuda/barrier.cuh, "A rank in a fused
+    // kernel").
     for (m1, path1, packets0, packets1) in [
         (17, Path::Fused, true, true),
         (17, Path::Fused, false, false),
         (16, Path::TwoShot, true, true),
         (16, Path::Fused, true, false),
+        (16, Path::Unfused, true, true),
+        (16, Path::Unfused, false, false),
     ] {
         let mut ranks = Ranks::with_capacity(2, 2, 1_000_000_000, CAPACITY);
         let packet_bytes = ranks.packet_bytes;
