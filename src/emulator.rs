@@ -348,6 +348,8 @@ impl<T: Copy> DeviceBuffer<T> {
     }
 }
 
+/// Frees the memory after every launch on the device completed, as `cudaFree` does (an
+/// implicit device synchronisation), unless a stream is capturing a graph.
 impl<T: Copy> Drop for DeviceBuffer<T> {
     fn drop(&mut self) {
         // SAFETY: allocated by tpfuse_emu_malloc.

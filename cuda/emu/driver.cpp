@@ -66,8 +66,6 @@ int device_count() { return emulated_devices(); }
 
 int current_device() { return context_stack.empty() ? 0 : context_stack.back()->device; }
 
-namespace {
-
 bool any_stream_capturing() {
   Device &dev = device();
   std::lock_guard<std::mutex> lk(dev.mu);
@@ -75,6 +73,8 @@ bool any_stream_capturing() {
     if (s->capturing) return true;
   return false;
 }
+
+namespace {
 
 bool capturing(Stream *s) {
   Device &dev = device();

@@ -463,7 +463,14 @@ void *tpfuse_emu_malloc(size_t bytes) {
   return p;
 }
 
-void tpfuse_emu_free(void *ptr) { free_device_memory(ptr); }
+// As cudaFree and cuMemFree: after the work that may use it (an implicit device
+// synchronisation; not while a stream captures, where CUDA refuses to synchronise). A test
+// that panics while its ranks' launches still run frees its buffers as it unwinds: freed at
+// once, they were read and written by those launches after free.
+void tpfuse_emu_free(void *ptr) {
+  if (!any_stream_capturing()) synchronize_stream(nullptr);
+  free_device_memory(ptr);
+}
 
 uint64_t tpfuse_emu_now_ns(void) { return now_ns(); }
 

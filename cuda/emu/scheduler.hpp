@@ -291,6 +291,8 @@ void run_until_completed(std::unique_lock<std::mutex> &lk, const std::vector<std
 // `learn`: the host synchronised with what it waited for (weak memory: host_known grows); not
 // where it only runs the device until something else happened (an event's record).
 cudaError_t synchronize_stream(Stream *stream, bool learn = true);
+// Whether any stream is capturing a CUDA graph (synchronising is then refused).
+bool any_stream_capturing();
 // A query's slice of device time (cuStreamQuery, cuEventQuery): the device runs only while a
 // host thread waits, so a query lets it run until `done` (evaluated under mu) holds, or until
 // the virtual clock has advanced by TPFUSE_EMU_QUERY_SLICE_NS (default 1 ms) since the query
