@@ -259,8 +259,8 @@ __device__ __forceinline__ CountWait await_count_from(const uint32_t *flag, uint
   return CountWait::Arrived;
 }
 
-// The same, for a count that only this rank's own progress or a failure stops: true once
-// reached.
+// The same without the look for a peer in a fused launch (the finished launches' wait, step 2
+// above): true once reached.
 __device__ __forceinline__ bool await_count(const uint32_t *flag, uint32_t value, const Pad &own,
                                             const Deadline &deadline) {
   return await_count_from(flag, value, own, deadline, -1) == CountWait::Arrived;

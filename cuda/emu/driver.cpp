@@ -544,10 +544,6 @@ CUresult cuEventRecord(void *event, void *stream) {
 }
 CUresult cuEventRecordWithFlags(void *event, void *stream, unsigned) { return cuEventRecord(event, stream); }
 
-// An event whose last record was made in a capturing stream stands for captured work, not
-// for work that will run: outside a capture CUDA refuses to wait for it, query it or
-// synchronise on it (CUDA_ERROR_CAPTURED_EVENT). So does the emulator, with a log line,
-// instead of waiting for a record that only a replay would make.
 // The host synchronised with e's last record: what it orders is ordered before the host's
 // later work (weak memory).
 static void host_saw(const Event &e) {
@@ -556,6 +552,10 @@ static void host_saw(const Event &e) {
   dev.host_known.join(*e.last);
 }
 
+// An event whose last record was made in a capturing stream stands for captured work, not
+// for work that will run: outside a capture CUDA refuses to wait for it, query it or
+// synchronise on it (CUDA_ERROR_CAPTURED_EVENT). So does the emulator, with a log line,
+// instead of waiting for a record that only a replay would make.
 static bool refuse_captured(const Event &e, const char *call) {
   if (!e.captured) return false;
   std::fprintf(stderr, "tpfuse emulator: %s: the event was last recorded in a capturing stream "

@@ -57,12 +57,16 @@ struct Point {
 struct Frontier {
   std::vector<std::pair<uint32_t, uint64_t>> done;
 
+  // Where slot's entry is, or would go.
+  std::vector<std::pair<uint32_t, uint64_t>>::const_iterator at(uint32_t slot) const {
+    return std::lower_bound(done.begin(), done.end(), std::make_pair(slot, uint64_t{0}));
+  }
   uint64_t of(uint32_t slot) const {
-    auto it = std::lower_bound(done.begin(), done.end(), std::make_pair(slot, uint64_t{0}));
+    auto it = at(slot);
     return it != done.end() && it->first == slot ? it->second : 0;
   }
   void raise(uint32_t slot, uint64_t n) {
-    auto it = std::lower_bound(done.begin(), done.end(), std::make_pair(slot, uint64_t{0}));
+    auto it = done.begin() + (at(slot) - done.cbegin());
     if (it != done.end() && it->first == slot) {
       it->second = std::max(it->second, n);
     } else {

@@ -80,11 +80,16 @@ std::pair<uint32_t, uint64_t> origin_of(uint64_t launch) {
   return launch < st.origin.size() ? st.origin[launch] : std::pair<uint32_t, uint64_t>{0, 0};
 }
 
+// Whether the first `number` launches of stream slot `slot` are committed.
+bool committed_at(uint32_t slot, uint64_t number) {
+  const State &st = state();
+  return slot < st.committed.size() && number <= st.committed[slot];
+}
+
 // Whether launch `launch` is committed: every launch that may still run is ordered after it.
 bool committed(uint64_t launch) {
-  const State &st = state();
   const auto [slot, number] = origin_of(launch);
-  return number != 0 && slot < st.committed.size() && number <= st.committed[slot];
+  return number != 0 && committed_at(slot, number);
 }
 
 // Whether launch `launch` completed within `frontier` (a kernel boundary the view has passed),
@@ -96,11 +101,8 @@ bool completed_within(uint64_t launch, const Frontier &frontier) {
 
 // Drops f's entries that every view holds (committed launches): views stay small.
 void prune(Frontier &f) {
-  const State &st = state();
   f.done.erase(std::remove_if(f.done.begin(), f.done.end(),
-                              [&](const std::pair<uint32_t, uint64_t> &e) {
-                                return e.first < st.committed.size() && e.second <= st.committed[e.first];
-                              }),
+                              [](const std::pair<uint32_t, uint64_t> &e) { return committed_at(e.first, e.second); }),
                f.done.end());
 }
 
@@ -649,8 +651,9 @@ void weak_store(void *p, const void *v, size_t bytes) {
   for (uintptr_t w = word_of(p); w < end; w += 4) word_entry(w);  // the bases, before the write
   std::memcpy(p, v, bytes);
   for (uintptr_t w = word_of(p); w < end; w += 4) {
-    push_version(f, w, bytes_of(w, begin, end), false, Order::Relaxed, Scope::Cta);
-    land_racing_writes_last(f, w, bytes_of(w, begin, end), false, Scope::Cta);
+    const uint8_t bytes_here = bytes_of(w, begin, end);
+    push_version(f, w, bytes_here, false, Order::Relaxed, Scope::Cta);
+    land_racing_writes_last(f, w, bytes_here, false, Scope::Cta);
   }
 }
 
@@ -684,10 +687,11 @@ void memory_strong_write(void *p, const void *v, size_t bytes, Order o, Scope s)
     __atomic_store_n(static_cast<uint32_t *>(p), x, __ATOMIC_RELEASE);
   }
   for (uintptr_t w = word_of(p); w < end; w += 4) {
-    Version &x = push_version(f, w, bytes_of(w, begin, end), true, o, s);
+    const uint8_t bytes_here = bytes_of(w, begin, end);
+    Version &x = push_version(f, w, bytes_here, true, o, s);
     x.release = carried;
     x.releases = carried != nullptr;
-    land_racing_writes_last(f, w, bytes_of(w, begin, end), true, s);
+    land_racing_writes_last(f, w, bytes_here, true, s);
   }
 }
 
